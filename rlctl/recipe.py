@@ -1,0 +1,442 @@
+"""The recipe: a strict, typed schema for one RL run, loaded from YAML plus `key=value` overrides.
+
+Every field is typed and defaulted where a default is sane. Loading goes YAML (safe loader) ->
+OmegaConf merge onto the structured schema (unknown keys and wrong types fail here) ->
+dataclass instance -> `validate()` (values that are well-typed but impossible). Every failure
+raises `RecipeError(file, key, message)`, which the CLI prints as one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rlctl.errors import RecipeError
+
+
+class PipelineMode(str, enum.Enum):
+    SYNC = "sync"
+    ROLLOUTPIPE = "rolloutpipe"
+    ASYNC = "async"
+
+
+class RolloutEngine(str, enum.Enum):
+    BUILTIN = "builtin"
+    SGLANG = "sglang"
+
+
+class TrainEngine(str, enum.Enum):
+    TORCH = "torch"
+    MEGATRON = "megatron"
+
+
+class Launcher(str, enum.Enum):
+    LOCAL = "local"
+    SLURM = "slurm"
+
+
+class Verifier(str, enum.Enum):
+    EXACT = "exact"
+    NUMERIC = "numeric"
+    MATH = "math"
+    FUNCTION = "function"
+
+
+class DataSource(str, enum.Enum):
+    TASK = "task"
+    JSONL = "jsonl"
+
+
+# What this version of rlctl can run. The schema already has room for the rest.
+AVAILABLE = {
+    "pipeline.mode": {PipelineMode.SYNC},
+    "rollout.engine": {RolloutEngine.BUILTIN},
+    "train.engine": {TrainEngine.TORCH},
+    "launcher": {Launcher.LOCAL},
+}
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "run"
+    """Human name of the run; the run id is `<name>-<date>-<time>-<suffix>`."""
+    seed: int = 0
+    """Seeds data order, sampling on the rollout servers and model init."""
+    steps: int = 20
+    """Number of rollout batches (each followed by its optimizer steps and a weight sync)."""
+    output_dir: str = "runs"
+    """Where run directories are created (relative to the current directory)."""
+    threads_per_process: int = 1
+    """torch threads per worker process; keep low when several processes share a few cores."""
+
+
+@dataclass(kw_only=True)
+class ModelInit:
+    """A tiny Qwen3-architecture model that rlctl builds itself, with a character tokenizer.
+
+    It is given a short supervised warm-up on the run's task with noisy answers, so that it knows
+    the answer format and is right only some of the time: the starting point RL then improves.
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    max_position_embeddings: int = 64
+    warmup_steps: int = 200
+    """Supervised steps on the task before RL (0 = random init)."""
+    warmup_correct_prob: float = 0.3
+    """Fraction of warm-up answers that are correct; the rest are random answers of the right form."""
+    warmup_lr: float = 3e-3
+    warmup_batch_size: int = 64
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: Optional[str] = None
+    """A local Hugging Face causal-LM directory (config.json, safetensors, tokenizer)."""
+    init: Optional[ModelInit] = None
+    """Build a tiny model instead of loading one (exactly one of path / init)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "task"
+    """`task` (a built-in verifiable task generator) or `jsonl` (a file of prompt/answer rows)."""
+    task: str = "max-digit"
+    """Built-in task name, see `rlctl.rewards.tasks.TASKS`."""
+    path: Optional[str] = None
+    """JSONL file for source=jsonl."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    verifier: str = "exact"
+    """exact | numeric | math (math-verify) | function (user code, see `function`)."""
+    function: Optional[str] = None
+    """`package.module:callable` taking (response, answer) and returning a float in [0, 1]."""
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 8
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engine: str = "builtin"
+    servers: int = 2
+    """Rollout servers (data parallel: one per TP group)."""
+    group_size: int = 8
+    """Samples per prompt (G in GRPO)."""
+    batch_size: int = 32
+    """Groups per rollout batch (B): all generated with one weight version."""
+    concurrency: int = 64
+    """Most requests in flight per server at once."""
+    max_running_requests: int = 128
+    """Largest decode batch a built-in server runs."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    engine: str = "torch"
+    ranks: int = 1
+    """Data-parallel trainer processes (torch.distributed, gloo on CPU)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    groups_per_batch: int = 8
+    """Groups per train batch (one optimizer step); must divide rollout.batch_size."""
+    clip_eps: float = 0.2
+    """PPO/GRPO ratio clip."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty against the initial model (0 = off, no reference copy kept)."""
+    grad_clip: float = 1.0
+    sync_bucket_mb: float = 64.0
+    """Size of one weight-broadcast bucket in MiB."""
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    mode: str = "sync"
+    """sync: generate the rollout batch, then train, then broadcast weights."""
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    mode: str = "disabled"
+    project: str = "rlctl"
+
+
+@dataclass(kw_only=True)
+class TrackingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    launcher: str = "local"
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    @property
+    def train_batches_per_step(self) -> int:
+        return self.rollout.batch_size // self.train.groups_per_batch
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe file, apply `key=value` overrides, and return a validated Recipe."""
+    file = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise RecipeError(file, "<file>", "no such file; check the path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(file, "<file>", f"cannot read it ({e.__class__.__name__}: {e})") from None
+    recipe = recipe_from_yaml(text, file, overrides)
+    base = Path(path).resolve().parent
+    _resolve_relative_paths(recipe, base)
+    validate(recipe, file)
+    return recipe
+
+
+def recipe_from_yaml(text: str, file: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as e:
+        where = _yaml_where(e)
+        raise RecipeError(file, where, f"unsafe or unknown YAML tag ({e.problem}); recipes are plain YAML") from None
+    except yaml.YAMLError as e:
+        where = _yaml_where(e)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(file, where, f"malformed YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(file, "<top level>", f"a recipe is a mapping of sections, got {type(data).__name__}")
+
+    schema = OmegaConf.structured(Recipe)
+    current_file = file
+    try:
+        cfg = OmegaConf.merge(schema, OmegaConf.create(data))
+        current_file = "<overrides>"
+        for item in overrides:
+            if "=" not in item:
+                raise RecipeError(current_file, item, "an override is KEY=VALUE, e.g. run.steps=10")
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise _translate_omegaconf_error(e, current_file) from None
+    assert isinstance(obj, Recipe)
+    return obj
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(recipe))
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(recipe)
+
+
+def _yaml_where(e: Exception) -> str:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if mark is None:
+        return "<yaml>"
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _translate_omegaconf_error(e: Exception, file: str) -> RecipeError:
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    key = getattr(e, "full_key", None) or "<unknown>"
+    msg = getattr(e, "msg", None) or str(e)
+    if isinstance(e, ConfigKeyError) or "not in" in msg:
+        parent, _, leaf = key.rpartition(".")
+        valid = _valid_keys(parent)
+        hint = f"valid keys{' under ' + parent if parent else ''}: {', '.join(valid)}" if valid else "remove it"
+        return RecipeError(file, key, f"unknown key; {hint}")
+    if isinstance(e, ValidationError):
+        expected = _expected_type(key)
+        first = msg.splitlines()[0]
+        return RecipeError(file, key, f"{first}; expected {expected}" if expected else first)
+    return RecipeError(file, key, msg.splitlines()[0])
+
+
+def _field_at(key: str) -> Any:
+    """The dataclass field type at a dotted key, or None."""
+    import typing
+
+    cls: Any = Recipe
+    ftype: Any = None
+    for part in key.split("."):
+        if not is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        ftype = hints[part]
+        args = [a for a in typing.get_args(ftype) if a is not type(None)]
+        cls = args[0] if typing.get_origin(ftype) is typing.Union and args else ftype
+    return ftype
+
+
+def _valid_keys(parent: str) -> list[str]:
+    import typing
+
+    ftype = Recipe if not parent else _field_at(parent)
+    args = [a for a in typing.get_args(ftype) if a is not type(None)]
+    cls = args[0] if args and typing.get_origin(ftype) is typing.Union else ftype
+    return [f.name for f in fields(cls)] if is_dataclass(cls) else []
+
+
+def _expected_type(key: str) -> str | None:
+    ftype = _field_at(key)
+    if ftype is None:
+        return None
+    return getattr(ftype, "__name__", None) or str(ftype).replace("typing.", "")
+
+
+def _resolve_relative_paths(recipe: Recipe, base: Path) -> None:
+    """Paths in a recipe are relative to the recipe file, as users expect from config files."""
+    if recipe.model.path and not os.path.isabs(os.path.expanduser(recipe.model.path)):
+        candidate = base / recipe.model.path
+        if candidate.exists():
+            recipe.model.path = str(candidate)
+    if recipe.data.path and not os.path.isabs(os.path.expanduser(recipe.data.path)):
+        candidate = base / recipe.data.path
+        if candidate.exists():
+            recipe.data.path = str(candidate)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation of values that are well-typed but impossible
+
+
+def _choice(file: str, key: str, value: str, enum_type: type[enum.Enum]) -> None:
+    valid = [m.value for m in enum_type]
+    if value not in valid:
+        raise RecipeError(file, key, f"'{value}' is not one of {', '.join(valid)}")
+    available = AVAILABLE.get(key)
+    if available is not None and value not in {m.value for m in available}:
+        names = ", ".join(sorted(m.value for m in available))
+        raise RecipeError(file, key, f"'{value}' is not available in this version of rlctl; use {names}")
+
+
+def _positive(file: str, key: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise RecipeError(file, key, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def validate(recipe: Recipe, file: str) -> None:
+    r = recipe
+    _positive(file, "run.steps", r.run.steps)
+    _positive(file, "run.threads_per_process", r.run.threads_per_process)
+    if not r.run.name or "/" in r.run.name or r.run.name.startswith("."):
+        raise RecipeError(file, "run.name", f"'{r.run.name}' is not a usable name; use letters, digits, - and _")
+
+    if (r.model.path is None) == (r.model.init is None):
+        raise RecipeError(file, "model", "set exactly one of model.path (a local HF directory) or model.init (build a tiny model)")
+    if r.model.path is not None:
+        p = Path(os.path.expanduser(r.model.path))
+        if not (p / "config.json").is_file():
+            raise RecipeError(file, "model.path", f"'{r.model.path}' is not a Hugging Face model directory (no config.json); give a local model directory")
+    if r.model.init is not None:
+        i = r.model.init
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
+            _positive(file, f"model.init.{name}", getattr(i, name))
+        if i.num_heads % i.num_kv_heads:
+            raise RecipeError(file, "model.init.num_kv_heads", f"must divide num_heads ({i.num_heads})")
+        _positive(file, "model.init.warmup_steps", i.warmup_steps, zero_ok=True)
+        if not 0.0 <= i.warmup_correct_prob <= 1.0:
+            raise RecipeError(file, "model.init.warmup_correct_prob", f"must be in [0, 1], got {i.warmup_correct_prob}")
+
+    _choice(file, "data.source", r.data.source, DataSource)
+    if r.data.source == DataSource.TASK:
+        from rlctl.rewards.tasks import TASKS
+
+        if r.data.task not in TASKS:
+            raise RecipeError(file, "data.task", f"unknown task '{r.data.task}'; built-in tasks: {', '.join(TASKS)}")
+    else:
+        if not r.data.path:
+            raise RecipeError(file, "data.path", "data.source=jsonl needs data.path, a JSONL file of prompt/answer rows")
+        if not Path(os.path.expanduser(r.data.path)).is_file():
+            raise RecipeError(file, "data.path", f"'{r.data.path}' does not exist; give a JSONL file of prompt/answer rows")
+
+    _choice(file, "reward.verifier", r.reward.verifier, Verifier)
+    if r.reward.verifier == Verifier.FUNCTION:
+        fn = r.reward.function or ""
+        module, _, attr = fn.partition(":")
+        if not module or not attr:
+            raise RecipeError(file, "reward.function", f"'{fn}' is not of the form package.module:callable")
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            raise RecipeError(file, "reward.function", f"module '{module}' cannot be imported; install it or fix PYTHONPATH")
+    elif r.reward.function is not None:
+        raise RecipeError(file, "reward.function", "only used with reward.verifier=function; remove it or set the verifier")
+
+    ro = r.rollout
+    _choice(file, "rollout.engine", ro.engine, RolloutEngine)
+    _positive(file, "rollout.servers", ro.servers)
+    if ro.group_size < 2:
+        raise RecipeError(file, "rollout.group_size", f"GRPO needs at least 2 samples per group, got {ro.group_size}")
+    _positive(file, "rollout.batch_size", ro.batch_size)
+    _positive(file, "rollout.concurrency", ro.concurrency)
+    _positive(file, "rollout.max_running_requests", ro.max_running_requests)
+    s = ro.sampling
+    _positive(file, "rollout.sampling.temperature", s.temperature, zero_ok=True)
+    if not 0.0 < s.top_p <= 1.0:
+        raise RecipeError(file, "rollout.sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k == 0 or s.top_k < -1:
+        raise RecipeError(file, "rollout.sampling.top_k", f"must be -1 (all) or >= 1, got {s.top_k}")
+    _positive(file, "rollout.sampling.max_new_tokens", s.max_new_tokens)
+
+    t = r.train
+    _choice(file, "train.engine", t.engine, TrainEngine)
+    _positive(file, "train.ranks", t.ranks)
+    _positive(file, "train.lr", t.lr)
+    _positive(file, "train.weight_decay", t.weight_decay, zero_ok=True)
+    _positive(file, "train.groups_per_batch", t.groups_per_batch)
+    if ro.batch_size % t.groups_per_batch:
+        raise RecipeError(
+            file, "train.groups_per_batch",
+            f"{t.groups_per_batch} does not divide rollout.batch_size ({ro.batch_size}); pick a divisor so every train batch is full",
+        )
+    _positive(file, "train.clip_eps", t.clip_eps)
+    _positive(file, "train.kl_coef", t.kl_coef, zero_ok=True)
+    _positive(file, "train.grad_clip", t.grad_clip)
+    _positive(file, "train.sync_bucket_mb", t.sync_bucket_mb)
+
+    _choice(file, "pipeline.mode", r.pipeline.mode, PipelineMode)
+    _choice(file, "launcher", r.launcher, Launcher)
+    if r.tracking.wandb.mode != "disabled":
+        raise RecipeError(file, "tracking.wandb.mode", "wandb tracking is not available in this version of rlctl; set it to disabled")
