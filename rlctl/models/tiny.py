@@ -1,0 +1,123 @@
+"""The tiny model rlctl builds itself: a Qwen3-architecture causal LM with a character tokenizer.
+
+It is saved as an ordinary Hugging Face directory (config.json, model.safetensors,
+tokenizer.json), so everything downstream loads it exactly as it would load any local model.
+A short supervised warm-up on the run's task, with a configurable share of wrong answers,
+teaches the answer format and leaves the model right only part of the time: the "base model"
+that RL then improves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from rlctl.recipe import ModelInit
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+# Printable ASCII: any prompt a user writes in a JSONL file can be encoded.
+ALPHABET = "".join(chr(c) for c in range(32, 127))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLCTL_CACHE", Path.home() / ".cache" / "rlctl")) / "models"
+
+
+def model_key(init: ModelInit, task: str, seed: int) -> str:
+    blob = json.dumps({"init": asdict(init), "task": task, "seed": seed, "format": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, BOS: 1, EOS: 2}
+    for ch in ALPHABET:
+        vocab[ch] = len(vocab)
+    # BPE without merges over an unsplit string is exactly a character tokenizer.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def build_tiny_model(init: ModelInit, task_name: str, seed: int, out_dir: Path, log=print) -> Path:
+    """Create, warm up and save the tiny model into out_dir (written atomically)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rlctl.rewards.tasks import TASKS
+
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=init.hidden_size,
+        intermediate_size=init.intermediate_size,
+        num_hidden_layers=init.num_layers,
+        num_attention_heads=init.num_heads,
+        num_key_value_heads=init.num_kv_heads,
+        head_dim=init.head_dim,
+        max_position_embeddings=init.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen3ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"tiny model: {n_params:,} parameters, vocab {config.vocab_size}")
+
+    task = TASKS[task_name]
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=init.warmup_lr)
+    loss = None
+    for step in range(init.warmup_steps):
+        rows = []
+        for _ in range(init.warmup_batch_size):
+            prompt, answer = task.sample(rng)
+            target = answer if rng.random() < init.warmup_correct_prob else task.random_answer(rng)
+            p_ids = tokenizer(prompt)["input_ids"]
+            t_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rows.append((p_ids, t_ids))
+        length = max(len(p) + len(t) for p, t in rows)
+        ids = torch.full((len(rows), length), tokenizer.pad_token_id)
+        labels = torch.full((len(rows), length), -100)
+        for i, (p, t) in enumerate(rows):
+            ids[i, : len(p) + len(t)] = torch.tensor(p + t)
+            labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)  # loss on the answer only
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if (step + 1) % 100 == 0:
+            log(f"warm-up step {step + 1}/{init.warmup_steps}: loss {loss.item():.3f}")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "rlctl_model.json").write_text(
+        json.dumps({"init": asdict(init), "task": task_name, "seed": seed, "parameters": n_params}, indent=2)
+    )
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:  # another run built the same model first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def ensure_tiny_model(init: ModelInit, task_name: str, seed: int, log=print) -> Path:
+    """The cached model directory for this init block, building it if needed."""
+    out = cache_root() / model_key(init, task_name, seed)
+    if (out / "config.json").is_file():
+        log(f"tiny model: cached at {out}")
+        return out
+    return build_tiny_model(init, task_name, seed, out, log)
