@@ -1,0 +1,246 @@
+"""The built-in server's generation engine: a transformers causal LM with continuous batching.
+
+One scheduler thread owns the model. Each iteration it admits waiting requests (up to
+max_running_requests), runs one decode step for every running request, samples a token per
+request with that request's own sampling parameters, and hands finished requests back to the
+event loop. Requests join and leave the batch between steps, so a short answer returns as soon
+as it is done, not when the longest one in its batch is.
+
+Each step recomputes the whole (left-padded) sequences instead of keeping a KV cache. For the
+short sequences of CPU runs this is cheap, it keeps continuous batching trivial, and it means
+there is no cache to invalidate after a weight update (`/flush_cache` always succeeds when idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Accepted for protocol compatibility; these have no effect on token-id requests.
+    stop: list[str] | str | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "SamplingParams":
+        """Build from a request body, raising TypeError/ValueError on bad fields (-> HTTP 400)."""
+        if not isinstance(data, dict):
+            raise TypeError("sampling_params must be an object")
+        known = cls.__dataclass_fields__
+        unknown = set(data) - set(known)
+        if unknown:
+            raise TypeError(f"unknown sampling params: {sorted(unknown)}")
+        p = cls(**data)
+        for name, typ in (("max_new_tokens", int), ("top_k", int), ("n", int)):
+            v = getattr(p, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name} must be an integer, got {v!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(p, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise TypeError(f"{name} must be a number, got {v!r}")
+        if not isinstance(p.stop_token_ids, list) or not all(isinstance(t, int) for t in p.stop_token_ids):
+            raise TypeError("stop_token_ids must be a list of integers")
+        if not isinstance(p.ignore_eos, bool):
+            raise TypeError("ignore_eos must be a boolean")
+        if p.max_new_tokens < 0 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.n != 1:
+            raise ValueError("max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1 and n == 1 are required")
+        return p
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    done: Callable[["Request"], None]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = ""
+    created: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    def __init__(self, model, eos_token_ids: set[int], pad_token_id: int, max_running: int, seed: int,
+                 max_context: int, weight_version: str = "0") -> None:
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.pad_token_id = pad_token_id
+        self.max_running = max_running
+        self.max_context = max_context
+        self.weight_version = weight_version
+        self.generator = torch.Generator().manual_seed(seed)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.paused = False
+        self.cond = threading.Condition()
+        # Held for each decode step and for each weight load: weights never change mid-step.
+        self.model_lock = threading.Lock()
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.tokens_generated = 0
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        self.thread.join(timeout=5)
+
+    # -- called from the event loop ------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        with self.cond:
+            self.waiting.append(req)
+            self.cond.notify_all()
+
+    def abort(self, rid: str | None, abort_all: bool = False) -> int:
+        with self.cond:
+            victims = [r for r in self.waiting + self.running if abort_all or r.rid == rid]
+            for r in victims:
+                r.finish_reason = {"type": "abort", "message": "aborted by request"}
+            self.waiting = [r for r in self.waiting if r.finish_reason is None]
+            self.running = [r for r in self.running if r.finish_reason is None]
+        for r in victims:
+            r.done(r)
+        return len(victims)
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(None, abort_all=True)
+        with self.cond:
+            self.paused = True
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+
+    def load(self) -> dict[str, int]:
+        with self.cond:
+            return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting)}
+
+    @property
+    def idle(self) -> bool:
+        with self.cond:
+            return not self.running and not self.waiting
+
+    # -- scheduler thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stop and (self.paused or not (self.waiting or self.running)):
+                    self.cond.wait()
+                if self._stop:
+                    return
+                room = self.max_running - len(self.running)
+                self.running.extend(self.waiting[:room])
+                del self.waiting[:room]
+                batch = list(self.running)
+            with self.model_lock:
+                finished = self._step(batch)
+            if finished:
+                with self.cond:
+                    self.running = [r for r in self.running if r.finish_reason is None]
+                for r in finished:
+                    r.done(r)
+
+    @torch.no_grad()
+    def _step(self, batch: list[Request]) -> list[Request]:
+        finished: list[Request] = []
+        active = []
+        for r in batch:
+            if r.finish_reason is not None:
+                continue  # aborted meanwhile
+            if r.params.max_new_tokens == 0 or len(r.input_ids) >= self.max_context:
+                self._finish(r, {"type": "length", "length": len(r.output_ids)}, finished)
+            else:
+                active.append(r)
+        if not active:
+            return finished
+        seqs = [r.input_ids + r.output_ids for r in active]
+        length = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), length), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, length - len(s):] = torch.tensor(s)
+            mask[i, length - len(s):] = 1
+        # Positions count real tokens only, so left padding does not shift them: the trainer
+        # (right padding) sees the same positions for the same tokens.
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
+        tokens, logprobs = self._sample(logits, active)
+        for r, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):
+            if r.finish_reason is not None:
+                continue
+            r.output_ids.append(tok)
+            r.output_logprobs.append(lp)
+            r.weight_version = self.weight_version
+            self.tokens_generated += 1
+            total = len(r.input_ids) + len(r.output_ids)
+            if not r.params.ignore_eos and tok in self.eos_token_ids:
+                self._finish(r, {"type": "stop", "matched": tok}, finished)
+            elif tok in r.params.stop_token_ids:
+                self._finish(r, {"type": "stop", "matched": tok}, finished)
+            elif len(r.output_ids) >= r.params.max_new_tokens or total >= self.max_context:
+                self._finish(r, {"type": "length", "length": len(r.output_ids)}, finished)
+        return finished
+
+    @staticmethod
+    def _finish(r: Request, reason: dict[str, Any], finished: list[Request]) -> None:
+        r.finish_reason = reason
+        finished.append(r)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row with that row's temperature/top-k/top-p/min-p; logprob under T."""
+        temps = torch.tensor([r.params.temperature for r in reqs])
+        greedy = temps == 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+        logprobs_all = torch.log_softmax(scaled, dim=-1)
+        probs = logprobs_all.exp()
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.top_k > 0 and p.top_k < probs.shape[1]:
+                kth = probs[i].topk(p.top_k).values[-1]
+                probs[i][probs[i] < kth] = 0
+            if p.top_p < 1.0:
+                sorted_p, idx = probs[i].sort(descending=True)
+                cum = sorted_p.cumsum(0)
+                drop = cum - sorted_p > p.top_p
+                probs[i][idx[drop]] = 0
+            if p.min_p > 0:
+                probs[i][probs[i] < p.min_p * probs[i].max()] = 0
+        sampled = torch.multinomial(probs / probs.sum(1, keepdim=True), 1, generator=self.generator).squeeze(1)
+        tokens = torch.where(greedy, logits.argmax(-1), sampled)
+        return tokens, logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def future_callback(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Request], None]:
+    """A `done` callback that completes an asyncio future from the scheduler thread."""
+
+    def done(req: Request) -> None:
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+
+    return done

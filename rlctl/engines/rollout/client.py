@@ -1,0 +1,219 @@
+"""One async client for the SGLang HTTP protocol: it drives real SGLang and the built-in server.
+
+Request bodies carry exactly the fields listed in contracts/sglang.md. Control endpoints answer
+{"success": bool, "message": str}; a refusal becomes a RunError naming the server and endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from rlctl.errors import RunError
+
+# First SGLang release that refuses weight updates outside begin/end_weight_update.
+UPDATE_SESSION_SINCE = (0, 5, 21)
+
+
+@dataclass
+class GenerateOutput:
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: dict[str, Any]
+    weight_version: str
+    prompt_tokens: int
+    text: str | None = None
+
+
+@dataclass
+class SamplingRequest:
+    """What the controller asks of one sample; to_json() is SGLang's `sampling_params`."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    import re
+
+    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", text.strip())
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+class RolloutClient:
+    def __init__(self, url: str, session: aiohttp.ClientSession, api_key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.session = session
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def __repr__(self) -> str:
+        return f"RolloutClient({self.url})"
+
+    async def _get_json(self, path: str) -> Any:
+        async with self.session.get(self.url + path, headers=self.headers) as resp:
+            if resp.status != 200:
+                raise RunError(f"{self.url}{path}: HTTP {resp.status}: {(await resp.text())[:200]}")
+            return await resp.json()
+
+    async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        return await self.session.post(self.url + path, json=body, headers=self.headers)
+
+    async def _control(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with await self._post(path, body) as resp:
+                data = await resp.json(content_type=None)
+        except aiohttp.ClientError as e:
+            raise RunError(f"{self.url}{path}: server unreachable ({e})") from None
+        if not isinstance(data, dict) or not data.get("success", False):
+            msg = data.get("message") if isinstance(data, dict) else data
+            raise RunError(f"{self.url}{path}: refused: {msg}")
+        return data
+
+    # -- health and info -----------------------------------------------------------------------
+
+    async def healthy(self) -> bool:
+        try:
+            async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def wait_healthy(self, timeout_s: float, alive=lambda: True) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if await self.healthy():
+                return
+            if not alive():
+                raise RunError(f"{self.url}: server process exited before it became healthy; see its log")
+            await asyncio.sleep(0.2)
+        raise RunError(f"{self.url}: not healthy after {timeout_s:.0f} s; see its log")
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._get_json("/server_info")
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._get_json("/model_info")
+
+    async def weight_version(self) -> str:
+        return str((await self.model_info())["weight_version"])
+
+    async def needs_update_session(self) -> bool:
+        """Does this server refuse weight updates outside /begin_weight_update ... /end?"""
+        info = await self.server_info()
+        if "weight_update_session" in info:
+            return bool(info["weight_update_session"])
+        version = parse_version(str(info.get("version", "")))
+        return version is not None and version >= UPDATE_SESSION_SINCE
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str,
+                       return_logprob: bool = True) -> GenerateOutput:
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": sampling.to_json(),
+            "return_logprob": return_logprob,
+            "logprob_start_len": -1,
+            "rid": rid,
+        }
+        try:
+            async with await self._post("/generate", body) as resp:
+                if resp.status != 200:
+                    raise RunError(f"{self.url}/generate: HTTP {resp.status}: {(await resp.text())[:200]}")
+                data = await resp.json()
+        except aiohttp.ClientError as e:
+            raise RunError(f"{self.url}/generate: server unreachable ({e})") from None
+        meta = data["meta_info"]
+        logprobs = [item[0] for item in meta.get("output_token_logprobs") or []]
+        return GenerateOutput(
+            rid=rid,
+            output_ids=list(data["output_ids"]),
+            logprobs=logprobs,
+            finish_reason=meta.get("finish_reason") or {},
+            weight_version=str(meta.get("weight_version", "")),
+            prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
+            text=data.get("text"),
+        )
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        async with await self._post("/abort_request", {"rid": rid, "abort_all": abort_all}):
+            pass
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._control("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._control("/continue_generation", {})
+
+    async def flush_cache(self, timeout_s: float = 60.0) -> None:
+        """SGLang answers 400 while requests run: retry until it takes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            async with await self._post("/flush_cache", {}) as resp:
+                if resp.status == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RunError(f"{self.url}/flush_cache: still busy after {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+
+    # -- weight sync (receiver side of the group lives in the server) --------------------------
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        await self._control("/init_weights_update_group", {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        })
+
+    async def begin_weight_update(self) -> None:
+        await self._control("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        await self._control("/end_weight_update", {})
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              weight_version: str | None, flattened: bool) -> None:
+        await self._control("/update_weights_from_distributed", {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": True,
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+            "load_format": "flattened_bucket" if flattened else None,
+        })
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self._control("/update_weight_version", {"new_version": new_version, "abort_all_requests": False})
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def weight_checksums(self) -> dict[str, Any]:
+        """Built-in server only."""
+        return await self._get_json("/rlctl/weight_checksums")

@@ -1,0 +1,131 @@
+"""The trainer as a service: rank 0 answers the controller over HTTP and leads the other ranks.
+
+    POST /train          {"samples": [...]}   one optimizer step on one train batch
+    POST /init_weight_sync {servers, master_address, master_port, backend, bucket_mb}
+    POST /sync_weights   {"version": "3"}     broadcast the working copy to every rollout server
+    GET  /health, /info, /weight_checksums;  POST /shutdown
+
+Rank 0 forwards each train command to the other ranks with broadcast_object_list, then every
+rank runs it. Weight sync is rank 0's alone: DDP keeps every rank's copy identical. One worker
+thread runs all engine work, so a train batch and a weight sync never overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+from aiohttp import web
+
+from rlctl.engines.train.base import TrainEngine, TrainSample
+from rlctl.engines.weightsync import WeightSender, tensor_sha256
+
+log = logging.getLogger("rlctl.trainer")
+
+
+def follower_loop(engine: TrainEngine) -> None:
+    """Ranks > 0: run whatever rank 0 broadcasts until told to stop."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        command, payload = box[0]
+        if command == "stop":
+            return
+        if command == "train":
+            engine.train_batch(payload)
+
+
+class TrainerService:
+    def __init__(self, engine: TrainEngine, world_size: int) -> None:
+        self.engine = engine
+        self.world_size = world_size
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.sender: WeightSender | None = None
+        self.session = None
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    def _train(self, samples: list[TrainSample]) -> dict[str, float]:
+        if self.world_size > 1:
+            dist.broadcast_object_list([("train", samples)], src=0)
+        return self.engine.train_batch(samples)
+
+    def _stop_followers(self) -> None:
+        if self.world_size > 1:
+            dist.broadcast_object_list([("stop", None)], src=0)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def info(self, request: web.Request) -> web.Response:
+        n = sum(t.numel() for _, t in self.engine.hf_weights())
+        return web.json_response({"version": self.engine.version, "ranks": self.world_size, "parameters": n})
+
+    async def train(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        samples = [TrainSample.from_json(s) for s in body["samples"]]
+        stats = await self._run(self._train, samples)
+        return web.json_response(stats)
+
+    async def init_weight_sync(self, request: web.Request) -> web.Response:
+        import aiohttp
+
+        from rlctl.engines.rollout.client import RolloutClient
+
+        body = await request.json()
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        clients = [RolloutClient(url, self.session) for url in body["servers"]]
+        self.sender = WeightSender(
+            clients, master_address=body["master_address"], master_port=int(body["master_port"]),
+            backend=body.get("backend", "gloo"), bucket_bytes=int(float(body["bucket_mb"]) * 2**20),
+        )
+        await self.sender.connect()
+        return web.json_response({"success": True, "servers": len(clients)})
+
+    async def sync_weights(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if self.sender is None:
+            return web.json_response({"success": False, "message": "call /init_weight_sync first"}, status=400)
+        # Snapshot on the engine thread so no train batch runs while tensors are read.
+        weights = await self._run(lambda: list(self.engine.hf_weights()))
+        stats = await self.sender.send(weights, str(body["version"]))
+        return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
+                                  "buckets": stats.buckets, "tensors": stats.tensors})
+
+    async def weight_checksums(self, request: web.Request) -> web.Response:
+        sums = await self._run(lambda: {n: tensor_sha256(t) for n, t in self.engine.hf_weights()})
+        return web.json_response({"version": self.engine.version, "checksums": sums})
+
+    async def shutdown(self, request: web.Request) -> web.Response:
+        asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
+        return web.json_response({"success": True})
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        if self.sender is not None:
+            try:
+                await asyncio.wait_for(self.sender.close(), 10)
+            except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - best effort at exit
+                log.warning("weight group teardown: %s", e)
+        if self.session is not None:
+            await self.session.close()
+        await self._run(self._stop_followers)
+        self.worker.shutdown(wait=True)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/info", self.info)
+        app.router.add_post("/train", self.train)
+        app.router.add_post("/init_weight_sync", self.init_weight_sync)
+        app.router.add_post("/sync_weights", self.sync_weights)
+        app.router.add_get("/weight_checksums", self.weight_checksums)
+        app.router.add_post("/shutdown", self.shutdown)
+        app.on_cleanup.append(self.on_cleanup)
+        return app

@@ -1,0 +1,116 @@
+"""`train.engine: torch`: a transformers causal LM trained with GRPO, data parallel over ranks.
+
+Each rank holds the whole model (DDP over gloo on CPU, NCCL on GPUs). A train batch is split
+across ranks sample by sample; every rank normalizes its loss by the token count of the whole
+train batch, so the averaged gradient is the token-mean gradient of the batch whatever the split.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from rlctl.algos.grpo import clipped_policy_loss, k3_kl, token_logprobs
+from rlctl.engines.train.base import TrainSample
+from rlctl.recipe import TrainConfig
+
+
+class TorchTrainEngine:
+    def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
+                 device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.temperature = temperature
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        self.model.train()
+        self.ref_model = None
+        if cfg.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.ddp = None
+        if world_size > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.version = 0
+
+    def _forward_model(self):
+        return self.ddp if self.ddp is not None else self.model
+
+    def _batch_tensors(self, samples: list[TrainSample]):
+        """Right-padded ids, per-position targets, response mask, behaviour logprobs, advantages."""
+        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        n = len(samples)
+        ids = torch.full((n, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, length - 1))
+        old = torch.zeros((n, length - 1))
+        for i, s in enumerate(samples):
+            seq = s.prompt_ids + s.response_ids
+            ids[i, : len(seq)] = torch.tensor(seq)
+            # logits at position p predict token p+1: the response starts at len(prompt)-1.
+            start = len(s.prompt_ids) - 1
+            mask[i, start : start + len(s.response_ids)] = 1
+            old[i, start : start + len(s.response_ids)] = torch.tensor(s.logprobs[: len(s.response_ids)])
+        attn = (torch.arange(length)[None, :] < torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])[:, None]).long()
+        adv = torch.tensor([s.advantage for s in samples])
+        return ids.to(self.device), attn.to(self.device), mask.to(self.device), old.to(self.device), adv.to(self.device)
+
+    def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
+        """Per response token log-probs under the current weights (no grad)."""
+        ids, attn, mask, _, _ = self._batch_tensors(samples)
+        with torch.no_grad():
+            lp = token_logprobs(self.model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:], self.temperature)
+        out = []
+        for i, s in enumerate(samples):
+            start = len(s.prompt_ids) - 1
+            out.append(lp[i, start : start + len(s.response_ids)].tolist())
+        return out
+
+    def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
+        start = time.monotonic()
+        total_tokens = sum(len(s.response_ids) for s in samples)
+        mine = samples[self.rank :: self.world_size]
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "logprob_diff": 0.0}
+        if mine:
+            ids, attn, mask, old, adv = self._batch_tensors(mine)
+            logits = self._forward_model()(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            lp = token_logprobs(logits, ids[:, 1:], self.temperature)
+            # DDP averages gradients over ranks; scale back up so the result is the batch's token mean.
+            normalizer = total_tokens / self.world_size
+            loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, normalizer)
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_lp = token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:], self.temperature)
+                kl = (k3_kl(lp, ref_lp) * mask).sum() / normalizer
+                loss = loss + self.cfg.kl_coef * kl
+                stats["kl"] = float(kl) / self.world_size
+            loss.backward()
+            n = mask.sum().clamp(min=1)
+            stats["loss"] = float(loss) / self.world_size  # per-rank share; the all-reduce sums them
+            stats["clip_frac"] = pstats["clip_frac"]
+            stats["logprob_diff"] = float(((lp.detach() - old).abs() * mask).sum() / n)
+        elif self.ddp is not None:
+            # A rank with no samples must still join DDP's gradient all-reduce.
+            (sum(p.sum() for p in self.model.parameters()) * 0.0).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.version += 1
+        if self.world_size > 1:
+            packed = torch.tensor([stats["loss"], stats["clip_frac"], stats["kl"], stats["logprob_diff"]])
+            dist.all_reduce(packed)
+            stats = dict(zip(stats, (packed / torch.tensor([1.0, self.world_size, 1.0, self.world_size])).tolist()))
+        stats.update(grad_norm=float(grad_norm), tokens=float(total_tokens), samples=float(len(samples)),
+                     seconds=time.monotonic() - start, version=float(self.version))
+        return stats
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        # named_parameters() lists a tied lm_head once, under the embedding's name: the server's
+        # state_dict shares that storage, so one copy updates both.
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]

@@ -1,0 +1,91 @@
+"""Recipe -> RunPlan: which processes a run has, where they listen, and how they find each other.
+
+Pure data, no I/O except asking the OS for free ports (local launcher). The plan is stored in
+run.json, and every worker reads its part from there.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rlctl.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    """Unique within the run: rollout-0, trainer-0, controller; also the log file's name."""
+    kind: str
+    """rollout | trainer | controller"""
+    index: int
+    host: str
+    port: int | None = None
+
+
+@dataclass
+class RunPlan:
+    rollout: list[Role]
+    trainers: list[Role]
+    controller: Role
+    trainer_dist_port: int
+    """torch.distributed rendezvous of the trainer ranks (on trainer 0's host)."""
+    weight_sync_port: int
+    """TCP store of the weight-sync group, hosted by trainer rank 0."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def roles(self) -> list[Role]:
+        return [*self.rollout, *self.trainers, self.controller]
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [f"http://{r.host}:{r.port}" for r in self.rollout]
+
+    @property
+    def trainer_url(self) -> str:
+        t0 = self.trainers[0]
+        return f"http://{t0.host}:{t0.port}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RunPlan":
+        return cls(
+            rollout=[Role(**r) for r in d["rollout"]],
+            trainers=[Role(**r) for r in d["trainers"]],
+            controller=Role(**d["controller"]),
+            trainer_dist_port=d["trainer_dist_port"],
+            weight_sync_port=d["weight_sync_port"],
+            extra=d.get("extra", {}),
+        )
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports that are free right now (held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def local_plan(recipe: Recipe, host: str = "127.0.0.1") -> RunPlan:
+    n_servers, n_ranks = recipe.rollout.servers, recipe.train.ranks
+    ports = free_ports(n_servers + 3, host)
+    rollout = [Role(f"rollout-{i}", "rollout", i, host, ports[i]) for i in range(n_servers)]
+    trainers = [Role(f"trainer-{r}", "trainer", r, host, ports[n_servers] if r == 0 else None) for r in range(n_ranks)]
+    return RunPlan(
+        rollout=rollout,
+        trainers=trainers,
+        controller=Role("controller", "controller", 0, host),
+        trainer_dist_port=ports[n_servers + 1],
+        weight_sync_port=ports[n_servers + 2],
+    )
