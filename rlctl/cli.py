@@ -1,0 +1,45 @@
+"""The `rlctl` command line: registers one module per command and maps errors to exit codes.
+
+Exit codes: 0 ok; 1 runtime error (a run failed, a server is dead); 2 usage or recipe error.
+Nothing heavy is imported here: `rlctl --help` and `rlctl status` must start fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from rlctl.commands import cancel, launch, logs, status
+from rlctl.errors import RlctlError
+
+app = typer.Typer(
+    name="rlctl",
+    help="Run RL post-training (GRPO) experiments: rollout servers, trainers and the pipeline between them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
+    if debug:
+        os.environ["RLCTL_DEBUG"] = "1"
+
+
+app.command("launch", no_args_is_help=True)(launch.launch)
+app.command("status")(status.status)
+app.command("cancel", no_args_is_help=True)(cancel.cancel)
+app.command("logs", no_args_is_help=True)(logs.logs)
+
+
+def main() -> None:
+    try:
+        app(prog_name="rlctl")
+    except RlctlError as e:
+        if os.environ.get("RLCTL_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -1,0 +1,46 @@
+"""`rlctl cancel RUN`: stop every process of a run and record it as cancelled."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import typer
+
+from rlctl.errors import RunError
+from rlctl.rundir import RunState, find_run, pid_alive
+
+WAIT_S = 30.0
+
+
+def cancel(
+    run: str = typer.Argument(..., help="A run id, name or run directory."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
+) -> None:
+    """Cancel a run: its supervisor ends every process; waits until they are gone."""
+    rd = find_run(run, runs_dir)
+    info = rd.read()
+    if RunState(info["state"]).finished:
+        print(f"{rd.id} already {info['state']}")
+        return
+    procs = info.get("processes", {})
+    supervisor = procs.get("supervisor", {}).get("pid")
+    if supervisor and pid_alive(supervisor, expect_in_cmdline=rd.id):
+        os.kill(supervisor, signal.SIGTERM)
+        deadline = time.monotonic() + WAIT_S
+        while pid_alive(supervisor) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if pid_alive(supervisor):
+            raise RunError(f"supervisor (pid {supervisor}) of {rd.id} still running after {WAIT_S:.0f} s; see {rd.log_path('supervisor')}")
+    # Whatever is left (the supervisor was already gone): end it ourselves.
+    for role, p in procs.items():
+        pid = p.get("pid")
+        if role != "supervisor" and pid and pid_alive(pid, expect_in_cmdline=rd.id):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    rd.set_state(RunState.CANCELLED, "cancelled by rlctl cancel")
+    print(f"{rd.id} {rd.read()['state']}")

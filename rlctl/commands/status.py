@@ -1,0 +1,189 @@
+"""`rlctl status [RUN] [--json] [--watch]`: runs and their state, read from the run directories.
+
+A run's state is what run.json says, unless run.json says it is still going while its
+supervisor is gone: then it is shown as failed, with the supervisor's log to read.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from rlctl.rundir import RunDir, RunState, find_run, list_runs, pid_alive
+
+STARTING_GRACE_S = 30.0
+
+
+def effective_state(rd: RunDir, info: dict[str, Any]) -> tuple[RunState, str | None]:
+    state = RunState(info["state"])
+    if state.finished:
+        return state, info.get("exit_reason")
+    supervisor = info.get("processes", {}).get("supervisor", {}).get("pid")
+    if supervisor is None:
+        created = dt.datetime.fromisoformat(info["created"])
+        age = (dt.datetime.now(dt.timezone.utc) - created).total_seconds()
+        if age < STARTING_GRACE_S:
+            return state, None
+        return RunState.FAILED, f"no supervisor ever started; see {rd.log_path('supervisor')}"
+    if not pid_alive(supervisor, expect_in_cmdline=rd.id):
+        return RunState.FAILED, f"supervisor (pid {supervisor}) is gone; see {rd.log_path('supervisor')}"
+    return state, None
+
+
+def last_jsonl_record(path: Path) -> dict[str, Any] | None:
+    """The last line of a JSONL file, reading only its end."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def _elapsed(info: dict[str, Any]) -> float:
+    start = dt.datetime.fromisoformat(info["created"])
+    end = dt.datetime.fromisoformat(info["ended"]) if info.get("ended") else dt.datetime.now(dt.timezone.utc)
+    return (end - start).total_seconds()
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def summary(rd: RunDir) -> dict[str, Any]:
+    info = rd.read()
+    state, reason = effective_state(rd, info)
+    last = last_jsonl_record(rd.metrics_path)
+    return {
+        "id": info["id"],
+        "name": info["name"],
+        "mode": info.get("mode"),
+        "launcher": info.get("launcher"),
+        "state": state.value,
+        "step": (last["step"] + 1) if last else 0,
+        "steps_total": info.get("steps_total"),
+        "reward": last["reward_mean"] if last else None,
+        "elapsed_s": _elapsed(info),
+        "created": info["created"],
+        "exit_reason": reason,
+        "path": str(rd.path),
+    }
+
+
+def detail(rd: RunDir) -> dict[str, Any]:
+    info = rd.read()
+    out = summary(rd)
+    procs = []
+    for role, p in info.get("processes", {}).items():
+        procs.append({"role": role, "pid": p.get("pid"), "host": p.get("host"), "port": p.get("port"),
+                      "alive": pid_alive(p.get("pid"), expect_in_cmdline=rd.id) if p.get("pid") else False,
+                      "log": p.get("log", str(rd.log_path(role)))})
+    out["processes"] = procs
+    out["last_events"] = rd.events()[-10:]
+    out["last_metrics"] = last_jsonl_record(rd.metrics_path)
+    out["logs"] = sorted(str(p) for p in rd.logs.glob("*.log"))
+    return out
+
+
+STATE_STYLE = {"running": "cyan", "starting": "cyan", "completed": "green", "failed": "red", "cancelled": "yellow"}
+
+
+def render_table(rows: list[dict[str, Any]]):
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    id_width = max((len(r["id"]) for r in rows), default=3)
+    table.add_column("RUN", no_wrap=True, min_width=id_width)
+    for col in ("MODE", "LAUNCHER", "STATE", "STEP", "REWARD", "ELAPSED"):
+        table.add_column(col, justify="right" if col in ("STEP", "REWARD", "ELAPSED") else "left", no_wrap=True)
+    for r in rows:
+        style = STATE_STYLE.get(r["state"], "")
+        table.add_row(
+            r["id"], r["mode"] or "-", r["launcher"] or "-", f"[{style}]{r['state']}[/]",
+            f"{r['step']}/{r['steps_total']}", "-" if r["reward"] is None else f"{r['reward']:.3f}",
+            _fmt_duration(r["elapsed_s"]),
+        )
+    return table
+
+
+def render_detail(d: dict[str, Any]):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text.from_markup(
+        f"[bold]{d['id']}[/]  {d['mode']} / {d['launcher']}  [{STATE_STYLE.get(d['state'], '')}]{d['state']}[/]"
+        f"  step {d['step']}/{d['steps_total']}  elapsed {_fmt_duration(d['elapsed_s'])}\n{d['path']}"
+    )
+    parts: list[Any] = [head]
+    if d["exit_reason"]:
+        parts.append(Text(f"reason: {d['exit_reason']}"))
+    m = d["last_metrics"]
+    if m:
+        parts.append(Text(
+            f"last step {m['step']}: reward {m['reward_mean']:.3f}, step {m['step_time']:.2f} s "
+            f"(rollout {m['rollout_time']:.2f}, train {m['train_time']:.2f}, sync {m['sync_time']:.2f}), "
+            f"trainer waiting {m['trainer_wait_ratio']:.0%}"))
+    procs = Table("ROLE", "PID", "HOST", "PORT", "ALIVE", "LOG", box=None, pad_edge=False, title_justify="left")
+    for p in d["processes"]:
+        procs.add_row(p["role"], str(p["pid"] or "-"), p["host"] or "-", str(p["port"] or "-"),
+                      "yes" if p["alive"] else "no", p["log"])
+    parts.append(procs)
+    if d["last_events"]:
+        parts.append(Text("last events:"))
+        for e in d["last_events"]:
+            extra = {k: v for k, v in e.items() if k not in ("t", "event") and not isinstance(v, list)}
+            parts.append(Text(f"  {e['t']:.3f} {e['event']} {extra}"))
+    return Group(*parts)
+
+
+def status(
+    run: Optional[str] = typer.Argument(None, help="A run id, name or run directory; all runs if omitted."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every 2 s until Ctrl-C."),
+) -> None:
+    """Show runs, or one run in detail."""
+    from rich.console import Console
+
+    def build():
+        if run:
+            return detail(find_run(run, runs_dir))
+        return [summary(rd) for rd in list_runs(runs_dir)]
+
+    def render(data):
+        return render_detail(data) if run else render_table(data)
+
+    if as_json:
+        print(json.dumps(build(), indent=2, default=str))
+        return
+    console = Console()
+    if not watch:
+        console.print(render(build()))
+        return
+    from rich.live import Live
+
+    try:
+        with Live(render(build()), console=console, refresh_per_second=1) as live:
+            while True:
+                time.sleep(2)
+                live.update(render(build()))
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,121 @@
+"""The controller process: connects the pipeline to real servers and the trainer, and records.
+
+It waits for every server and the trainer, has the trainer form the weight-sync group with the
+servers, runs the pipeline for `run.steps` steps, and after each step appends that step's
+metrics (computed from the events) to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from rlctl.data import prompt_stream
+from rlctl.engines.rollout.client import GenerateOutput, RolloutClient, SamplingRequest
+from rlctl.errors import RunError
+from rlctl.metrics import step_metrics
+from rlctl.pipelines.core import GroupRunner, MonotonicClock, RolloutPool
+from rlctl.pipelines.sync import SyncPipeline
+from rlctl.plan import RunPlan
+from rlctl.recipe import Recipe
+from rlctl.rewards.verifiers import make_verifier
+from rlctl.rundir import RunDir
+
+log = logging.getLogger("rlctl.controller")
+
+READY_TIMEOUT_S = 300.0
+
+
+class NamedServer:
+    """A RolloutClient under its role name (rollout-0, ...), as the scheduler's Rollout."""
+
+    def __init__(self, name: str, client: RolloutClient) -> None:
+        self.name = name
+        self.client = client
+
+    async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str,
+                       return_logprob: bool = True) -> GenerateOutput:
+        return await self.client.generate(input_ids, sampling, rid, return_logprob)
+
+
+class TrainerClient:
+    """The controller's side of the trainer service (engines/train/service.py)."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+        self.url = url
+        self.session = session
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self.session.post(self.url + path, json=body) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise RunError(f"trainer {path}: HTTP {resp.status}: {data}")
+                return data
+        except aiohttp.ClientError as e:
+            raise RunError(f"trainer {self.url}{path}: unreachable ({e})") from None
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        probe = RolloutClient(self.url, self.session)  # same /health semantics
+        await probe.wait_healthy(timeout_s)
+
+    async def init_weight_sync(self, servers: list[str], master_address: str, master_port: int,
+                               backend: str, bucket_mb: float) -> None:
+        await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,
+                                               "master_port": master_port, "backend": backend,
+                                               "bucket_mb": bucket_mb})
+
+    async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        return await self._post("/train", {"samples": samples})
+
+    async def sync_weights(self, version: int) -> dict[str, Any]:
+        return await self._post("/sync_weights", {"version": str(version)})
+
+
+async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    events: list[dict[str, Any]] = []
+
+    def emit(kind: str, t: float, **fields: Any) -> None:
+        events.append({"t": t, "event": kind, **fields})
+        rd.event(kind, t=t, **fields)
+
+    def on_step_end(step: int) -> None:
+        m = step_metrics(events, step)
+        m["time"] = time.time()
+        rd.append_metrics(m)
+        log.info("step %d: reward %.3f, step time %.2f s (rollout %.2f, train %.2f, sync %.2f)",
+                 step, m["reward_mean"], m["step_time"], m["rollout_time"], m["train_time"], m["sync_time"])
+
+    s = recipe.rollout.sampling
+    sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                               top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
+    clock = MonotonicClock()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        clients = [RolloutClient(url, session) for url in plan.server_urls]
+        for c in clients:
+            await c.wait_healthy(READY_TIMEOUT_S)
+        trainer = TrainerClient(plan.trainer_url, session)
+        await trainer.wait_healthy(READY_TIMEOUT_S)
+        await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
+                                       backend="gloo", bucket_mb=recipe.train.sync_bucket_mb)
+        emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode)
+        pool = RolloutPool([NamedServer(r.name, c) for r, c in zip(plan.rollout, clients)], recipe.rollout.concurrency)
+        runner = GroupRunner(
+            pool, sampling, recipe.rollout.group_size,
+            tokenize=lambda text: tokenizer(text)["input_ids"],
+            detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            verify=make_verifier(recipe.reward), clock=clock, emit=emit,
+        )
+        pipeline = SyncPipeline(
+            runner, trainer, prompt_stream(recipe.data, recipe.run.seed),
+            batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,
+            clock=clock, emit=emit, on_step_end=on_step_end,
+        )
+        await pipeline.run(recipe.run.steps)

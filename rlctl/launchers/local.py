@@ -1,0 +1,196 @@
+"""The local launcher: every process of a run on this host, watched by one supervisor process.
+
+`rlctl launch` creates the run directory and starts the supervisor (`python -m rlctl.worker
+supervisor`) in its own session, so the run survives the terminal (`--detach`). The supervisor
+starts the other roles as `python -m rlctl.worker ROLE`, each in its own process group with its
+own log, and ends all of them when any one dies, when the controller finishes, or on SIGTERM
+(`rlctl cancel`, Ctrl-C in `rlctl launch`). Children get PR_SET_PDEATHSIG, so even a SIGKILL of
+the supervisor leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlctl.plan import Role, RunPlan
+from rlctl.recipe import Recipe, recipe_from_yaml
+from rlctl.rundir import RunDir, RunState
+
+POLL_S = 0.2
+TERM_GRACE_S = 5.0
+FAIL_GRACE_S = 2.0
+SERVER_START_TIMEOUT_S = 300.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def worker_command(role: str, run_dir: Path, index: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "rlctl.worker", role, "--run-dir", str(run_dir)]
+    if index is not None:
+        cmd += ["--index", str(index)]
+    return cmd
+
+
+def spawn(cmd: list[str], log: Path, *, die_with_parent: bool, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None,
+            env={**os.environ, **(env or {})},
+        )
+
+
+def start_supervisor(rd: RunDir) -> int:
+    """Start the run's supervisor, detached from this terminal; returns its pid."""
+    proc = spawn(worker_command("supervisor", rd.path), rd.log_path("supervisor"), die_with_parent=False)
+    return proc.pid
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class Child:
+    role: Role
+    proc: subprocess.Popen
+
+
+class Supervisor:
+    def __init__(self, rd: RunDir) -> None:
+        self.rd = rd
+        info = rd.read()
+        self.recipe: Recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
+        self.plan = RunPlan.from_json(info["plan"])
+        self.children: list[Child] = []
+        self.cancel_signal: int | None = None
+        self.servers_down: set[str] = set()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.cancel_signal = signum
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.rd.record_process("supervisor", pid=os.getpid())
+        state, reason = RunState.FAILED, "supervisor stopped unexpectedly"
+        try:
+            state, reason = self._run()
+        finally:
+            self._stop_all(graceful=state is RunState.COMPLETED)
+            self.rd.event("run_end", state=state.value, reason=reason)
+            self.rd.set_state(state, reason)
+        return 0 if state is RunState.COMPLETED else 1
+
+    def _start(self, role: Role) -> Child:
+        child = Child(role, spawn(worker_command(role.kind, self.rd.path, role.index),
+                                  self.rd.log_path(role.name), die_with_parent=True))
+        self.children.append(child)
+        self.rd.record_process(role.name, pid=child.proc.pid, port=role.port, log=str(self.rd.log_path(role.name)))
+        return child
+
+    def _failure(self) -> tuple[RunState, str] | None:
+        if self.cancel_signal is not None:
+            return RunState.CANCELLED, f"cancelled ({signal.Signals(self.cancel_signal).name})"
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None and not (c.role.kind == "controller" and code == 0):
+                self.rd.event("process_exit", role=c.role.name, code=code)
+                if c.role.kind == "rollout":
+                    self.servers_down.add(c.role.name)
+                    self.rd.event("server_down", role=c.role.name)
+                return RunState.FAILED, f"{c.role.name} (pid {c.proc.pid}) {describe_exit(code)}; see {self.rd.log_path(c.role.name)}"
+        return None
+
+    def _run(self) -> tuple[RunState, str]:
+        if self.recipe.model.init is not None:
+            prep = self._start(Role("prepare", "prepare", 0, "127.0.0.1"))
+            while prep.proc.poll() is None:
+                if self.cancel_signal is not None:
+                    return RunState.CANCELLED, f"cancelled ({signal.Signals(self.cancel_signal).name})"
+                time.sleep(POLL_S)
+            self.children.remove(prep)
+            if prep.proc.returncode != 0:
+                return RunState.FAILED, f"building the model {describe_exit(prep.proc.returncode)}; see {self.rd.log_path('prepare')}"
+
+        servers = [self._start(r) for r in self.plan.rollout]
+        pending = {c.role.name: url for c, url in zip(servers, self.plan.server_urls)}
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while pending:
+            failure = self._failure()
+            if failure:
+                return failure
+            for name, url in list(pending.items()):
+                if _healthy(url):
+                    self.rd.event("server_up", role=name, url=url)
+                    del pending[name]
+            if time.monotonic() > deadline:
+                return RunState.FAILED, f"rollout servers {sorted(pending)} not healthy after {SERVER_START_TIMEOUT_S:.0f} s; see their logs"
+            time.sleep(POLL_S)
+
+        for r in self.plan.trainers:
+            self._start(r)
+        controller = self._start(self.plan.controller)
+        self.rd.set_state(RunState.RUNNING)
+        while True:
+            failure = self._failure()
+            if failure:
+                return failure
+            if controller.proc.poll() == 0:
+                return RunState.COMPLETED, "all steps done"
+            time.sleep(POLL_S)
+
+    def _stop_all(self, graceful: bool) -> None:
+        """Stop every child: SIGTERM, then SIGKILL after a grace period.
+
+        After a completed run the roles stop in tiers (controller, trainers, then servers), so the
+        trainer can leave the weight-sync group while the servers still answer. After a failure
+        everything gets SIGTERM at once: waiting on a dead peer must not delay the end.
+        """
+        kinds = ("controller", "trainer", "rollout")
+        tiers = [[c for c in self.children if c.role.kind == k] for k in kinds] if graceful else [self.children]
+        for tier in tiers:
+            alive = [c for c in tier if c.proc.poll() is None]
+            for c in alive:
+                _signal_group(c.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + (TERM_GRACE_S if graceful else FAIL_GRACE_S)
+            while time.monotonic() < deadline and any(c.proc.poll() is None for c in alive):
+                time.sleep(0.05)
+        for c in self.children:
+            _signal_group(c.proc.pid, signal.SIGKILL)  # also reaps stray grandchildren
+            if c.proc.poll() is None:
+                c.proc.wait(timeout=5)
+            if c.role.kind == "rollout" and c.role.name not in self.servers_down:
+                self.servers_down.add(c.role.name)
+                self.rd.event("server_down", role=c.role.name)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,243 @@
+"""The run directory, the single source of truth of a run.
+
+    runs/<run-id>/
+      recipe.yaml     the resolved recipe (every default filled in)
+      run.json        id, state, processes (role, pid, host, port, log), created/ended, exit reason
+      events.jsonl    append-only timeline; `t` is time.monotonic() of the writing host
+      metrics.jsonl   one line per step
+      logs/<role>.log one log per process
+
+Writes are atomic (temp file + rename) or appends of one line. run.json is read-modify-written
+under an flock, because the supervisor and the workers each record their own part of it.
+Nothing here imports torch: `rlctl status` reads hundreds of runs through this module.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+import fcntl
+import json
+import os
+import secrets
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from rlctl.errors import UsageError
+
+SCHEMA_VERSION = 1
+
+
+class RunState(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED)
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def new_run_id(name: str) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    # One write() of one line with O_APPEND: concurrent appenders never interleave within a line.
+    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written right now
+                continue
+    return out
+
+
+def pid_alive(pid: int | None, expect_in_cmdline: str | None = None) -> bool:
+    """True if pid runs and is not a zombie (and, if given, its command line mentions the run)."""
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return False
+    if expect_in_cmdline is not None:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return False
+        return expect_in_cmdline in cmdline
+    return True
+
+
+@dataclass
+class RunDir:
+    path: Path
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def run_json(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.path / "recipe.yaml"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def log_path(self, role: str) -> Path:
+        return self.logs / f"{role}.log"
+
+    # -- run.json ------------------------------------------------------------------------------
+
+    def read(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.run_json.read_text())
+        except FileNotFoundError:
+            raise UsageError(f"{self.path}: not a run directory (no run.json)") from None
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.path / ".run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def update(self, fn: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        with self._locked():
+            data = self.read()
+            fn(data)
+            write_atomic(self.run_json, json.dumps(data, indent=2) + "\n")
+            return data
+
+    def set_state(self, state: RunState, reason: str | None = None) -> None:
+        def apply(d: dict[str, Any]) -> None:
+            if RunState(d["state"]).finished:
+                return  # the first final state wins: a failure is not overwritten by the cleanup after it
+            d["state"] = state.value
+            if state.finished:
+                d["ended"] = now_iso()
+                d["exit_reason"] = reason
+        self.update(apply)
+
+    def record_process(self, role: str, **info: Any) -> None:
+        info.setdefault("host", socket.gethostname())
+
+        def apply(d: dict[str, Any]) -> None:
+            d["processes"].setdefault(role, {}).update(info)
+        self.update(apply)
+
+    # -- events and metrics --------------------------------------------------------------------
+
+    def event(self, kind: str, t: float | None = None, **fields: Any) -> None:
+        append_jsonl(self.events_path, {"t": time.monotonic() if t is None else t, "event": kind, **fields})
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.events_path)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics_path)
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        append_jsonl(self.metrics_path, record)
+
+
+def create_run_dir(output_dir: Path, name: str, recipe_yaml: str, info: dict[str, Any]) -> RunDir:
+    """Make runs/<id>/ with recipe.yaml and run.json (state starting)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    run_id = new_run_id(name)
+    path = output_dir / run_id
+    path.mkdir()
+    (path / "logs").mkdir()
+    rd = RunDir(path)
+    write_atomic(rd.recipe_path, recipe_yaml)
+    data = {
+        "schema": SCHEMA_VERSION,
+        "id": run_id,
+        "name": name,
+        "state": RunState.STARTING.value,
+        "created": now_iso(),
+        "ended": None,
+        "exit_reason": None,
+        "processes": {},
+        **info,
+    }
+    write_atomic(rd.run_json, json.dumps(data, indent=2) + "\n")
+    rd.events_path.touch()
+    rd.metrics_path.touch()
+    return rd
+
+
+def find_run(ref: str, output_dir: Path) -> RunDir:
+    """A run by directory path, full id, or unique id prefix / name (newest wins for a name)."""
+    as_path = Path(ref)
+    if (as_path / "run.json").is_file():
+        return RunDir(as_path)
+    if (output_dir / ref / "run.json").is_file():
+        return RunDir(output_dir / ref)
+    candidates = sorted(
+        (p for p in output_dir.glob(f"{ref}*") if (p / "run.json").is_file()), key=lambda p: p.name
+    )
+    if not candidates:
+        raise UsageError(f"no run '{ref}' in {output_dir}; `rlctl status` lists the runs")
+    named = [p for p in candidates if p.name.rsplit("-", 3)[0] == ref]
+    if named:
+        return RunDir(named[-1])
+    if len(candidates) > 1:
+        raise UsageError(f"'{ref}' matches {len(candidates)} runs in {output_dir}; give more of the id")
+    return RunDir(candidates[0])
+
+
+def list_runs(output_dir: Path) -> list[RunDir]:
+    if not output_dir.is_dir():
+        return []
+    return sorted((RunDir(p) for p in output_dir.iterdir() if (p / "run.json").is_file()), key=lambda r: r.id)

@@ -1,0 +1,122 @@
+"""`python -m rlctl.worker ROLE --run-dir DIR [--index I]`: the one entry point of every process.
+
+Roles: supervisor (local launcher), prepare (build the tiny model), rollout (a rollout server),
+trainer (one trainer rank), controller (the pipeline). Each reads the resolved recipe and the
+plan from the run directory, records its pid/host/port in run.json, and logs to stdout, which
+the launcher sends to logs/<role>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rlctl.plan import RunPlan
+from rlctl.recipe import Recipe, recipe_from_yaml
+from rlctl.rundir import RunDir
+
+log = logging.getLogger("rlctl.worker")
+
+
+def _context(run_dir: Path) -> tuple[RunDir, Recipe, RunPlan, dict]:
+    rd = RunDir(run_dir)
+    info = rd.read()
+    recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
+    return rd, recipe, RunPlan.from_json(info["plan"]), info
+
+
+def _threads(recipe: Recipe) -> None:
+    import torch
+
+    torch.set_num_threads(recipe.run.threads_per_process)
+    torch.set_num_interop_threads(1)
+
+
+def run_prepare(rd: RunDir, recipe: Recipe) -> None:
+    from rlctl.models.tiny import ensure_tiny_model
+
+    _threads(recipe)
+    assert recipe.model.init is not None
+    path = ensure_tiny_model(recipe.model.init, recipe.data.task, recipe.run.seed, log=log.info)
+    rd.update(lambda d: d.update(model_path=str(path)))
+
+
+def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: int) -> None:
+    from rlctl.engines.rollout.builtin import server
+
+    role = plan.rollout[index]
+    rd.record_process(role.name, pid=os.getpid(), port=role.port)
+    args = server.parser().parse_args([
+        "--model-path", info["model_path"], "--host", role.host, "--port", str(role.port),
+        "--random-seed", str(recipe.run.seed * 1000 + index),
+        "--max-running-requests", str(recipe.rollout.max_running_requests),
+        "--threads", str(recipe.run.threads_per_process),
+    ])
+    server.serve(args)
+
+
+def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int) -> None:
+    import torch.distributed as dist
+    from aiohttp import web
+
+    from rlctl.engines.train.service import TrainerService, follower_loop
+    from rlctl.engines.train.torch_engine import TorchTrainEngine
+
+    _threads(recipe)
+    role = plan.trainers[rank]
+    rd.record_process(role.name, pid=os.getpid(), port=role.port)
+    world = len(plan.trainers)
+    if world > 1:
+        master = plan.trainers[0].host
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{plan.trainer_dist_port}", rank=rank, world_size=world)
+    engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world)
+    log.info("trainer rank %d/%d ready", rank, world)
+    if rank == 0:
+        web.run_app(TrainerService(engine, world).app(), host=role.host, port=role.port, print=None, access_log=None)
+    else:
+        follower_loop(engine)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict) -> None:
+    from rlctl.controller import run_controller as main
+
+    rd.record_process("controller", pid=os.getpid())
+    asyncio.run(main(rd, recipe, plan, info["model_path"]))
+
+
+def run_supervisor(rd: RunDir) -> int:
+    from rlctl.launchers.local import Supervisor
+
+    return Supervisor(rd).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlctl.worker")
+    p.add_argument("role", choices=["supervisor", "prepare", "rollout", "trainer", "controller"])
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--index", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
+                        format=f"%(asctime)s %(levelname)s {args.role}-{args.index}: %(message)s")
+    if args.role == "supervisor":
+        return run_supervisor(RunDir(args.run_dir))
+    rd, recipe, plan, info = _context(args.run_dir)
+    if args.role == "prepare":
+        run_prepare(rd, recipe)
+    elif args.role == "rollout":
+        run_rollout(rd, recipe, plan, info, args.index)
+    elif args.role == "trainer":
+        run_trainer(rd, recipe, plan, info, args.index)
+    else:
+        run_controller(rd, recipe, plan, info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
