@@ -106,7 +106,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
         await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
                                        backend="gloo", bucket_mb=recipe.train.sync_bucket_mb)
         emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode)
-        pool = RolloutPool([NamedServer(r.name, c) for r, c in zip(plan.rollout, clients)], recipe.rollout.concurrency)
+        pool = RolloutPool([NamedServer(r.name, c) for r, c in zip(plan.rollout, clients, strict=False)], recipe.rollout.concurrency)
         runner = GroupRunner(
             pool, sampling, recipe.rollout.group_size,
             tokenize=lambda text: tokenizer(text)["input_ids"],

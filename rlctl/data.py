@@ -6,7 +6,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from rlctl.errors import RunError
 from rlctl.recipe import DataConfig, DataSource

@@ -12,7 +12,8 @@ Definitions (DESIGN.md "Metrics"), all in seconds of the controller's monotonic 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 TRAIN_STATS = ("loss", "clip_frac", "kl", "grad_norm", "logprob_diff")
 
@@ -37,7 +38,7 @@ def step_metrics(events: Iterable[dict[str, Any]], step: int) -> dict[str, Any]:
     t_step = by["step_start"][0]["t"]
     t_first_request = min(e["t"] for e in by["group_admitted"])
     ready = sorted(e["t"] for e in by["group_completed"] + by["group_dropped"])
-    trains = sorted(zip(sorted(by["train_start"], key=lambda e: e["t"]), sorted(by["train_end"], key=lambda e: e["t"])),
+    trains = sorted(zip(sorted(by["train_start"], key=lambda e: e["t"]), sorted(by["train_end"], key=lambda e: e["t"]), strict=False),
                     key=lambda p: p[0]["t"])
     train_times = [end["t"] - start["t"] for start, end in trains]
     train_time = sum(train_times)

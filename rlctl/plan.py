@@ -52,7 +52,7 @@ class RunPlan:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RunPlan":
+    def from_json(cls, d: dict[str, Any]) -> RunPlan:
         return cls(
             rollout=[Role(**r) for r in d["rollout"]],
             trainers=[Role(**r) for r in d["trainers"]],

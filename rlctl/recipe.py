@@ -13,40 +13,40 @@ import importlib.util
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rlctl.errors import RecipeError
 
 
-class PipelineMode(str, enum.Enum):
+class PipelineMode(enum.StrEnum):
     SYNC = "sync"
     ROLLOUTPIPE = "rolloutpipe"
     ASYNC = "async"
 
 
-class RolloutEngine(str, enum.Enum):
+class RolloutEngine(enum.StrEnum):
     BUILTIN = "builtin"
     SGLANG = "sglang"
 
 
-class TrainEngine(str, enum.Enum):
+class TrainEngine(enum.StrEnum):
     TORCH = "torch"
     MEGATRON = "megatron"
 
 
-class Launcher(str, enum.Enum):
+class Launcher(enum.StrEnum):
     LOCAL = "local"
     SLURM = "slurm"
 
 
-class Verifier(str, enum.Enum):
+class Verifier(enum.StrEnum):
     EXACT = "exact"
     NUMERIC = "numeric"
     MATH = "math"
     FUNCTION = "function"
 
 
-class DataSource(str, enum.Enum):
+class DataSource(enum.StrEnum):
     TASK = "task"
     JSONL = "jsonl"
 
@@ -89,9 +89,11 @@ class ModelInit:
     head_dim: int = 32
     intermediate_size: int = 256
     max_position_embeddings: int = 64
-    warmup_steps: int = 200
-    """Supervised steps on the task before RL (0 = random init)."""
-    warmup_correct_prob: float = 0.3
+    seed: int = 0
+    """Seeds the weights and the warm-up data; the model is cached by its init block."""
+    warmup_steps: int = 25
+    """Supervised steps on the task before RL (0 = random init): few enough to leave it half-trained."""
+    warmup_correct_prob: float = 1.0
     """Fraction of warm-up answers that are correct; the rest are random answers of the right form."""
     warmup_lr: float = 3e-3
     warmup_batch_size: int = 64
@@ -99,9 +101,9 @@ class ModelInit:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    path: Optional[str] = None
+    path: str | None = None
     """A local Hugging Face causal-LM directory (config.json, safetensors, tokenizer)."""
-    init: Optional[ModelInit] = None
+    init: ModelInit | None = None
     """Build a tiny model instead of loading one (exactly one of path / init)."""
 
 
@@ -111,7 +113,7 @@ class DataConfig:
     """`task` (a built-in verifiable task generator) or `jsonl` (a file of prompt/answer rows)."""
     task: str = "max-digit"
     """Built-in task name, see `rlctl.rewards.tasks.TASKS`."""
-    path: Optional[str] = None
+    path: str | None = None
     """JSONL file for source=jsonl."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -121,7 +123,7 @@ class DataConfig:
 class RewardConfig:
     verifier: str = "exact"
     """exact | numeric | math (math-verify) | function (user code, see `function`)."""
-    function: Optional[str] = None
+    function: str | None = None
     """`package.module:callable` taking (response, answer) and returning a float in [0, 1]."""
 
 
@@ -392,6 +394,9 @@ def validate(recipe: Recipe, file: str) -> None:
             raise RecipeError(file, "data.path", "data.source=jsonl needs data.path, a JSONL file of prompt/answer rows")
         if not Path(os.path.expanduser(r.data.path)).is_file():
             raise RecipeError(file, "data.path", f"'{r.data.path}' does not exist; give a JSONL file of prompt/answer rows")
+
+    if r.model.init is not None and r.model.init.warmup_steps > 0 and r.data.source != DataSource.TASK:
+        raise RecipeError(file, "model.init.warmup_steps", "the warm-up trains on a built-in task; set data.source=task or warmup_steps=0")
 
     _choice(file, "reward.verifier", r.reward.verifier, Verifier)
     if r.reward.verifier == Verifier.FUNCTION:

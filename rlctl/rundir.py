@@ -25,14 +25,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from rlctl.errors import UsageError
 
 SCHEMA_VERSION = 1
 
 
-class RunState(str, enum.Enum):
+class RunState(enum.StrEnum):
     STARTING = "starting"
     RUNNING = "running"
     COMPLETED = "completed"
@@ -45,7 +46,7 @@ class RunState(str, enum.Enum):
 
 
 def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def new_run_id(name: str) -> str:

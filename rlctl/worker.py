@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from rlctl.errors import RlctlError
 from rlctl.plan import RunPlan
 from rlctl.recipe import Recipe, recipe_from_yaml
 from rlctl.rundir import RunDir
@@ -41,7 +42,7 @@ def run_prepare(rd: RunDir, recipe: Recipe) -> None:
 
     _threads(recipe)
     assert recipe.model.init is not None
-    path = ensure_tiny_model(recipe.model.init, recipe.data.task, recipe.run.seed, log=log.info)
+    path = ensure_tiny_model(recipe.model.init, recipe.data.task, log=log.info)
     rd.update(lambda d: d.update(model_path=str(path)))
 
 
@@ -107,14 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "supervisor":
         return run_supervisor(RunDir(args.run_dir))
     rd, recipe, plan, info = _context(args.run_dir)
-    if args.role == "prepare":
-        run_prepare(rd, recipe)
-    elif args.role == "rollout":
-        run_rollout(rd, recipe, plan, info, args.index)
-    elif args.role == "trainer":
-        run_trainer(rd, recipe, plan, info, args.index)
-    else:
-        run_controller(rd, recipe, plan, info)
+    try:
+        if args.role == "prepare":
+            run_prepare(rd, recipe)
+        elif args.role == "rollout":
+            run_rollout(rd, recipe, plan, info, args.index)
+        elif args.role == "trainer":
+            run_trainer(rd, recipe, plan, info, args.index)
+        else:
+            run_controller(rd, recipe, plan, info)
+    except RlctlError as e:
+        # One line the supervisor can quote as the run's exit reason.
+        log.debug("traceback", exc_info=True)
+        print(f"error: {e}", flush=True)
+        return 1
     return 0
 
 

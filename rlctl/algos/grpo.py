@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -16,7 +17,7 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]
     return [(r - mean) / (std + eps) for r in rewards]
 
 
-def token_logprobs(logits: "torch.Tensor", targets: "torch.Tensor", temperature: float = 1.0) -> "torch.Tensor":
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(target) per position, from logits [B, T, V] and targets [B, T].
 
     Logits are divided by the sampling temperature so that the trainer scores tokens under the
@@ -31,13 +32,13 @@ def token_logprobs(logits: "torch.Tensor", targets: "torch.Tensor", temperature:
 
 
 def clipped_policy_loss(
-    logprobs: "torch.Tensor",
-    old_logprobs: "torch.Tensor",
-    advantages: "torch.Tensor",
-    mask: "torch.Tensor",
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
     clip_eps: float,
     normalizer: float,
-) -> tuple["torch.Tensor", dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO/GRPO clipped surrogate, summed over masked tokens and divided by `normalizer`.
 
     logprobs, old_logprobs, mask: [B, T]; advantages: [B] (one per sample, broadcast over its
@@ -61,7 +62,7 @@ def clipped_policy_loss(
     return loss, stats
 
 
-def k3_kl(logprobs: "torch.Tensor", ref_logprobs: "torch.Tensor") -> "torch.Tensor":
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """The k3 estimator of KL(pi || ref) per token: exp(ref - lp) - (ref - lp) - 1 (>= 0)."""
     import torch
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,7 +15,7 @@ from rlctl.rundir import RunDir, RunState, pid_alive
 
 def launch(
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="KEY=VALUE overrides, e.g. run.steps=10."),
+    overrides: list[str] | None = typer.Argument(None, help="KEY=VALUE overrides, e.g. run.steps=10."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return at once; the run goes on in the background."),
 ) -> None:
     """Start a run from a recipe."""
@@ -109,7 +107,7 @@ def follow(rd: RunDir) -> int:
         err.print(f"[green]completed[/] {rd.id}: {summary}")
         print(rd.id)
         return 0
-    err.print(f"[red]{state.value}[/] {rd.id}: {info.get('exit_reason')}")
     if state is RunState.FAILED:
         raise RunError(f"run {rd.id} failed: {info.get('exit_reason')}")
+    err.print(f"[yellow]{state.value}[/] {rd.id}: {info.get('exit_reason')}")
     return 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -15,7 +14,7 @@ from rlctl.rundir import RunState, find_run
 
 def logs(
     run: str = typer.Argument(..., help="A run id, name or run directory."),
-    role: Optional[str] = typer.Argument(None, help="controller, trainer-0, rollout-1, supervisor, prepare ..."),
+    role: str | None = typer.Argument(None, help="controller, trainer-0, rollout-1, supervisor, prepare ..."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing as the log grows."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:

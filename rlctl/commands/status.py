@@ -11,7 +11,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -27,7 +27,7 @@ def effective_state(rd: RunDir, info: dict[str, Any]) -> tuple[RunState, str | N
     supervisor = info.get("processes", {}).get("supervisor", {}).get("pid")
     if supervisor is None:
         created = dt.datetime.fromisoformat(info["created"])
-        age = (dt.datetime.now(dt.timezone.utc) - created).total_seconds()
+        age = (dt.datetime.now(dt.UTC) - created).total_seconds()
         if age < STARTING_GRACE_S:
             return state, None
         return RunState.FAILED, f"no supervisor ever started; see {rd.log_path('supervisor')}"
@@ -56,7 +56,7 @@ def last_jsonl_record(path: Path) -> dict[str, Any] | None:
 
 def _elapsed(info: dict[str, Any]) -> float:
     start = dt.datetime.fromisoformat(info["created"])
-    end = dt.datetime.fromisoformat(info["ended"]) if info.get("ended") else dt.datetime.now(dt.timezone.utc)
+    end = dt.datetime.fromisoformat(info["ended"]) if info.get("ended") else dt.datetime.now(dt.UTC)
     return (end - start).total_seconds()
 
 
@@ -155,7 +155,7 @@ def render_detail(d: dict[str, Any]):
 
 
 def status(
-    run: Optional[str] = typer.Argument(None, help="A run id, name or run directory; all runs if omitted."),
+    run: str | None = typer.Argument(None, help="A run id, name or run directory; all runs if omitted."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every 2 s until Ctrl-C."),

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -25,12 +26,12 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "int8", "bool")
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     """'torch.bfloat16' -> 'bfloat16', the form SGLang's update request carries."""
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> "torch.dtype":
+def dtype_from_name(name: str) -> torch.dtype:
     import torch
 
     name = name.removeprefix("torch.")
@@ -98,7 +99,7 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[list[Te
     return buckets
 
 
-def flatten_bucket(tensors: list["torch.Tensor"]) -> "torch.Tensor":
+def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
     """All tensors' bytes back to back in one uint8 tensor (each offset a multiple of its itemsize).
 
     Offsets only need padding when dtypes of different sizes mix; padding keeps every slice
@@ -118,7 +119,7 @@ def flatten_bucket(tensors: list["torch.Tensor"]) -> "torch.Tensor":
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
-def unflatten_bucket(flat: "torch.Tensor", metas: list[tuple[str, "torch.dtype", tuple[int, ...]]]) -> Iterator[tuple[str, "torch.Tensor"]]:
+def unflatten_bucket(flat: torch.Tensor, metas: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Iterator[tuple[str, torch.Tensor]]:
     import math
 
     offset = 0
@@ -130,7 +131,7 @@ def unflatten_bucket(flat: "torch.Tensor", metas: list[tuple[str, "torch.dtype",
         offset += n
 
 
-def flattened_size(metas: list[tuple[str, "torch.dtype", tuple[int, ...]]]) -> int:
+def flattened_size(metas: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
     import math
 
     offset = 0
@@ -140,7 +141,7 @@ def flattened_size(metas: list[tuple[str, "torch.dtype", tuple[int, ...]]]) -> i
     return offset
 
 
-def tensor_sha256(t: "torch.Tensor") -> str:
+def tensor_sha256(t: torch.Tensor) -> str:
     """Digest of a tensor's bytes: equal digests mean bit-for-bit equal weights."""
     import hashlib
 
@@ -200,18 +201,16 @@ class WeightSender:
         await asyncio.gather(*joins)
         self.session_needed = list(await asyncio.gather(*(c.needs_update_session() for c in self.clients)))
 
-    async def send(self, named_tensors: list[tuple[str, "torch.Tensor"]], version: str,
+    async def send(self, named_tensors: list[tuple[str, torch.Tensor]], version: str,
                    pause_mode: str = "abort") -> SyncStats:
         import asyncio
         import time
-
-        import torch.distributed as dist
 
         assert self.group is not None, "connect() first"
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         everyone = self.clients
-        in_session = [c for c, need in zip(self.clients, self.session_needed) if need]
+        in_session = [c for c, need in zip(self.clients, self.session_needed, strict=False) if need]
         await asyncio.gather(*(c.pause_generation(pause_mode) for c in everyone))
         await asyncio.gather(*(c.flush_cache() for c in everyone))
         await asyncio.gather(*(c.begin_weight_update() for c in in_session))
@@ -230,19 +229,21 @@ class WeightSender:
             ]
             tensors = [by_name[m.name] for m in bucket]
             if self.flattened:
-                flat = flatten_bucket(tensors)
-                await loop.run_in_executor(None, lambda: dist.broadcast(flat, src=0, group=self.group))
+                await loop.run_in_executor(None, self._broadcast, [flatten_bucket(tensors)])
             else:
-                def per_tensor() -> None:
-                    for t in tensors:
-                        dist.broadcast(t.detach().contiguous(), src=0, group=self.group)
-                await loop.run_in_executor(None, per_tensor)
+                await loop.run_in_executor(None, self._broadcast, tensors)
             await asyncio.gather(*replies)
             total += sum(m.nbytes for m in bucket)
         await asyncio.gather(*(c.update_weight_version(version) for c in everyone))
         await asyncio.gather(*(c.end_weight_update() for c in in_session))
         await asyncio.gather(*(c.continue_generation() for c in everyone))
         return SyncStats(time.monotonic() - start, total, len(buckets), len(metas))
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        import torch.distributed as dist
+
+        for t in tensors:
+            dist.broadcast(t.detach().contiguous(), src=0, group=self.group)
 
     async def close(self) -> None:
         import asyncio

@@ -115,7 +115,9 @@ class Supervisor:
                 if c.role.kind == "rollout":
                     self.servers_down.add(c.role.name)
                     self.rd.event("server_down", role=c.role.name)
-                return RunState.FAILED, f"{c.role.name} (pid {c.proc.pid}) {describe_exit(code)}; see {self.rd.log_path(c.role.name)}"
+                last = last_log_line(self.rd.log_path(c.role.name))
+                said = f": {last}" if last and code > 0 else ""
+                return RunState.FAILED, f"{c.role.name} (pid {c.proc.pid}) {describe_exit(code)}{said}; see {self.rd.log_path(c.role.name)}"
         return None
 
     def _run(self) -> tuple[RunState, str]:
@@ -130,7 +132,7 @@ class Supervisor:
                 return RunState.FAILED, f"building the model {describe_exit(prep.proc.returncode)}; see {self.rd.log_path('prepare')}"
 
         servers = [self._start(r) for r in self.plan.rollout]
-        pending = {c.role.name: url for c, url in zip(servers, self.plan.server_urls)}
+        pending = {c.role.name: url for c, url in zip(servers, self.plan.server_urls, strict=False)}
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while pending:
             failure = self._failure()
@@ -179,6 +181,18 @@ class Supervisor:
             if c.role.kind == "rollout" and c.role.name not in self.servers_down:
                 self.servers_down.add(c.role.name)
                 self.rd.event("server_down", role=c.role.name)
+
+
+def last_log_line(path: Path, limit: int = 300) -> str | None:
+    """The last non-empty line of a log: usually what a crashed process said last."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1][:limit] if lines else None
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -29,8 +29,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLCTL_CACHE", Path.home() / ".cache" / "rlctl")) / "models"
 
 
-def model_key(init: ModelInit, task: str, seed: int) -> str:
-    blob = json.dumps({"init": asdict(init), "task": task, "seed": seed, "format": 1}, sort_keys=True)
+def model_key(init: ModelInit, task: str) -> str:
+    blob = json.dumps({"init": asdict(init), "task": task, "format": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -48,14 +48,14 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-def build_tiny_model(init: ModelInit, task_name: str, seed: int, out_dir: Path, log=print) -> Path:
+def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log=print) -> Path:
     """Create, warm up and save the tiny model into out_dir (written atomically)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from rlctl.rewards.tasks import TASKS
 
-    torch.manual_seed(seed)
+    torch.manual_seed(init.seed)
     tokenizer = build_tokenizer()
     config = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -76,7 +76,7 @@ def build_tiny_model(init: ModelInit, task_name: str, seed: int, out_dir: Path, 
     log(f"tiny model: {n_params:,} parameters, vocab {config.vocab_size}")
 
     task = TASKS[task_name]
-    rng = random.Random(seed)
+    rng = random.Random(init.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=init.warmup_lr)
     loss = None
     for step in range(init.warmup_steps):
@@ -105,7 +105,7 @@ def build_tiny_model(init: ModelInit, task_name: str, seed: int, out_dir: Path, 
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "rlctl_model.json").write_text(
-        json.dumps({"init": asdict(init), "task": task_name, "seed": seed, "parameters": n_params}, indent=2)
+        json.dumps({"init": asdict(init), "task": task_name, "parameters": n_params}, indent=2)
     )
     try:
         os.rename(tmp, out_dir)
@@ -114,10 +114,10 @@ def build_tiny_model(init: ModelInit, task_name: str, seed: int, out_dir: Path, 
     return out_dir
 
 
-def ensure_tiny_model(init: ModelInit, task_name: str, seed: int, log=print) -> Path:
+def ensure_tiny_model(init: ModelInit, task_name: str, log=print) -> Path:
     """The cached model directory for this init block, building it if needed."""
-    out = cache_root() / model_key(init, task_name, seed)
+    out = cache_root() / model_key(init, task_name)
     if (out / "config.json").is_file():
         log(f"tiny model: cached at {out}")
         return out
-    return build_tiny_model(init, task_name, seed, out, log)
+    return build_tiny_model(init, task_name, out, log)

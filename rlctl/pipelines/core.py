@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from rlctl.algos.grpo import group_advantages
 from rlctl.data import Prompt
@@ -86,7 +87,7 @@ class Group:
         return [
             {"prompt_ids": s.prompt_ids, "response_ids": s.output_ids, "advantage": a,
              "logprobs": s.logprobs, "weight_version": s.weight_version}
-            for s, a in zip(self.samples, advantages)
+            for s, a in zip(self.samples, advantages, strict=False)
         ]
 
 

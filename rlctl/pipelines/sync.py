@@ -8,7 +8,7 @@ the metrics make both visible, and rolloutpipe/async remove them.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from rlctl.data import Prompt
 from rlctl.pipelines.core import Clock, EventSink, Group, GroupRunner, Trainer

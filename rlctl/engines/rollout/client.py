@@ -94,7 +94,7 @@ class RolloutClient:
         try:
             async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     async def wait_healthy(self, timeout_s: float, alive=lambda: True) -> None:

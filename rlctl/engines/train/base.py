@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +22,7 @@ class TrainSample:
     weight_version: int
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "TrainSample":
+    def from_json(cls, d: dict[str, Any]) -> TrainSample:
         return cls(list(d["prompt_ids"]), list(d["response_ids"]), float(d["advantage"]),
                    [float(x) for x in d["logprobs"]], int(d["weight_version"]))
 
@@ -35,5 +36,5 @@ class TrainEngine(Protocol):
     def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
         """One optimizer step on one train batch (this rank uses its share of the samples)."""
 
-    def hf_weights(self) -> Iterable[tuple[str, "torch.Tensor"]]:
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full weights with Hugging Face names, in a fixed order (meaningful on rank 0)."""

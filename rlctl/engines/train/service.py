@@ -111,7 +111,7 @@ class TrainerService:
         if self.sender is not None:
             try:
                 await asyncio.wait_for(self.sender.close(), 10)
-            except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - best effort at exit
+            except (TimeoutError, Exception) as e:  # noqa: BLE001 - best effort at exit
                 log.warning("weight group teardown: %s", e)
         if self.session is not None:
             await self.session.close()

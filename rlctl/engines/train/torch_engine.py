@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,7 @@ class TorchTrainEngine:
                 stats["kl"] = float(kl) / self.world_size
             loss.backward()
             n = mask.sum().clamp(min=1)
-            stats["loss"] = float(loss) / self.world_size  # per-rank share; the all-reduce sums them
+            stats["loss"] = loss.item() / self.world_size  # per-rank share; the all-reduce sums them
             stats["clip_frac"] = pstats["clip_frac"]
             stats["logprob_diff"] = float(((lp.detach() - old).abs() * mask).sum() / n)
         elif self.ddp is not None:
@@ -105,7 +105,7 @@ class TorchTrainEngine:
         if self.world_size > 1:
             packed = torch.tensor([stats["loss"], stats["clip_frac"], stats["kl"], stats["logprob_diff"]])
             dist.all_reduce(packed)
-            stats = dict(zip(stats, (packed / torch.tensor([1.0, self.world_size, 1.0, self.world_size])).tolist()))
+            stats = dict(zip(stats, (packed / torch.tensor([1.0, self.world_size, 1.0, self.world_size])).tolist(), strict=False))
         stats.update(grad_norm=float(grad_norm), tokens=float(total_tokens), samples=float(len(samples)),
                      seconds=time.monotonic() - start, version=float(self.version))
         return stats

@@ -17,7 +17,8 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +40,7 @@ class SamplingParams:
     sampling_seed: int | None = None
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "SamplingParams":
+    def from_json(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from a request body, raising TypeError/ValueError on bad fields (-> HTTP 400)."""
         if not isinstance(data, dict):
             raise TypeError("sampling_params must be an object")
@@ -48,7 +49,7 @@ class SamplingParams:
         if unknown:
             raise TypeError(f"unknown sampling params: {sorted(unknown)}")
         p = cls(**data)
-        for name, typ in (("max_new_tokens", int), ("top_k", int), ("n", int)):
+        for name, _typ in (("max_new_tokens", int), ("top_k", int), ("n", int)):
             v = getattr(p, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TypeError(f"{name} must be an integer, got {v!r}")
@@ -71,7 +72,7 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool
-    done: Callable[["Request"], None]
+    done: Callable[[Request], None]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
@@ -192,7 +193,7 @@ class Engine:
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
         tokens, logprobs = self._sample(logits, active)
-        for r, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):
+        for r, tok, lp in zip(active, tokens.tolist(), logprobs.tolist(), strict=False):
             if r.finish_reason is not None:
                 continue
             r.output_ids.append(tok)

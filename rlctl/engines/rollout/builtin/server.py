@@ -146,7 +146,7 @@ class BuiltinServer:
         loop = asyncio.get_running_loop()
         rids = rid if isinstance(rid, list) else [rid if not is_batch else f"{rid}-{i}" for i in range(len(batch_ids))]
         futures = []
-        for ids, r in zip(batch_ids, rids):
+        for ids, r in zip(batch_ids, rids, strict=False):
             fut = loop.create_future()
             self.engine.submit(Request(str(r), ids, params, return_logprob, future_callback(loop, fut)))
             futures.append(fut)
@@ -191,7 +191,7 @@ class BuiltinServer:
             "e2e_latency": time.monotonic() - req.created,
         }
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids)]
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids, strict=False)]
         out: dict[str, Any] = {"output_ids": req.output_ids, "meta_info": meta}
         if self.tokenizer is not None:
             out["text"] = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
@@ -308,12 +308,12 @@ class BuiltinServer:
 
         def recv():
             if load_format == "flattened_bucket":
-                metas = list(zip(names, dtypes, shapes))
+                metas = list(zip(names, dtypes, shapes, strict=False))
                 flat = torch.empty(flattened_size(metas), dtype=torch.uint8)
                 dist.broadcast(flat, src=0, group=group)
                 return [(n, t.clone()) for n, t in unflatten_bucket(flat, metas)]
             out = []
-            for n, d, s in zip(names, dtypes, shapes):
+            for n, d, s in zip(names, dtypes, shapes, strict=False):
                 t = torch.empty(s, dtype=d)
                 dist.broadcast(t, src=0, group=group)
                 out.append((n, t))

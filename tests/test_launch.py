@@ -1,0 +1,139 @@
+"""End to end: `rlctl launch` runs real processes (rollout servers, trainer ranks, controller),
+fills the run directory, and ends every process when one dies or the run is cancelled."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
+from rlctl.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+
+def launch(tmp_path: Path, *overrides: str, detach: bool = False):
+    args = ["launch", str(QUICKSTART), *FAST, f"run.output_dir={tmp_path / 'runs'}", *overrides]
+    if detach:
+        args.insert(1, "--detach")
+    return rlctl(*args, cwd=tmp_path)
+
+
+def only_run(tmp_path: Path) -> RunDir:
+    (path,) = (tmp_path / "runs").iterdir()
+    return RunDir(path)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def test_run_completes_and_fills_the_run_directory(tmp_path):
+    res = launch(tmp_path)
+    assert res.returncode == 0, res.stderr
+    rd = only_run(tmp_path)
+    assert res.stdout.strip() == rd.id
+    info = rd.read()
+    assert info["state"] == "completed" and info["exit_reason"] == "all steps done" and info["ended"]
+    roles = info["processes"]
+    assert {"supervisor", "prepare", "rollout-0", "rollout-1", "trainer-0", "controller"} <= set(roles)
+    assert roles["rollout-0"]["port"] != roles["rollout-1"]["port"]
+    assert len({roles[r]["pid"] for r in roles}) == len(roles)  # every role its own process
+    assert "steps: 3" in rd.recipe_path.read_text()  # resolved recipe with the override
+    for role in ("rollout-0", "rollout-1", "trainer-0", "controller", "supervisor"):
+        assert rd.log_path(role).is_file()
+
+    events = rd.events()
+    kinds = {e["event"] for e in events}
+    assert {"server_up", "server_down", "run_start", "step_start", "group_admitted", "group_completed",
+            "train_start", "train_end", "sync_start", "sync_end", "step_end", "run_end"} <= kinds
+    ts = [e["t"] for e in events if e["event"] not in ("server_up", "server_down", "run_end")]
+    assert ts == sorted(ts)  # the controller's events are in monotonic order
+    assert sum(e["event"] == "group_completed" for e in events) == 3 * 8
+
+    metrics = rd.metrics()
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for key in ("reward_mean", "response_len_mean", "step_time", "rollout_time", "train_time", "sync_time",
+                "wait_time", "trainer_wait_ratio"):
+        assert all(key in m for m in metrics), key
+    assert all(m["train_batches"] == 2 and m["samples"] == 32 for m in metrics)
+    assert processes_mentioning(rd.id) == []
+
+
+def test_sync_invariant_every_trained_sample_has_the_step_version(tmp_path):
+    assert launch(tmp_path, "run.steps=4").returncode == 0
+    events = only_run(tmp_path).events()
+    starts = {e["step"]: e["version"] for e in events if e["event"] == "step_start"}
+    # Two train batches per step: the servers serve version 2k during step k.
+    assert starts == {k: 2 * k for k in range(4)}
+    for e in events:
+        if e["event"] == "group_completed":
+            assert set(e["versions"]) == {starts[e["step"]]}
+        if e["event"] == "train_start":
+            assert e["versions"] == [starts[e["step"]]]
+    trained = [g for e in events if e["event"] == "train_start" for g in e["groups"]]
+    completed = [e["group"] for e in events if e["event"] == "group_completed"]
+    assert sorted(trained) == sorted(completed) and len(set(trained)) == len(trained)  # each once
+
+
+def test_two_trainer_ranks(tmp_path):
+    res = launch(tmp_path, "train.ranks=2")
+    assert res.returncode == 0, res.stderr
+    info = only_run(tmp_path).read()
+    assert {"trainer-0", "trainer-1"} <= set(info["processes"])
+    assert "trainer rank 1/2 ready" in (only_run(tmp_path).log_path("trainer-1").read_text())
+
+
+@pytest.mark.parametrize("victim", ["rollout-1", "trainer-0"])
+def test_sigkill_of_one_process_ends_the_run(tmp_path, victim):
+    res = launch(tmp_path, "run.steps=1000", detach=True)
+    assert res.returncode == 0, res.stderr
+    rd = only_run(tmp_path)
+    wait_for(lambda: rd.metrics(), 180, "first step")
+    pid = rd.read()["processes"][victim]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: not processes_mentioning(rd.id), 10, "every process of the run to exit")
+    assert time.monotonic() - killed < 10
+    status = json.loads(rlctl("status", rd.id, "--runs-dir", str(tmp_path / "runs"), "--json", cwd=tmp_path).stdout)
+    assert status["state"] == "failed"
+    assert victim in status["exit_reason"] and "SIGKILL" in status["exit_reason"]
+
+
+def test_cancel_and_status_of_a_crashed_supervisor(tmp_path):
+    runs = str(tmp_path / "runs")
+    assert launch(tmp_path, "run.steps=1000", detach=True).returncode == 0
+    rd = only_run(tmp_path)
+    wait_for(lambda: rd.read()["state"] == "running", 180, "running")
+    res = rlctl("cancel", rd.id, "--runs-dir", runs, cwd=tmp_path)
+    assert res.returncode == 0 and "cancelled" in res.stdout
+    assert processes_mentioning(rd.id) == []
+    assert rd.read()["state"] == "cancelled"
+
+    # A supervisor killed outright: its children go with it, and status says failed.
+    assert launch(tmp_path, "run.steps=1000", "run.name=crash", detach=True).returncode == 0
+    crash = next(RunDir(p) for p in (tmp_path / "runs").iterdir() if p.name.startswith("crash"))
+    wait_for(lambda: crash.read()["state"] == "running", 180, "running")
+    os.kill(crash.read()["processes"]["supervisor"]["pid"], signal.SIGKILL)
+    wait_for(lambda: not processes_mentioning(crash.id), 10, "orphans to exit")
+    status = json.loads(rlctl("status", "--runs-dir", runs, "--json", cwd=tmp_path).stdout)
+    by_id = {r["id"]: r for r in status}
+    assert by_id[crash.id]["state"] == "failed"
+    assert "supervisor.log" in by_id[crash.id]["exit_reason"]
+    assert by_id[rd.id]["state"] == "cancelled"
+
+
+def test_unknown_run_is_a_usage_error(tmp_path):
+    res = rlctl("status", "no-such-run", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error: no run 'no-such-run'")

@@ -1,0 +1,73 @@
+"""Per-step metrics from a hand-built event timeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlctl.metrics import step_metrics
+
+
+def timeline():
+    # Step 0 (sync-like): rollout 0..4 s, two train batches 4..5 and 5..7, sync 7..7.5.
+    e = [
+        {"t": 0.0, "event": "step_start", "step": 0, "version": 0},
+        {"t": 0.0, "event": "group_admitted", "step": 0, "group": 0},
+        {"t": 0.0, "event": "group_admitted", "step": 0, "group": 1},
+        {"t": 2.0, "event": "group_completed", "step": 0, "group": 0, "rewards": [1, 0], "lengths": [2, 4],
+         "versions": [0, 0]},
+        {"t": 4.0, "event": "group_completed", "step": 0, "group": 1, "rewards": [1, 1], "lengths": [6, 8],
+         "versions": [0, 0]},
+        {"t": 4.0, "event": "train_start", "step": 0, "batch": 0},
+        {"t": 5.0, "event": "train_end", "step": 0, "batch": 0, "loss": 1.0},
+        {"t": 5.0, "event": "train_start", "step": 0, "batch": 1},
+        {"t": 7.0, "event": "train_end", "step": 0, "batch": 1, "loss": 3.0},
+        {"t": 7.0, "event": "sync_start", "step": 0},
+        {"t": 7.5, "event": "sync_end", "step": 0, "bytes": 100},
+        {"t": 7.5, "event": "step_end", "step": 0},
+        {"t": 7.5, "event": "step_start", "step": 1, "version": 2},
+    ]
+    return e
+
+
+def test_sync_step_metrics():
+    m = step_metrics(timeline(), 0)
+    assert m["reward_mean"] == 0.75
+    assert m["response_len_mean"] == 5.0
+    assert m["response_len_max"] == 8
+    assert m["rollout_time"] == 4.0
+    assert m["train_time"] == 3.0
+    assert m["sync_time"] == 0.5
+    assert m["step_time"] == 7.5
+    assert m["rollout_to_train_end"] == 7.0
+    assert m["wait_time"] == 4.0
+    assert m["trainer_wait_ratio"] == pytest.approx(4 / 7)
+    assert m["wait_time_ratio"] == pytest.approx(4 / 7)
+    # bound = max(last ready 4 + last batch 2, first ready 2 + total train 3) = 6 -> efficiency 6/7
+    assert m["critical_path_bound"] == 6.0
+    assert m["efficiency"] == pytest.approx(6 / 7)
+    assert m["tokens_per_s"] == 20 / 4.0
+    assert m["loss"] == 2.0
+    assert (m["weight_version_min"], m["weight_version_max"]) == (0, 0)
+
+
+def test_overlapped_step_waits_less():
+    e = timeline()
+    # Same work, but the first train batch starts as soon as group 0 is ready (t=2).
+    for ev in e:
+        if ev["event"] == "train_start" and ev["batch"] == 0:
+            ev["t"] = 2.0
+        if ev["event"] == "train_end" and ev["batch"] == 0:
+            ev["t"] = 3.0
+        if ev["event"] == "train_start" and ev["batch"] == 1:
+            ev["t"] = 4.0
+        if ev["event"] == "train_end" and ev["batch"] == 1:
+            ev["t"] = 6.0
+    m = step_metrics(e, 0)
+    assert m["rollout_to_train_end"] == 6.0
+    assert m["efficiency"] == 1.0
+    assert m["trainer_wait_ratio"] == pytest.approx(3 / 6)
+
+
+def test_missing_step_is_an_error():
+    with pytest.raises(ValueError):
+        step_metrics(timeline(), 5)

@@ -1,0 +1,99 @@
+"""The recipe schema: good recipes load; each class of bad input is one line naming file and key,
+exit 2, and leaves no run directory and no process behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import QUICKSTART, processes_mentioning, rlctl
+from rlctl.errors import RecipeError
+from rlctl.recipe import load_recipe, recipe_from_yaml, recipe_to_yaml
+
+
+def test_quickstart_loads_with_overrides():
+    r = load_recipe(QUICKSTART, ["run.steps=7", "rollout.servers=3", "train.lr=0.01"])
+    assert (r.run.steps, r.rollout.servers, r.train.lr) == (7, 3, 0.01)
+    assert r.model.init is not None and r.model.path is None
+    assert r.train_batches_per_step == r.rollout.batch_size // r.train.groups_per_batch
+
+
+def test_resolved_recipe_round_trips():
+    r = load_recipe(QUICKSTART, ["run.seed=5"])
+    again = recipe_from_yaml(recipe_to_yaml(r), "resolved.yaml")
+    assert again == r
+
+
+def _error(text: str, overrides=()) -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        recipe_from_yaml(text, "r.yaml", overrides)
+    return info.value
+
+
+@pytest.mark.parametrize("text,key,words", [
+    ("run:\n  stepz: 3\n", "run.stepz", "valid keys under run"),
+    ("bogus: 1\n", "bogus", "valid keys"),
+    ("run:\n  steps: many\n", "run.steps", "int"),
+    ("rollout:\n  sampling:\n    temperature: hot\n", "rollout.sampling.temperature", "float"),
+])
+def test_schema_errors_name_the_key(text, key, words):
+    e = _error("model:\n  init: {}\n" + text)
+    assert e.key == key
+    assert words in e.message
+
+
+BAD_RECIPES = {
+    "unknown-key": ("run:\n  name: x\n  stepz: 3\n", [], "run.stepz"),
+    "wrong-type": ("run:\n  steps: lots\n", [], "run.steps"),
+    "indivisible-train-batch": ("", ["rollout.batch_size=10", "train.groups_per_batch=4"], "train.groups_per_batch"),
+    "zero-servers": ("", ["rollout.servers=0"], "rollout.servers"),
+    "negative-lr": ("", ["train.lr=-0.1"], "train.lr"),
+    "missing-model-path": ("model:\n  path: /nonexistent/model\n", [], "model.path"),
+    "malformed-yaml": ("run: [unclosed\n", [], "line"),
+    "unsafe-tag": ("run: !!python/object/apply:os.system ['true']\n", [], "line"),
+    "not-a-mapping": ("- a\n- b\n", [], "<top level>"),
+    "unknown-override": ("", ["run.nope=1"], "run.nope"),
+    "unknown-mode": ("", ["pipeline.mode=turbo"], "pipeline.mode"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RECIPES))
+def test_bad_recipe_cli_exit_2_one_line_nothing_left(case, tmp_path):
+    text, overrides, key = BAD_RECIPES[case]
+    base = "model:\n  init: {}\n" if "model:" not in text and not text.startswith("-") else ""
+    recipe = tmp_path / f"{case}.yaml"
+    recipe.write_text(base + text)
+    out_dir = tmp_path / "runs-here"
+    res = rlctl("launch", str(recipe), f"run.output_dir={out_dir}", *overrides, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    src = "<overrides>" if case == "unknown-override" else str(recipe)
+    assert lines[0].startswith(f"error: {src}: "), lines[0]
+    assert key in lines[0]
+    assert not out_dir.exists()
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_unreadable_file(tmp_path):
+    res = rlctl("launch", str(tmp_path / "missing.yaml"), cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"error: {tmp_path / 'missing.yaml'}: <file>: no such file")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unsafe_tag_is_not_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text(f"run: !!python/object/apply:os.system ['touch {marker}']\n")
+    res = rlctl("launch", str(recipe), cwd=tmp_path)
+    assert res.returncode == 2
+    assert "unsafe or unknown YAML tag" in res.stderr
+    assert not marker.exists()
+
+
+def test_relative_paths_resolve_against_the_recipe(tmp_path):
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  init:\n    warmup_steps: 0\ndata:\n  source: jsonl\n  path: data.jsonl\n")
+    r = load_recipe(recipe)
+    assert r.data.path == str(tmp_path / "data.jsonl")

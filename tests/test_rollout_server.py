@@ -1,0 +1,140 @@
+"""The built-in rollout server over real HTTP: SGLang's /generate and control endpoints, and the
+weight broadcast from a trainer-side sender to two running servers, checked bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import aiohttp
+import pytest
+import torch
+
+from conftest import free_port
+from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
+from rlctl.engines.weightsync import WeightSender, tensor_sha256
+from rlctl.errors import RunError
+
+
+def post(url: str, body: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_generate_follows_sglang_response_shape(start_server):
+    url = start_server()
+    status, raw = post(url + "/generate", {
+        "input_ids": [1, 80, 68, 91, 11], "return_logprob": True, "rid": "r1",
+        "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True},
+    })
+    assert status == 200
+    out = json.loads(raw)
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == 5 and meta["completion_tokens"] == 5
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["id"] == "r1" and meta["prompt_tokens"] == 5 and meta["weight_version"] == "0"
+    lps = meta["output_token_logprobs"]
+    assert [item[1] for item in lps] == out["output_ids"]
+    assert all(item[0] <= 0.0 for item in lps)
+    assert isinstance(out["text"], str)
+
+
+def test_batch_input_ids_and_stop_tokens(start_server):
+    url = start_server()
+    # Greedy decoding, stop at any token: each request ends after exactly one token.
+    vocab = list(range(98))
+    status, raw = post(url + "/generate", {
+        "input_ids": [[1, 22], [1, 23, 24]],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "stop_token_ids": vocab},
+    })
+    assert status == 200
+    outs = json.loads(raw)
+    assert len(outs) == 2
+    for o in outs:
+        assert len(o["output_ids"]) == 1
+        assert o["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_type_errors_are_http_400(start_server):
+    url = start_server()
+    assert post(url + "/generate", {"input_ids": "oops"})[0] == 400
+    assert post(url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "3"}})[0] == 400
+    assert post(url + "/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}})[0] == 400
+
+
+def test_abort_and_pause(start_server):
+    url = start_server()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            c = RolloutClient(url, s)
+            await c.pause_generation("in_place")  # queued requests wait while paused
+            task = asyncio.create_task(c.generate([1, 22], SamplingRequest(max_new_tokens=50, ignore_eos=True), "long"))
+            await asyncio.sleep(0.3)
+            assert (await c.session.get(url + "/v1/loads")).status == 200
+            await c.abort("long")
+            out = await task
+            assert out.finish_reason["type"] == "abort"
+            await c.continue_generation()
+            out = await c.generate([1, 22], SamplingRequest(max_new_tokens=3, ignore_eos=True), "after")
+            assert len(out.output_ids) == 3
+            await c.flush_cache()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "per_tensor"])
+def test_weight_broadcast_to_two_servers_is_bit_exact(start_server, tiny_model_dir, flattened):
+    from transformers import AutoModelForCausalLM
+
+    urls = [start_server(seed=0), start_server(seed=1)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # weights the servers have never seen
+    weights = [(n, p.detach()) for n, p in model.named_parameters()]
+    expected = {n: tensor_sha256(t) for n, t in model.state_dict().items()}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            clients = [RolloutClient(u, s) for u in urls]
+            before = await clients[0].weight_checksums()
+            assert before["checksums"] != expected
+            # A small bucket size forces several buckets.
+            sender = WeightSender(clients, master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                                  bucket_bytes=64 * 1024, flattened=flattened)
+            await sender.connect()
+            stats = await sender.send(weights, version="7")
+            assert stats.buckets > 1 and stats.bytes == sum(t.numel() * 4 for _, t in weights)
+            for c in clients:
+                got = await c.weight_checksums()
+                assert got["checksums"] == expected
+                assert await c.weight_version() == "7"
+            # The servers generate with the new weights and say so.
+            out = await clients[1].generate([1, 22], SamplingRequest(max_new_tokens=2), "v7")
+            assert out.weight_version == "7"
+            await sender.close()
+
+    asyncio.run(scenario())
+
+
+def test_update_outside_session_is_refused(start_server, tiny_model_dir):
+    url = start_server()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            c = RolloutClient(url, s)
+            sender = WeightSender([c], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                                  bucket_bytes=1 << 20)
+            await sender.connect()
+            sender.session_needed = [False]  # behave like a sender for SGLang < 0.5.21
+            with pytest.raises(RunError, match="begin_weight_update"):
+                await sender.send([("model.norm.weight", torch.ones(32))], version="1")
+            await sender.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,78 @@
+"""The torch trainer: data-parallel ranks over a real gloo group compute the same step as one rank."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import free_port
+from rlctl.engines.train.base import TrainSample
+from rlctl.engines.train.torch_engine import TorchTrainEngine
+from rlctl.recipe import TrainConfig
+
+
+# No gradient clipping, so the gradients compared below are the raw averaged ones.
+CONFIG = TrainConfig(lr=1e-2, grad_clip=1e9)
+
+
+def make_samples(n: int = 12) -> list[TrainSample]:
+    rng = random.Random(0)
+    out = []
+    for _i in range(n):
+        prompt = [1] + [rng.randint(3, 90) for _ in range(rng.randint(3, 8))]
+        response = [rng.randint(3, 90) for _ in range(rng.randint(1, 5))]
+        # Behaviour log-probs a little off the current policy, so ratios differ from 1.
+        out.append(TrainSample(prompt, response, advantage=rng.uniform(-1, 1),
+                               logprobs=[-4.6 + rng.uniform(-0.3, 0.3) for _ in response], weight_version=0))
+    return out
+
+
+def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    engine = TorchTrainEngine(model_dir, CONFIG, temperature=1.0, rank=rank, world_size=world)
+    stats = engine.train_batch(make_samples())
+    if rank == 0:
+        grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+        torch.save({"weights": dict(engine.hf_weights()), "grads": grads, "stats": stats}, out)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
+    single = TorchTrainEngine(str(tiny_model_dir), CONFIG, temperature=1.0, rank=0, world_size=1)
+    before = {n: t.clone() for n, t in single.hf_weights()}
+    s1 = single.train_batch(make_samples())
+    assert single.version == 1
+
+    out = tmp_path / "ddp.pt"
+    mp.spawn(_rank, args=(2, free_port(), str(tiny_model_dir), str(out)), nprocs=2, join=True)
+    ddp = torch.load(out)
+    # Adam's update hardly depends on the gradient's scale, so compare the gradients themselves:
+    # a wrong loss normalization across ranks shows here, not in the weights.
+    for name, p in single.model.named_parameters():
+        torch.testing.assert_close(ddp["grads"][name], p.grad, rtol=1e-4, atol=1e-8)
+    assert ddp["stats"]["grad_norm"] == pytest.approx(s1["grad_norm"], rel=1e-5)
+    moved = 0
+    for name, t in single.hf_weights():
+        torch.testing.assert_close(ddp["weights"][name], t, rtol=0, atol=1e-4)
+        moved += int(not torch.equal(before[name], t))
+    assert moved > 0  # the step changed the weights, so the comparison means something
+    assert ddp["stats"]["loss"] == pytest.approx(s1["loss"], rel=1e-5)
+    assert ddp["stats"]["tokens"] == s1["tokens"]
+
+
+def test_on_policy_logprobs_match_the_servers_definition(tiny_model_dir):
+    """The trainer scores tokens with the same positions and temperature as the server samples them."""
+    engine = TorchTrainEngine(str(tiny_model_dir), TrainConfig(), temperature=0.7, rank=0, world_size=1)
+    samples = make_samples(4)
+    lps = engine.logprobs(samples)
+    s = samples[0]
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0, :-1] / 0.7
+    manual = torch.log_softmax(logits, -1)[torch.arange(len(s.prompt_ids) - 1, ids.shape[1] - 1), ids[0, len(s.prompt_ids):]]
+    torch.testing.assert_close(torch.tensor(lps[0]), manual, rtol=1e-5, atol=1e-6)
