@@ -106,21 +106,34 @@ STATE_STYLE = {"running": "cyan", "starting": "cyan", "completed": "green", "fai
 
 
 def render_table(rows: list[dict[str, Any]]):
-    from rich.table import Table
+    """Aligned columns as one Text: far cheaper than a rich Table for hundreds of runs."""
+    from rich.text import Text
 
-    table = Table(box=None, pad_edge=False)
-    id_width = max((len(r["id"]) for r in rows), default=3)
-    table.add_column("RUN", no_wrap=True, min_width=id_width)
-    for col in ("MODE", "LAUNCHER", "STATE", "STEP", "REWARD", "ELAPSED"):
-        table.add_column(col, justify="right" if col in ("STEP", "REWARD", "ELAPSED") else "left", no_wrap=True)
-    for r in rows:
-        style = STATE_STYLE.get(r["state"], "")
-        table.add_row(
-            r["id"], r["mode"] or "-", r["launcher"] or "-", f"[{style}]{r['state']}[/]",
-            f"{r['step']}/{r['steps_total']}", "-" if r["reward"] is None else f"{r['reward']:.3f}",
-            _fmt_duration(r["elapsed_s"]),
-        )
-    return table
+    header = ("RUN", "MODE", "LAUNCHER", "STATE", "STEP", "REWARD", "ELAPSED")
+    right = {4, 5, 6}
+    cells = [
+        (r["id"], r["mode"] or "-", r["launcher"] or "-", r["state"], f"{r['step']}/{r['steps_total']}",
+         "-" if r["reward"] is None else f"{r['reward']:.3f}", _fmt_duration(r["elapsed_s"]))
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
+
+    def line(row: tuple[str, ...], state_style: str = "") -> Text:
+        out = Text(no_wrap=True, overflow="crop")  # a narrow terminal crops rows, never breaks them
+        for i, (cell, width) in enumerate(zip(row, widths)):
+            if i:
+                out.append(" ")
+            padded = cell.rjust(width) if i in right else cell.ljust(width)
+            out.append(padded, style=state_style if i == 3 else "")
+        return out
+
+    text = line(header)
+    text.stylize("bold")
+    text.no_wrap, text.overflow = True, "crop"
+    for row in cells:
+        text.append("\n")
+        text.append_text(line(row, STATE_STYLE.get(row[3], "")))
+    return text
 
 
 def render_detail(d: dict[str, Any]):

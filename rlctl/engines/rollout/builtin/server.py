@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import time
 import uuid
 from typing import Any
@@ -77,10 +76,11 @@ class BuiltinServer:
         async def load() -> None:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.load_model)
-            except Exception as e:  # noqa: BLE001 - reported on /health and fatal for the process
-                self.loading_error = f"{e.__class__.__name__}: {e}"
+            except Exception as e:  # noqa: BLE001 - fatal: say why in one line, exit non-zero
+                self.loading_error = f"{e.__class__.__name__}: {e}".splitlines()[0]
                 log.error("model load failed: %s", self.loading_error)
-                os.kill(os.getpid(), signal.SIGTERM)
+                print(f"error: cannot load the model from {self.args.model_path}: {self.loading_error}", flush=True)
+                os._exit(1)
         app["loader"] = asyncio.create_task(load())
 
     async def on_cleanup(self, app: web.Application) -> None:

@@ -1,0 +1,72 @@
+"""`rlctl status` and `rlctl logs` over run directories (rendered at a fixed width)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+
+from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
+from rlctl.commands.status import render_table, summary
+from rlctl.rundir import RunDir, list_runs
+
+
+def fake_run(root, run_id: str, state: str, steps: int, rewards: list[float], mode: str = "sync") -> RunDir:
+    d = root / run_id
+    (d / "logs").mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps({
+        "schema": 1, "id": run_id, "name": run_id.rsplit("-", 3)[0], "state": state,
+        "created": "2026-01-01T00:00:00+00:00", "ended": "2026-01-01T00:01:05+00:00", "exit_reason": None,
+        "processes": {}, "launcher": "local", "mode": mode, "steps_total": steps,
+    }))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward_mean": r}) + "\n" for i, r in enumerate(rewards)))
+    (d / "logs" / "controller.log").write_text("hello from the controller\n")
+    return RunDir(d)
+
+
+def test_table_at_width_80(tmp_path):
+    fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 100, [0.2, 0.7])
+    fake_run(tmp_path, "long-tail-20260101-000001-bbbb", "failed", 40, [])
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_table([summary(rd) for rd in list_runs(tmp_path)]))
+    assert console.export_text() == (
+        "RUN                             MODE LAUNCHER STATE      STEP REWARD ELAPSED\n"
+        "long-tail-20260101-000001-bbbb  sync local    failed     0/40      -    1:05\n"
+        "quickstart-20260101-000000-aaaa sync local    completed 2/100  0.700    1:05\n"
+    )
+
+
+def test_json_and_logs(tmp_path):
+    rd = fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 100, [0.2, 0.7])
+    res = rlctl("status", "--json", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    (row,) = json.loads(res.stdout)
+    assert row["id"] == rd.id and row["step"] == 2 and row["reward"] == 0.7
+    # A name finds the newest run of that name.
+    res = rlctl("logs", "quickstart", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout == "hello from the controller\n"
+    res = rlctl("logs", "quickstart", "trainer-9", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 2 and "logs: controller" in res.stderr
+
+
+def test_ctrl_c_in_launch_cancels_the_run(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlctl", "launch", str(QUICKSTART), *FAST, "run.steps=1000",
+         f"run.output_dir={tmp_path / 'runs'}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        runs = list_runs(tmp_path / "runs")
+        if runs and runs[0].metrics():
+            break
+        time.sleep(0.2)
+    (rd,) = list_runs(tmp_path / "runs")
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert rd.read()["state"] == "cancelled"
+    assert processes_mentioning(rd.id) == []
