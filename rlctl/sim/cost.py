@@ -1,0 +1,166 @@
+"""The cost model behind `rlctl simulate`: how long prefill, decode, training and the weight
+broadcast take, from hardware specs, the model size and a few efficiency knobs.
+
+It is a roofline model on purpose. Each phase is bound by one resource: prefill and training by
+compute (2 and 6 FLOPs per parameter per token), batched decode by HBM bandwidth (every step reads
+the weights once plus each running request's KV cache) until the batch is large enough to become
+compute-bound, the broadcast by the inter-node link. The efficiency knobs (MFU, achieved bandwidth
+fraction, fixed overheads) are what calibration against measured runs adjusts; the defaults are
+typical values for well-tuned SGLang / Megatron / FSDP deployments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator, with the public spec numbers the roofline needs.
+
+    `interconnect_bytes_per_s` is the per-node network bandwidth the trainer-to-rollout weight
+    broadcast crosses (the trainer and the rollout servers sit on different nodes), not NVLink.
+    """
+
+    name: str
+    bf16_flops: float
+    hbm_bytes_per_s: float
+    hbm_bytes: float
+    interconnect_bytes_per_s: float
+
+
+# 400 Gb/s InfiniBand/RoCE per node = 50e9 B/s: the usual network of H100/H200 clusters, assumed
+# for every GPU entry so that results compare hardware, not networks.
+_NODE_NETWORK = 50e9
+
+HARDWARE: dict[str, Hardware] = {
+    # NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16 (1979 is with 2:4 sparsity), 4.8 TB/s
+    # HBM3e, 141 GB.
+    "h200": Hardware("h200", 989e12, 4.8e12, 141e9, _NODE_NETWORK),
+    # NVIDIA H100 SXM datasheet: same compute die as H200, 3.35 TB/s HBM3, 80 GB.
+    "h100": Hardware("h100", 989e12, 3.35e12, 80e9, _NODE_NETWORK),
+    # NVIDIA A100 SXM 80GB datasheet: 312 TFLOP/s dense BF16, ~2.0 TB/s HBM2e, 80 GB.
+    "a100": Hardware("a100", 312e12, 2.0e12, 80e9, _NODE_NETWORK),
+    # One CPU host running the built-in engines in local tests: ~50 GFLOP/s achieved by torch
+    # bf16/fp32 matmuls on a few cores, ~20 GB/s of DRAM bandwidth for one process, 64 GB of RAM,
+    # and weight sync by a gloo broadcast over loopback TCP (a few GB/s). Meant to be calibrated.
+    "cpu": Hardware("cpu", 5e10, 2e10, 64e9, 2e9),
+}
+
+
+# Shape assumed when only the parameter count is known (see ModelShape.kv_bytes_per_token).
+_HIDDEN_PER_LAYER = 128
+_DEFAULT_KV_DIM = 1024
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A dense transformer, as far as the roofline cares: its parameter count and byte width, and
+    optionally the layer count and KV width (KV heads * head dim) that size its KV cache."""
+
+    params: float
+    bytes_per_param: float = 2.0
+    layers: int | None = None
+    kv_dim: int | None = None
+
+    @classmethod
+    def from_params_b(cls, params_b: float, bytes_per_param: float = 2.0, layers: int | None = None,
+                      kv_dim: int | None = None) -> ModelShape:
+        """A model of `params_b` billion parameters (bf16 unless told otherwise)."""
+        return cls(params_b * 1e9, bytes_per_param, layers, kv_dim)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of KV cache one token occupies: K and V, for every layer, `kv_dim` wide.
+
+        Without `layers`, they are estimated from the parameter count: a dense transformer has
+        about 12 * layers * hidden^2 parameters, and common shapes keep hidden ~= 128 * layers
+        (Llama-2/3-7/8B: 32 layers, 4096 hidden), so layers ~= (params / (12 * 128^2))^(1/3).
+        Without `kv_dim`, 1024 = 8 KV heads of 128 dims, the usual GQA setting (Llama-3, Qwen3).
+        This gives ~138 KiB/token at 8B (Llama-3-8B: 128 KiB) and ~284 KiB at 70B (Llama-3-70B:
+        320 KiB); models with fewer KV heads (Qwen2.5-7B: 56 KiB) need the fields.
+        """
+        layers = self.layers or (self.params / (12 * _HIDDEN_PER_LAYER**2)) ** (1 / 3)
+        kv_dim = self.kv_dim or _DEFAULT_KV_DIM
+        return 2 * layers * kv_dim * self.bytes_per_param
+
+
+@dataclass
+class CostModel:
+    """Durations of each phase of an RL step on `hardware` for `model`.
+
+    A rollout server is one tensor-parallel group of `gpus_per_server` GPUs; the trainer is
+    `trainer_gpus` GPUs with the work spread evenly (data/FSDP parallel), so both scale linearly
+    in their GPU count, which is what well-tuned engines approach at these sizes.
+
+    Knobs, and why their defaults:
+    - mfu_train 0.4: Megatron/FSDP training of 7-70B dense models reaches 35-45% MFU.
+    - mfu_prefill 0.5: prefill is large dense matmuls, a little better than training (no backward,
+      no optimizer, no activation recomputation).
+    - decode_bw_efficiency 0.7: SGLang/vLLM decode kernels reach 60-80% of peak HBM bandwidth.
+    - broadcast_efficiency 0.8: NCCL broadcast achieves ~80% of the link rate on large messages.
+    - mean_context_tokens 2048: the KV cache each running request holds, on average over its
+      life (prompt plus half its response); decode reads all of it every step. Set it from the
+      prompt and response lengths of the workload being simulated.
+    - memory_fraction 0.9: the share of HBM the server may use for weights plus KV cache
+      (SGLang's mem_fraction_static is 0.8-0.9); the rest is activations and the CUDA context.
+    - decode_step_overhead_s / train_step_overhead_s: fixed costs the rooflines miss (scheduler
+      and kernel launches per decode step; optimizer step and gradient all-reduce latency per
+      training step). Zero by default; calibration sets them.
+    """
+
+    hardware: Hardware
+    model: ModelShape
+    mfu_train: float = 0.4
+    mfu_prefill: float = 0.5
+    decode_bw_efficiency: float = 0.7
+    gpus_per_server: int = 1
+    trainer_gpus: int = 1
+    broadcast_efficiency: float = 0.8
+    mean_context_tokens: int = 2048
+    memory_fraction: float = 0.9
+    decode_step_overhead_s: float = 0.0
+    train_step_overhead_s: float = 0.0
+
+    def decode_step_seconds(self, batch: int) -> float:
+        """One decode step of a continuous batch of `batch` requests on one server.
+
+        Memory-bound side: the step reads all weights once (shared by the batch) plus every
+        request's KV cache, spread over the server's `gpus_per_server` GPUs' HBM. Compute-bound
+        side: 2 FLOPs per parameter per generated token, at prefill-like MFU since a large decode
+        batch is a dense matmul too. The slower of the two wins; small batches are memory-bound,
+        which is why continuous batching makes decode cheap per token.
+        """
+        tp = self.gpus_per_server
+        kv_read = self.mean_context_tokens * self.model.kv_bytes_per_token
+        memory = (self.model.weight_bytes + batch * kv_read) / (
+            self.hardware.hbm_bytes_per_s * self.decode_bw_efficiency * tp)
+        compute = 2 * self.model.params * batch / (self.hardware.bf16_flops * self.mfu_prefill * tp)
+        return max(memory, compute) + self.decode_step_overhead_s
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Prefilling `tokens` prompt tokens on one server: 2 FLOPs per parameter per token,
+        compute-bound (the attention term is small next to the matmuls at RL prompt lengths)."""
+        return 2 * self.model.params * tokens / (self.hardware.bf16_flops * self.mfu_prefill * self.gpus_per_server)
+
+    def train_seconds(self, tokens: int) -> float:
+        """One optimizer step over `tokens` tokens: 6 FLOPs per parameter per token (2 forward,
+        4 backward), spread over the trainer GPUs, plus the fixed per-step overhead."""
+        flops = 6 * self.model.params * tokens
+        return flops / (self.hardware.bf16_flops * self.mfu_train * self.trainer_gpus) + self.train_step_overhead_s
+
+    def broadcast_seconds(self) -> float:
+        """Pushing the new weights from the trainer to the rollout servers. A pipelined NCCL
+        broadcast costs about one pass of the weights over one node link, however many nodes
+        receive them, so the time is weight bytes / link bandwidth."""
+        return self.model.weight_bytes / (self.hardware.interconnect_bytes_per_s * self.broadcast_efficiency)
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache one server can hold once its weights are loaded: what bounds how many
+        requests it can run at once (max_running * mean context must fit)."""
+        free = self.hardware.hbm_bytes * self.gpus_per_server * self.memory_fraction - self.model.weight_bytes
+        return max(0, int(free / self.model.kv_bytes_per_token))

@@ -1,0 +1,58 @@
+"""Benchmark workloads: request shapes that make pipeline differences visible.
+
+The long-tail response-length distribution is used both by real runs
+(`rollout.sampling.long_tail`, each request's max_new_tokens with ignore_eos) and by
+`rlctl simulate`, so that a simulated step and a measured one see the same lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+
+class LengthDistribution:
+    """Response lengths shaped like RLVR math: most responses near a typical length, and a few
+    percent that run to the length limit and carry a large share of the tokens.
+
+    Model: with probability `truncated_fraction` a response is truncated at `max_tokens` (the
+    "clip ratio" RL runs report: runaway reasoning and repetition loops); otherwise its length is
+    lognormal with median `median_fraction * max_tokens` and log-standard-deviation `sigma`,
+    rounded and clipped to [min_tokens, max_tokens].
+
+    Why the defaults (median_fraction 0.095, sigma 0.5, truncated_fraction 0.05): the target is a
+    median about 1/10 of the p99 and the longest 5% of responses producing about a third of all
+    tokens, the straggler-dominated shape that makes synchronous rollout wait on its tail.
+    - p99/median: with more than 1% truncated, the p99 is max_tokens, so p99/median ~= 1 /
+      median_fraction ~= 10.5, a little lower (~10.2) because the truncated 5% move the
+      median up to the body's 52.6th percentile.
+    - top-5% share: the longest 5% are the truncated responses, each max_tokens long, while the
+      mean length is t + (1 - t) * f * exp(sigma^2 / 2) of max_tokens, so their share is
+      t / (t + (1 - t) * f * exp(sigma^2 / 2)) = 0.05 / (0.05 + 0.95 * 0.095 * 1.133) ~= 0.33.
+    A single lognormal cannot do both: a sigma wide enough for a one-third top-5% share (~1.2)
+    puts the p99 at ~17x the median, and clipping at max_tokens caps the share near 0.25.
+    sigma 0.5 keeps the body tight (its p95 is 2.3x its median), so the tail is the truncations.
+    """
+
+    def __init__(self, max_tokens: int, median_fraction: float = 0.095, sigma: float = 0.5,
+                 min_tokens: int = 1, truncated_fraction: float = 0.05) -> None:
+        if not 1 <= min_tokens <= max_tokens:
+            raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
+        if not 0 < median_fraction <= 1:
+            raise ValueError(f"median_fraction must be in (0, 1], got {median_fraction}")
+        if sigma < 0:
+            raise ValueError(f"sigma must be >= 0, got {sigma}")
+        if not 0 <= truncated_fraction < 1:
+            raise ValueError(f"truncated_fraction must be in [0, 1), got {truncated_fraction}")
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.median_fraction = median_fraction
+        self.sigma = sigma
+        self.truncated_fraction = truncated_fraction
+        self._mu = math.log(median_fraction * max_tokens)
+
+    def sample(self, rng: random.Random) -> int:
+        """One response length in tokens."""
+        if rng.random() < self.truncated_fraction:
+            return self.max_tokens
+        return min(self.max_tokens, max(self.min_tokens, round(rng.lognormvariate(self._mu, self.sigma))))
