@@ -8,7 +8,9 @@ metrics (computed from the events) to metrics.jsonl.
 from __future__ import annotations
 
 import logging
+import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -17,12 +19,26 @@ from rlctl.data import prompt_stream
 from rlctl.engines.rollout.client import GenerateOutput, RolloutClient, SamplingRequest
 from rlctl.errors import RunError
 from rlctl.metrics import step_metrics
-from rlctl.pipelines.core import GroupRunner, MonotonicClock, RolloutPool
+from rlctl.pipelines.admission import make_admission
+from rlctl.pipelines.async_ import AsyncPipeline
+from rlctl.pipelines.base import Pipeline
+from rlctl.pipelines.core import (
+    Clock,
+    EventSink,
+    GroupProducer,
+    GroupRunner,
+    MonotonicClock,
+    Rollout,
+    RolloutPool,
+    Trainer,
+)
+from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
 from rlctl.pipelines.sync import SyncPipeline
 from rlctl.plan import RunPlan
-from rlctl.recipe import Recipe
+from rlctl.recipe import PipelineMode, Recipe
 from rlctl.rewards.verifiers import make_verifier
 from rlctl.rundir import RunDir
+from rlctl.workloads import LengthDistribution
 
 log = logging.getLogger("rlctl.controller")
 
@@ -39,6 +55,9 @@ class NamedServer:
     async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str,
                        return_logprob: bool = True) -> GenerateOutput:
         return await self.client.generate(input_ids, sampling, rid, return_logprob)
+
+    async def abort(self, rid: str) -> None:
+        await self.client.abort(rid)
 
 
 class TrainerClient:
@@ -71,8 +90,8 @@ class TrainerClient:
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self._post("/train", {"samples": samples})
 
-    async def sync_weights(self, version: int) -> dict[str, Any]:
-        return await self._post("/sync_weights", {"version": str(version)})
+    async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
+        return await self._post("/sync_weights", {"version": str(version), "pause_mode": pause_mode})
 
 
 async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: str) -> None:
@@ -92,9 +111,6 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
         log.info("step %d: reward %.3f, step time %.2f s (rollout %.2f, train %.2f, sync %.2f)",
                  step, m["reward_mean"], m["step_time"], m["rollout_time"], m["train_time"], m["sync_time"])
 
-    s = recipe.rollout.sampling
-    sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                               top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
     clock = MonotonicClock()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -106,16 +122,43 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
         await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
                                        backend="gloo", bucket_mb=recipe.train.sync_bucket_mb)
         emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode)
-        pool = RolloutPool([NamedServer(r.name, c) for r, c in zip(plan.rollout, clients, strict=False)], recipe.rollout.concurrency)
-        runner = GroupRunner(
-            pool, sampling, recipe.rollout.group_size,
+        servers = [NamedServer(r.name, c) for r, c in zip(plan.rollout, clients)]
+        pipeline = build_pipeline(
+            recipe, servers, trainer, clock, emit, on_step_end,
             tokenize=lambda text: tokenizer(text)["input_ids"],
             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            verify=make_verifier(recipe.reward), clock=clock, emit=emit,
-        )
-        pipeline = SyncPipeline(
-            runner, trainer, prompt_stream(recipe.data, recipe.run.seed),
-            batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,
-            clock=clock, emit=emit, on_step_end=on_step_end,
+            verify=make_verifier(recipe.reward),
         )
         await pipeline.run(recipe.run.steps)
+
+
+def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
+                   on_step_end: Callable[[int], None], *, tokenize: Callable[[str], list[int]],
+                   detokenize: Callable[[list[int]], str], verify: Callable[[str, str], float]) -> Pipeline:
+    """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated)."""
+    s = recipe.rollout.sampling
+    sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                               top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
+    lengths = None
+    if s.long_tail.enabled:
+        lt = s.long_tail
+        dist = LengthDistribution(s.max_new_tokens, lt.median_fraction, lt.sigma, lt.min_tokens, lt.truncated_fraction)
+        rng = random.Random(recipe.run.seed)
+        lengths = lambda: dist.sample(rng)  # noqa: E731
+    p = recipe.pipeline
+    mode = PipelineMode(p.mode)
+    admission = make_admission(p.admission, recipe.rollout.concurrency * len(servers))
+    runner = GroupRunner(
+        RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize,
+        detokenize=detokenize, verify=verify, clock=clock, emit=emit, lengths=lengths,
+        resume_aborted=mode is PipelineMode.ASYNC and p.inflight_at_update == "abort_resume",
+    )
+    producer = GroupProducer(runner, prompt_stream(recipe.data, recipe.run.seed),
+                             dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit)
+    common = dict(batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,
+                  clock=clock, emit=emit, on_step_end=on_step_end, over_provision=recipe.rollout.over_provision)
+    if mode is PipelineMode.ASYNC:
+        return AsyncPipeline(producer, trainer, admission=admission, max_staleness=p.max_staleness,
+                             sync_every=p.sync_every, inflight_at_update=p.inflight_at_update, **common)
+    cls = SyncPipeline if mode is PipelineMode.SYNC else RolloutPipePipeline
+    return cls(producer, trainer, **common)

@@ -34,6 +34,16 @@ class TrainEngine(enum.StrEnum):
     MEGATRON = "megatron"
 
 
+class Admission(enum.StrEnum):
+    FIFO = "fifo"
+    FRONTIER = "frontier"
+
+
+class InflightAtUpdate(enum.StrEnum):
+    FINISH = "finish"
+    ABORT_RESUME = "abort_resume"
+
+
 class Launcher(enum.StrEnum):
     LOCAL = "local"
     SLURM = "slurm"
@@ -53,7 +63,7 @@ class DataSource(enum.StrEnum):
 
 # What this version of rlctl can run. The schema already has room for the rest.
 AVAILABLE = {
-    "pipeline.mode": {PipelineMode.SYNC},
+    "pipeline.mode": {PipelineMode.SYNC, PipelineMode.ROLLOUTPIPE, PipelineMode.ASYNC},
     "rollout.engine": {RolloutEngine.BUILTIN},
     "train.engine": {TrainEngine.TORCH},
     "launcher": {Launcher.LOCAL},
@@ -128,12 +138,34 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True)
+class LongTailConfig:
+    """Per-request response lengths drawn from a long-tailed distribution (a benchmark workload).
+
+    Each request gets its own max_new_tokens, and ignore_eos so that it generates exactly that
+    many tokens; SGLang supports both per request, so the same workload runs on real SGLang.
+    The defaults are shaped like RLVR math: median about 1/10 of the p99, and about 5% of the
+    samples producing a third of the tokens (rlctl.workloads.LengthDistribution says how). The
+    cap is rollout.sampling.max_new_tokens.
+    """
+
+    enabled: bool = False
+    median_fraction: float = 0.095
+    """Median of the lognormal body as a fraction of max_new_tokens."""
+    sigma: float = 0.5
+    """Log-standard-deviation of the body."""
+    truncated_fraction: float = 0.05
+    """Share of requests that run to max_new_tokens (the runs that hit the length cap)."""
+    min_tokens: int = 1
+
+
+@dataclass(kw_only=True)
 class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 8
     stop_token_ids: list[int] = field(default_factory=list)
+    long_tail: LongTailConfig = field(default_factory=LongTailConfig)
 
 
 @dataclass(kw_only=True)
@@ -145,10 +177,17 @@ class RolloutConfig:
     """Samples per prompt (G in GRPO)."""
     batch_size: int = 32
     """Groups per rollout batch (B): all generated with one weight version."""
-    concurrency: int = 64
-    """Most requests in flight per server at once."""
+    concurrency: int = 32
+    """Requests in flight per server under frontier admission (fifo admission sends everything)."""
     max_running_requests: int = 128
     """Largest decode batch a built-in server runs."""
+    dynamic_sampling: bool = False
+    """Drop complete groups whose rewards are all equal (they carry no GRPO signal)."""
+    over_provision: float = 0.0
+    """With dynamic sampling: open this fraction more groups than still needed, so that drops do
+    not leave the rollout batch waiting for late replacements. Leftovers are aborted."""
+    cpus: list[int] = field(default_factory=list)
+    """Pin rollout servers to these CPU cores (empty = no pinning)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -157,6 +196,8 @@ class TrainConfig:
     engine: str = "torch"
     ranks: int = 1
     """Data-parallel trainer processes (torch.distributed, gloo on CPU)."""
+    cpus: list[int] = field(default_factory=list)
+    """Pin trainer ranks to these CPU cores (empty = no pinning)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
     groups_per_batch: int = 8
@@ -173,7 +214,22 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class PipelineConfig:
     mode: str = "sync"
-    """sync: generate the rollout batch, then train, then broadcast weights."""
+    """sync: generate the rollout batch, then train, then broadcast weights.
+    rolloutpipe: weights fixed per rollout batch, but each complete group goes to the trainer at
+    once and a train batch starts as soon as it is full. async: rollout never stops; samples carry
+    their weight version and at most max_staleness versions of lag are trained."""
+    admission: str = "fifo"
+    """Order and amount of requests sent to the servers. fifo: the whole rollout batch at once,
+    in group order (the servers queue what they cannot run). frontier: at most
+    rollout.concurrency per server, groups needed for the next train batch first."""
+    max_staleness: int = 1
+    """async: the most weight versions a trained sample may lag behind the trainer."""
+    sync_every: int = 1
+    """async: optimizer steps between weight broadcasts."""
+    inflight_at_update: str = "finish"
+    """async: what happens to requests in flight at a weight update. finish: they complete on the
+    old weights (tagged with that version). abort_resume: they are aborted and resumed on the new
+    weights from where they stopped (partial rollout; a sample then spans versions)."""
 
 
 @dataclass(kw_only=True)
@@ -442,6 +498,24 @@ def validate(recipe: Recipe, file: str) -> None:
     _positive(file, "train.sync_bucket_mb", t.sync_bucket_mb)
 
     _choice(file, "pipeline.mode", r.pipeline.mode, PipelineMode)
+    _choice(file, "pipeline.admission", r.pipeline.admission, Admission)
+    _choice(file, "pipeline.inflight_at_update", r.pipeline.inflight_at_update, InflightAtUpdate)
+    _positive(file, "pipeline.max_staleness", r.pipeline.max_staleness, zero_ok=True)
+    _positive(file, "pipeline.sync_every", r.pipeline.sync_every)
+    _positive(file, "rollout.over_provision", ro.over_provision, zero_ok=True)
+    lt = s.long_tail
+    if lt.enabled:
+        if not 0.0 < lt.median_fraction < 1.0:
+            raise RecipeError(file, "rollout.sampling.long_tail.median_fraction", f"must be in (0, 1), got {lt.median_fraction}")
+        _positive(file, "rollout.sampling.long_tail.sigma", lt.sigma, zero_ok=True)
+        if not 0.0 <= lt.truncated_fraction < 1.0:
+            raise RecipeError(file, "rollout.sampling.long_tail.truncated_fraction", f"must be in [0, 1), got {lt.truncated_fraction}")
+        _positive(file, "rollout.sampling.long_tail.min_tokens", lt.min_tokens)
+    ncpu = len(os.sched_getaffinity(0))
+    for key, cpus in (("rollout.cpus", ro.cpus), ("train.cpus", t.cpus)):
+        bad = [c for c in cpus if not 0 <= c < ncpu]
+        if bad:
+            raise RecipeError(file, key, f"cores {bad} do not exist here (0..{ncpu - 1}); leave it empty to not pin")
     _choice(file, "launcher", r.launcher, Launcher)
     if r.tracking.wandb.mode != "disabled":
         raise RecipeError(file, "tracking.wandb.mode", "wandb tracking is not available in this version of rlctl; set it to disabled")

@@ -30,9 +30,13 @@ def _context(run_dir: Path) -> tuple[RunDir, Recipe, RunPlan, dict]:
     return rd, recipe, RunPlan.from_json(info["plan"]), info
 
 
-def _threads(recipe: Recipe) -> None:
+def _threads(recipe: Recipe, cpus: list[int] | None = None) -> None:
+    """Few torch threads per process, and its own cores when the recipe pins them, so that
+    rollout and training overlap for real on a small machine, as they do on separate nodes."""
     import torch
 
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(recipe.run.threads_per_process)
     torch.set_num_interop_threads(1)
 
@@ -50,7 +54,9 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     from rlctl.engines.rollout.builtin import server
 
     role = plan.rollout[index]
-    rd.record_process(role.name, pid=os.getpid(), port=role.port)
+    if recipe.rollout.cpus:
+        os.sched_setaffinity(0, recipe.rollout.cpus)
+    rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
     args = server.parser().parse_args([
         "--model-path", info["model_path"], "--host", role.host, "--port", str(role.port),
         "--random-seed", str(recipe.run.seed * 1000 + index),
@@ -67,9 +73,9 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     from rlctl.engines.train.service import TrainerService, follower_loop
     from rlctl.engines.train.torch_engine import TorchTrainEngine
 
-    _threads(recipe)
+    _threads(recipe, recipe.train.cpus)
     role = plan.trainers[rank]
-    rd.record_process(role.name, pid=os.getpid(), port=role.port)
+    rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
     world = len(plan.trainers)
     if world > 1:
         master = plan.trainers[0].host

@@ -14,12 +14,12 @@ def timeline():
         {"t": 0.0, "event": "group_admitted", "step": 0, "group": 0},
         {"t": 0.0, "event": "group_admitted", "step": 0, "group": 1},
         {"t": 2.0, "event": "group_completed", "step": 0, "group": 0, "rewards": [1, 0], "lengths": [2, 4],
-         "versions": [0, 0]},
+         "versions": [0, 0], "servers": ["r0", "r1"], "starts": [0.0, 0.0], "ends": [1.0, 2.0]},
         {"t": 4.0, "event": "group_completed", "step": 0, "group": 1, "rewards": [1, 1], "lengths": [6, 8],
-         "versions": [0, 0]},
-        {"t": 4.0, "event": "train_start", "step": 0, "batch": 0},
+         "versions": [0, 0], "servers": ["r0", "r1"], "starts": [0.5, 2.0], "ends": [3.0, 4.0]},
+        {"t": 4.0, "event": "train_start", "step": 0, "batch": 0, "groups": [0], "staleness": [0, 0]},
         {"t": 5.0, "event": "train_end", "step": 0, "batch": 0, "loss": 1.0},
-        {"t": 5.0, "event": "train_start", "step": 0, "batch": 1},
+        {"t": 5.0, "event": "train_start", "step": 0, "batch": 1, "groups": [1], "staleness": [1, 1]},
         {"t": 7.0, "event": "train_end", "step": 0, "batch": 1, "loss": 3.0},
         {"t": 7.0, "event": "sync_start", "step": 0},
         {"t": 7.5, "event": "sync_end", "step": 0, "bytes": 100},
@@ -48,6 +48,32 @@ def test_sync_step_metrics():
     assert m["tokens_per_s"] == 20 / 4.0
     assert m["loss"] == 2.0
     assert (m["weight_version_min"], m["weight_version_max"]) == (0, 0)
+    assert m["staleness_hist"] == {"0": 2, "1": 2} and m["staleness_max"] == 1
+    # r0 busy 0..3, r1 busy 0..4, of a 7.5 s step.
+    assert m["rollout_idle_ratio"] == pytest.approx(1 - (3 / 7.5 + 4 / 7.5) / 2)
+
+
+def test_async_step_trains_groups_that_were_ready_before_it():
+    e = [
+        {"t": 0.0, "event": "step_start", "step": 0, "version": 0},
+        {"t": 0.0, "event": "group_admitted", "step": 0, "group": 0},
+        {"t": 3.0, "event": "group_completed", "step": 0, "group": 0, "rewards": [1, 0], "lengths": [1, 1],
+         "versions": [0, 0]},
+        {"t": 3.0, "event": "train_start", "step": 0, "batch": 0, "groups": [0]},
+        {"t": 4.0, "event": "train_end", "step": 0, "batch": 0},
+        {"t": 4.0, "event": "step_end", "step": 0},
+        {"t": 4.0, "event": "step_start", "step": 1, "version": 1},
+        {"t": 4.0, "event": "group_admitted", "step": 1, "group": 1},
+        {"t": 4.5, "event": "train_start", "step": 1, "batch": 1, "groups": [7]},
+        {"t": 6.5, "event": "train_end", "step": 1, "batch": 1},
+        {"t": 6.5, "event": "step_end", "step": 1},
+        {"t": 1.0, "event": "group_completed", "step": 0, "group": 7, "rewards": [0, 1], "lengths": [1, 1],
+         "versions": [0, 0]},
+    ]
+    m = step_metrics(e, 1)
+    # Group 7 was ready long before step 1: the bound is the train time alone.
+    assert m["critical_path_bound"] == 2.0
+    assert m["rollout_to_train_end"] == 2.5 and m["efficiency"] == pytest.approx(0.8)
 
 
 def test_overlapped_step_waits_less():
@@ -55,7 +81,7 @@ def test_overlapped_step_waits_less():
     # Same work, but the first train batch starts as soon as group 0 is ready (t=2).
     for ev in e:
         if ev["event"] == "train_start" and ev["batch"] == 0:
-            ev["t"] = 2.0
+            ev["t"] = 2.0  # group 0 is ready at 2
         if ev["event"] == "train_end" and ev["batch"] == 0:
             ev["t"] = 3.0
         if ev["event"] == "train_start" and ev["batch"] == 1:

@@ -1,22 +1,24 @@
-"""Scheduling pieces every pipeline mode shares: groups, the rollout pool, the event log.
+"""Scheduling pieces every pipeline mode shares: samples, groups, the rollout pool, the producer.
 
-Everything here is asyncio over two small interfaces, `Rollout` (generate one sample) and
-`Trainer` (train one batch, sync weights), and reads time only through a `Clock`. Real runs plug
-in HTTP clients and the monotonic clock; a simulation plugs in cost-model engines and virtual
-time, and the scheduling code stays the same.
+Everything here is asyncio over two small interfaces, `Rollout` (one server: generate, abort)
+and `Trainer` (train one batch, sync weights), and reads time only through a `Clock`. Real runs
+plug in HTTP clients and the monotonic clock; a simulation plugs in cost-model engines and
+virtual time, and the scheduling code stays the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from collections.abc import Callable
 
 from rlctl.algos.grpo import group_advantages
 from rlctl.data import Prompt
 from rlctl.engines.rollout.client import GenerateOutput, SamplingRequest
+from rlctl.pipelines.admission import Admission
 
 
 class Clock(Protocol):
@@ -36,11 +38,13 @@ class Rollout(Protocol):
     async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str,
                        return_logprob: bool = True) -> GenerateOutput: ...
 
+    async def abort(self, rid: str) -> None: ...
+
 
 class Trainer(Protocol):
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]: ...
 
-    async def sync_weights(self, version: int) -> dict[str, Any]: ...
+    async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]: ...
 
 
 class EventSink(Protocol):
@@ -56,11 +60,17 @@ class Sample:
     logprobs: list[float]
     text: str
     reward: float
-    weight_version: int
+    versions: list[int]
+    """Weight version of each generated segment (more than one after an abort-and-resume)."""
     server: str
     t_start: float
     t_end: float
     finish_reason: str
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest weights that produced any of its tokens: what staleness is measured from."""
+        return min(self.versions)
 
 
 @dataclass
@@ -72,6 +82,7 @@ class Group:
     prompt: Prompt
     prompt_ids: list[int]
     samples: list[Sample] = field(default_factory=list)
+    cancelled: bool = False
 
     @property
     def rewards(self) -> list[float]:
@@ -81,46 +92,53 @@ class Group:
     def all_equal(self) -> bool:
         return len(set(self.rewards)) <= 1
 
+    @property
+    def weight_version(self) -> int:
+        return min(s.weight_version for s in self.samples)
+
     def train_samples(self) -> list[dict[str, Any]]:
         """JSON rows for the trainer, with group-normalized advantages."""
         advantages = group_advantages(self.rewards)
         return [
             {"prompt_ids": s.prompt_ids, "response_ids": s.output_ids, "advantage": a,
              "logprobs": s.logprobs, "weight_version": s.weight_version}
-            for s, a in zip(self.samples, advantages, strict=False)
+            for s, a in zip(self.samples, advantages)
         ]
 
 
 class RolloutPool:
-    """Spreads requests over the servers: each new request goes to the least-busy server, and no
-    server holds more than `concurrency` requests at once (data parallelism = several servers)."""
+    """Spreads requests over the servers (data parallelism = several servers): each request goes
+    to the server with the fewest requests in flight. How many go out is admission's business."""
 
-    def __init__(self, servers: list[Rollout], concurrency: int) -> None:
+    def __init__(self, servers: list[Rollout]) -> None:
         self.servers = servers
-        self.concurrency = concurrency
         self.in_flight = {s.name: 0 for s in servers}
-        self._free = asyncio.Condition()
+        self.where: dict[str, Rollout] = {}
 
     async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str) -> tuple[Rollout, GenerateOutput]:
-        async with self._free:
-            await self._free.wait_for(lambda: min(self.in_flight.values()) < self.concurrency)
-            server = min(self.servers, key=lambda s: self.in_flight[s.name])
-            self.in_flight[server.name] += 1
+        server = min(self.servers, key=lambda s: self.in_flight[s.name])
+        self.in_flight[server.name] += 1
+        self.where[rid] = server
         try:
             return server, await server.generate(input_ids, sampling, rid)
         finally:
-            async with self._free:
-                self.in_flight[server.name] -= 1
-                self._free.notify_all()
+            self.in_flight[server.name] -= 1
+            self.where.pop(rid, None)
+
+    async def abort(self, rids: list[str]) -> None:
+        targets = [(rid, self.where[rid]) for rid in rids if rid in self.where]
+        await asyncio.gather(*(server.abort(rid) for rid, server in targets), return_exceptions=True)
 
 
 class GroupRunner:
-    """Generates and scores the samples of one group."""
+    """Generates and scores the samples of one group, each request admitted by `admission`."""
 
-    def __init__(self, pool: RolloutPool, sampling: SamplingRequest, group_size: int,
+    def __init__(self, pool: RolloutPool, admission: Admission, sampling: SamplingRequest, group_size: int,
                  tokenize: Callable[[str], list[int]], detokenize: Callable[[list[int]], str],
-                 verify: Callable[[str, str], float], clock: Clock, emit: EventSink) -> None:
+                 verify: Callable[[str, str], float], clock: Clock, emit: EventSink,
+                 lengths: Callable[[], int] | None = None, resume_aborted: bool = False) -> None:
         self.pool = pool
+        self.admission = admission
         self.sampling = sampling
         self.group_size = group_size
         self.tokenize = tokenize
@@ -128,29 +146,176 @@ class GroupRunner:
         self.verify = verify
         self.clock = clock
         self.emit = emit
+        self.lengths = lengths
+        self.resume_aborted = resume_aborted
+        self.rids_of: dict[int, set[str]] = {}
 
     def new_group(self, group_id: int, step: int, prompt: Prompt) -> Group:
         return Group(group_id, step, prompt, self.tokenize(prompt.text))
 
     async def run(self, group: Group) -> Group:
-        self.emit("group_admitted", self.clock.now(), step=group.step, group=group.id, prompt=group.prompt.index)
-        group.samples = list(await asyncio.gather(*(self._sample(group, i) for i in range(self.group_size))))
-        s = group.samples
-        self.emit(
-            "group_completed", self.clock.now(), step=group.step, group=group.id,
-            rewards=[x.reward for x in s], lengths=[len(x.output_ids) for x in s],
-            versions=[x.weight_version for x in s], servers=[x.server for x in s],
-            starts=[x.t_start for x in s], ends=[x.t_end for x in s],
-        )
+        self.rids_of[group.id] = set()
+        try:
+            group.samples = list(await asyncio.gather(*(self._sample(group, i) for i in range(self.group_size))))
+        finally:
+            del self.rids_of[group.id]
         return group
 
+    def _request(self) -> SamplingRequest:
+        if self.lengths is None:
+            return self.sampling
+        s = self.sampling
+        return SamplingRequest(max_new_tokens=self.lengths(), temperature=s.temperature, top_p=s.top_p,
+                               top_k=s.top_k, stop_token_ids=s.stop_token_ids, ignore_eos=True)
+
     async def _sample(self, group: Group, index: int) -> Sample:
-        t0 = self.clock.now()
-        server, out = await self.pool.generate(group.prompt_ids, self.sampling, f"g{group.id}-s{index}")
-        text = self.detokenize(out.output_ids)
-        return Sample(
-            group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=out.output_ids,
-            logprobs=out.logprobs, text=text, reward=self.verify(text, group.prompt.answer),
-            weight_version=int(out.weight_version), server=server.name, t_start=t0, t_end=self.clock.now(),
-            finish_reason=str(out.finish_reason.get("type", "")),
+        request = self._request()
+        output: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        t0: float | None = None
+        segment = 0
+        while True:
+            await self.admission.acquire((group.id, index))
+            if t0 is None:
+                t0 = self.clock.now()
+                if index == 0:
+                    self.emit("group_admitted", t0, step=group.step, group=group.id, prompt=group.prompt.index)
+            rid = f"g{group.id}-s{index}-{segment}"
+            self.rids_of[group.id].add(rid)
+            remaining = SamplingRequest(**{**request.__dict__, "max_new_tokens": request.max_new_tokens - len(output)})
+            try:
+                server, out = await self.pool.generate(group.prompt_ids + output, remaining, rid)
+            finally:
+                self.rids_of[group.id].discard(rid)
+                self.admission.release()
+            output += out.output_ids
+            logprobs += out.logprobs
+            if out.output_ids or not versions:
+                versions.append(int(out.weight_version))
+            reason = str(out.finish_reason.get("type", ""))
+            # Partial rollout: a request aborted by a weight update resumes from where it stopped.
+            if reason != "abort" or not self.resume_aborted or group.cancelled or len(output) >= request.max_new_tokens:
+                break
+            segment += 1
+        text = self.detokenize(output)
+        return Sample(group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=output,
+                      logprobs=logprobs, text=text, reward=self.verify(text, group.prompt.answer),
+                      versions=versions, server=server.name, t_start=t0, t_end=self.clock.now(),
+                      finish_reason=reason)
+
+
+class GroupProducer:
+    """Opens groups, generates them, and hands every complete trainable group to the trainer side.
+
+    A rollout batch (sync, rolloutpipe) asks for `target` trainable groups generated in one step;
+    async asks for an endless stream with at most `limit` groups open or waiting. Whether a
+    complete group is trainable is dynamic sampling's call: a group whose rewards are all equal
+    has zero advantage everywhere. Groups still open when the batch is full are cancelled (their
+    requests aborted on the servers); groups completing beyond the target are surplus. Both are
+    recorded as dropped, so every opened group ends in exactly one event.
+    """
+
+    def __init__(self, runner: GroupRunner, prompts: Iterator[Prompt], *, dynamic_sampling: bool,
+                 clock: Clock, emit: EventSink) -> None:
+        self.runner = runner
+        self.prompts = prompts
+        self.dynamic_sampling = dynamic_sampling
+        self.clock = clock
+        self.emit = emit
+        self.step = 0
+        self.target: int | None = None
+        self.delivered = 0
+        self.next_group = 0
+        self.open: dict[int, tuple[Group, asyncio.Task[Group]]] = {}
+        self._ready: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        self._changed = asyncio.Event()
+
+    async def run_batch(self, step: int, target: int, over_provision: float = 0.0) -> None:
+        """Deliver `target` trainable groups for this step, keeping enough groups open that
+        drops are replaced early (over_provision); cancel the leftovers when the batch is full."""
+        self.step, self.target, self.delivered = step, target, 0
+
+        def want() -> int:
+            remaining = target - self.delivered
+            return math.ceil(remaining * (1.0 + over_provision)) if remaining > 0 else 0
+
+        await self._run(want, lambda: self.delivered >= target)
+
+    async def run_stream(self, limit: int, stop: asyncio.Event) -> None:
+        """async: keep at most `limit` groups open or ready, until stop is set."""
+        self.target = None
+        await self._run(lambda: max(0, limit - self._ready.qsize()), stop.is_set, stop)
+
+    async def _run(self, want: Callable[[], int], done: Callable[[], bool], stop: asyncio.Event | None = None) -> None:
+        try:
+            while not done():
+                while len(self.open) < want():
+                    self._open()
+                self._changed.clear()
+                waiters = [asyncio.ensure_future(self._changed.wait())]
+                if stop is not None:
+                    waiters.append(asyncio.ensure_future(stop.wait()))
+                _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                for w in pending:
+                    w.cancel()
+        finally:
+            await self.cancel_open()
+
+    def _open(self) -> None:
+        group = self.runner.new_group(self.next_group, self.step, next(self.prompts))
+        self.next_group += 1
+        task = asyncio.get_running_loop().create_task(self.runner.run(group))
+        self.open[group.id] = (group, task)
+        task.add_done_callback(lambda t, g=group: self._finished(g, t))
+
+    def _finished(self, group: Group, task: asyncio.Task[Group]) -> None:
+        self.open.pop(group.id, None)
+        self._changed.set()
+        if task.cancelled() or group.cancelled:
+            return
+        if task.exception() is not None:
+            self._ready.put_nowait(task.exception())  # the consumer raises it
+            return
+        s = group.samples
+        now = self.clock.now()
+        self.emit(
+            "group_completed", now, step=group.step, group=group.id,
+            rewards=[x.reward for x in s], lengths=[len(x.output_ids) for x in s],
+            versions=[x.weight_version for x in s], segments=[len(x.versions) for x in s],
+            servers=[x.server for x in s], starts=[x.t_start for x in s], ends=[x.t_end for x in s],
         )
+        if self.dynamic_sampling and group.all_equal:
+            self.emit("group_dropped", now, step=group.step, group=group.id, reason="all_equal")
+        elif self.target is not None and self.delivered >= self.target:
+            self.emit("group_dropped", now, step=group.step, group=group.id, reason="surplus")
+        else:
+            self.delivered += 1
+            self._ready.put_nowait(group)
+
+    async def get(self) -> Group:
+        """The next complete trainable group, in completion order."""
+        item = await self._ready.get()
+        self._changed.set()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def drop_ready(self, reason: str) -> None:
+        """Record the complete groups nobody will train (async, at the end of the run)."""
+        while not self._ready.empty():
+            item = self._ready.get_nowait()
+            if isinstance(item, Group):
+                self.emit("group_dropped", self.clock.now(), step=item.step, group=item.id, reason=reason)
+
+    async def cancel_open(self) -> None:
+        groups = [g for g, _ in self.open.values()]
+        tasks = [t for _, t in self.open.values()]
+        for g in groups:
+            g.cancelled = True
+        await self.runner.pool.abort([rid for g in groups for rid in self.runner.rids_of.get(g.id, ())])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in groups:
+            self.emit("group_dropped", self.clock.now(), step=g.step, group=g.id, reason="aborted")

@@ -95,7 +95,7 @@ class TrainerService:
             return web.json_response({"success": False, "message": "call /init_weight_sync first"}, status=400)
         # Snapshot on the engine thread so no train batch runs while tensors are read.
         weights = await self._run(lambda: list(self.engine.hf_weights()))
-        stats = await self.sender.send(weights, str(body["version"]))
+        stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"))
         return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
                                   "buckets": stats.buckets, "tensors": stats.tensors})
 

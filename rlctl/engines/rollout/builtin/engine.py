@@ -1,14 +1,15 @@
 """The built-in server's generation engine: a transformers causal LM with continuous batching.
 
 One scheduler thread owns the model. Each iteration it admits waiting requests (up to
-max_running_requests), runs one decode step for every running request, samples a token per
-request with that request's own sampling parameters, and hands finished requests back to the
-event loop. Requests join and leave the batch between steps, so a short answer returns as soon
-as it is done, not when the longest one in its batch is.
+max_running_requests), prefills the new ones, runs one decode step for every running request,
+samples a token per request with that request's own sampling parameters, and hands finished
+requests back to the event loop. Requests join and leave the batch between steps, so a short
+answer returns as soon as it is done, not when the longest one in its batch is.
 
-Each step recomputes the whole (left-padded) sequences instead of keeping a KV cache. For the
-short sequences of CPU runs this is cheap, it keeps continuous batching trivial, and it means
-there is no cache to invalidate after a weight update (`/flush_cache` always succeeds when idle).
+Each request keeps its own KV cache. A decode step left-pads the caches to a common length,
+runs the batch, and cuts each cache back; the attention mask hides the padding, and positions
+count real tokens only, so a token gets the same position (and log-prob) as in the trainer's
+right-padded forward pass.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class Request:
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     created: float = field(default_factory=time.monotonic)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Per layer (keys, values) of every token but the last, [kv_heads, tokens, head_dim]."""
 
 
 class Engine:
@@ -179,21 +182,20 @@ class Engine:
                 self._finish(r, {"type": "length", "length": len(r.output_ids)}, finished)
             else:
                 active.append(r)
-        if not active:
+        new = [r for r in active if r.kv is None]
+        running = [r for r in active if r.kv is not None]
+        stepped: list[Request] = []
+        logits = []
+        if new:
+            logits.append(self._prefill(new))
+            stepped += new
+        if running:
+            logits.append(self._decode(running))
+            stepped += running
+        if not stepped:
             return finished
-        seqs = [r.input_ids + r.output_ids for r in active]
-        length = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), length), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), length), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, length - len(s):] = torch.tensor(s)
-            mask[i, length - len(s):] = 1
-        # Positions count real tokens only, so left padding does not shift them: the trainer
-        # (right padding) sees the same positions for the same tokens.
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
-        tokens, logprobs = self._sample(logits, active)
-        for r, tok, lp in zip(active, tokens.tolist(), logprobs.tolist(), strict=False):
+        tokens, logprobs = self._sample(torch.cat(logits), stepped)
+        for r, tok, lp in zip(stepped, tokens.tolist(), logprobs.tolist()):
             if r.finish_reason is not None:
                 continue
             r.output_ids.append(tok)
@@ -207,7 +209,57 @@ class Engine:
                 self._finish(r, {"type": "stop", "matched": tok}, finished)
             elif len(r.output_ids) >= r.params.max_new_tokens or total >= self.max_context:
                 self._finish(r, {"type": "length", "length": len(r.output_ids)}, finished)
+        for r in finished:
+            r.kv = None  # free the cache at once
         return finished
+
+    def _prefill(self, reqs: list[Request]) -> torch.Tensor:
+        """Run whole prompts (left-padded), keep each request's KV cache, return last logits."""
+        seqs = [r.input_ids + r.output_ids for r in reqs]
+        length = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), length), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, length - len(s):] = torch.tensor(s)
+            mask[i, length - len(s):] = 1
+        # Positions count real tokens only, so left padding does not shift them: the trainer
+        # (right padding) sees the same positions for the same tokens.
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        self._keep_cache(reqs, out.past_key_values, length, [len(s) for s in seqs])
+        return out.logits[:, -1].float()
+
+    def _decode(self, reqs: list[Request]) -> torch.Tensor:
+        """One token for each running request: its last token against its own cache, the caches
+        left-padded to a common length for the batch and cut back to size afterwards."""
+        from transformers import DynamicCache
+
+        lengths = [r.kv[0][0].shape[1] for r in reqs]
+        longest = max(lengths)
+        layers = []
+        for layer in range(len(reqs[0].kv)):
+            keys, values = [], []
+            for r, n in zip(reqs, lengths):
+                k, v = r.kv[layer]
+                pad = longest - n
+                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            layers.append((torch.stack(keys), torch.stack(values)))
+        mask = torch.zeros((len(reqs), longest + 1), dtype=torch.long)
+        for i, n in enumerate(lengths):
+            mask[i, longest - n:] = 1
+        ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]] for r in reqs])
+        positions = torch.tensor([[n] for n in lengths])
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=DynamicCache(layers), use_cache=True)
+        self._keep_cache(reqs, out.past_key_values, longest + 1, [n + 1 for n in lengths])
+        return out.logits[:, -1].float()
+
+    @staticmethod
+    def _keep_cache(reqs: list[Request], cache, padded: int, lengths: list[int]) -> None:
+        per_layer = [(layer.keys, layer.values) for layer in cache.layers]
+        for i, (r, n) in enumerate(zip(reqs, lengths)):
+            r.kv = [(k[i, :, padded - n:].clone(), v[i, :, padded - n:].clone()) for k, v in per_layer]
 
     @staticmethod
     def _finish(r: Request, reason: dict[str, Any], finished: list[Request]) -> None:

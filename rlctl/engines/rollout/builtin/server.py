@@ -218,7 +218,7 @@ class BuiltinServer:
         return ok("continued")
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # No KV cache is kept (see engine.py); like SGLang, refuse while requests are running.
+        # Caches live with their requests (see engine.py); like SGLang, refuse while requests run.
         if self.engine is not None and not self.engine.idle:
             return web.Response(status=400, text="cannot flush while requests are running")
         return web.Response(status=200, text="Cache flushed.")

@@ -1,0 +1,123 @@
+"""Admission: which generation request goes to the servers next, and how many are out at once.
+
+Every request of a group is keyed (group id, sample index); group ids grow in the order groups
+are opened, so a smaller key belongs to a group that an earlier train batch needs.
+
+- fifo: every request goes out at once, in the order it was made (a rollout batch floods the
+  servers, which queue what they cannot run). This is how sync systems such as Slime dispatch.
+- frontier: at most `bound` requests are out; when one returns, the smallest waiting key goes
+  next. The groups of the next train batch (the frontier) are therefore generated first and
+  complete early and steadily, instead of all groups finishing together at the end.
+
+Both can be closed (no new request goes out, e.g. during a weight update) and drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from typing import Protocol
+
+Key = tuple[int, int]
+
+
+class Admission(Protocol):
+    in_flight: int
+
+    async def acquire(self, key: Key) -> None:
+        """Wait until this request may go to a server."""
+
+    def release(self) -> None:
+        """The request came back (done, aborted or failed)."""
+
+    def close(self) -> None:
+        """Hold every new request until open() (in-flight ones continue)."""
+
+    def open(self) -> None: ...
+
+    async def drained(self) -> None:
+        """Return when nothing is in flight."""
+
+
+class _Gate:
+    """Shared open/closed and in-flight accounting."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.is_open = True
+        self._changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        self.is_open = False
+
+    async def drained(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.in_flight == 0)
+
+
+class FifoAdmission(_Gate):
+    def __init__(self) -> None:
+        super().__init__()
+
+    async def acquire(self, key: Key) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.is_open)
+            self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        asyncio.get_running_loop().create_task(self._notify())
+
+    def open(self) -> None:
+        self.is_open = True
+        asyncio.get_running_loop().create_task(self._notify())
+
+
+class FrontierAdmission(_Gate):
+    def __init__(self, bound: int) -> None:
+        super().__init__()
+        self.bound = bound
+        self._waiting: list[tuple[Key, int, asyncio.Future[None]]] = []
+        self._tie = itertools.count()
+
+    async def acquire(self, key: Key) -> None:
+        if self.is_open and self.in_flight < self.bound and not self._waiting:
+            self.in_flight += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (key, next(self._tie), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # admitted just as we were cancelled: give the slot back
+            else:
+                self._waiting = [w for w in self._waiting if w[2] is not fut]
+                heapq.heapify(self._waiting)
+            raise
+
+    def _admit_waiting(self) -> None:
+        while self.is_open and self.in_flight < self.bound and self._waiting:
+            _, _, fut = heapq.heappop(self._waiting)
+            if fut.done():
+                continue
+            self.in_flight += 1
+            fut.set_result(None)
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self._admit_waiting()
+        asyncio.get_running_loop().create_task(self._notify())
+
+    def open(self) -> None:
+        self.is_open = True
+        self._admit_waiting()
+
+
+def make_admission(kind: str, bound: int) -> Admission:
+    return FrontierAdmission(bound) if kind == "frontier" else FifoAdmission()

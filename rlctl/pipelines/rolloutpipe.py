@@ -1,0 +1,31 @@
+"""`pipeline.mode: rolloutpipe`: sync's on-policy data, without sync's idle trainer.
+
+Weights stay at version k for the whole rollout batch, exactly as in sync. But:
+- complete-group pipelining: each complete trainable group goes to the trainer the moment it
+  is materialized, and a train batch starts as soon as `groups_per_batch` groups are there;
+- frontier-group dispatch (pipeline.admission=frontier): the servers get the requests of the
+  groups the next train batch needs first, with a bounded number in flight, so trainer-ready
+  groups arrive early and steadily instead of all at the end.
+The weights are broadcast after the rollout batch's last train batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlctl.pipelines.base import Pipeline
+
+
+class RolloutPipePipeline(Pipeline):
+    async def step(self, step: int) -> None:
+        producing = asyncio.ensure_future(self.producer.run_batch(step, self.batch_size, self.over_provision))
+        try:
+            for _ in range(self.batch_size // self.groups_per_batch):
+                groups = [await self.producer.get() for _ in range(self.groups_per_batch)]
+                await self.train(step, groups)
+        finally:
+            if not producing.done():
+                producing.cancel()
+            await asyncio.gather(producing, return_exceptions=True)
+        producing.result()
+        await self.sync_weights(step)

@@ -1,0 +1,94 @@
+"""Pipeline modes side by side on one workload: sync, rolloutpipe (frontier), rolloutpipe (fifo)
+and async, run for real, interleaved, and compared in one table with ratios to sync.
+
+    python scripts/bench_pipelines.py [--recipe recipes/bench-longtail.yaml] [--rounds 1] [KEY=VALUE ...]
+
+Each round runs every mode once with the same recipe and seed (rounds use seeds 0, 1, ...), so
+slow drift of the machine hits all modes alike. Per run, the medians over steps (the first step
+left out: it includes start-up effects) are taken; the table shows the median over rounds.
+How rollout and training were kept apart on this machine (CPU pinning from the recipe) is
+printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+MODES = [
+    ("sync", ["pipeline.mode=sync", "pipeline.admission=fifo"]),
+    ("rolloutpipe-frontier", ["pipeline.mode=rolloutpipe", "pipeline.admission=frontier"]),
+    ("rolloutpipe-fifo", ["pipeline.mode=rolloutpipe", "pipeline.admission=fifo"]),
+    ("async", ["pipeline.mode=async", "pipeline.admission=frontier"]),
+]
+COLUMNS = [
+    ("rollout_to_train_end", "r2t end s"),
+    ("trainer_wait_ratio", "wait ratio"),
+    ("wait_time_ratio", "slime wait"),
+    ("step_time", "step s"),
+    ("efficiency", "eff/bound"),
+    ("rollout_idle_ratio", "srv idle"),
+    ("reward_mean", "reward"),
+]
+
+
+def run_mode(recipe: Path, overrides: list[str], out: Path) -> list[dict]:
+    cmd = [sys.executable, "-m", "rlctl", "launch", str(recipe), f"run.output_dir={out}", *overrides]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"run failed ({' '.join(overrides)}):\n{res.stderr[-2000:]}")
+    run_id = res.stdout.strip().splitlines()[-1]
+    return [json.loads(line) for line in (out / run_id / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def summarize(metrics: list[dict]) -> dict[str, float]:
+    steps = metrics[1:] if len(metrics) > 1 else metrics
+    return {key: statistics.median(m[key] for m in steps) for key, _ in COLUMNS}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", type=Path, default=REPO / "recipes" / "bench-longtail.yaml")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--modes", default=",".join(name for name, _ in MODES))
+    p.add_argument("--json", type=Path, help="also write the per-run summaries here")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    chosen = [(n, o) for n, o in MODES if n in a.modes.split(",")]
+
+    results: dict[str, list[dict[str, float]]] = {n: [] for n, _ in chosen}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(a.rounds):
+            for name, mode_overrides in chosen:
+                metrics = run_mode(a.recipe, [*a.overrides, f"run.seed={rnd}", *mode_overrides], Path(tmp) / "runs")
+                results[name].append(summarize(metrics))
+                print(f"round {rnd} {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in results[name][-1].items()),
+                      file=sys.stderr, flush=True)
+
+    table = {n: {k: statistics.median(r[k] for r in runs) for k, _ in COLUMNS} for n, runs in results.items()}
+    base = table.get("sync")
+    print(f"recipe {a.recipe.name} {' '.join(a.overrides)}; {a.rounds} round(s), medians over steps 1..N and rounds")
+    print(f"machine: {os.cpu_count()} cores; pinning from the recipe (rollout.cpus / train.cpus), 1 torch thread each")
+    header = f"{'mode':22}" + "".join(f"{label:>12}" for _, label in COLUMNS)
+    print(header)
+    for name, row in table.items():
+        print(f"{name:22}" + "".join(f"{row[k]:12.3f}" for k, _ in COLUMNS))
+    if base:
+        print(f"{'ratio to sync':22}")
+        for name, row in table.items():
+            cells = "".join(f"{(row[k] / base[k] if base[k] else float('nan')):12.2f}" for k, _ in COLUMNS)
+            print(f"{'  ' + name:22}{cells}")
+    if a.json:
+        a.json.write_text(json.dumps({"table": table, "runs": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
