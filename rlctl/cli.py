@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from rlctl.commands import cancel, launch, logs, status
+from rlctl.commands import cancel, launch, logs, simulate, status, trace
 from rlctl.errors import RlctlError
 
 app = typer.Typer(
@@ -33,6 +33,8 @@ app.command("launch", no_args_is_help=True)(launch.launch)
 app.command("status")(status.status)
 app.command("cancel", no_args_is_help=True)(cancel.cancel)
 app.command("logs", no_args_is_help=True)(logs.logs)
+app.command("simulate", no_args_is_help=True)(simulate.simulate)
+app.command("trace", no_args_is_help=True)(trace.trace)
 
 
 def main() -> None:

@@ -8,37 +8,20 @@ metrics (computed from the events) to metrics.jsonl.
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
-from rlctl.data import prompt_stream
 from rlctl.engines.rollout.client import GenerateOutput, RolloutClient, SamplingRequest
 from rlctl.errors import RunError
 from rlctl.metrics import step_metrics
-from rlctl.pipelines.admission import make_admission
-from rlctl.pipelines.async_ import AsyncPipeline
-from rlctl.pipelines.base import Pipeline
-from rlctl.pipelines.core import (
-    Clock,
-    EventSink,
-    GroupProducer,
-    GroupRunner,
-    MonotonicClock,
-    Rollout,
-    RolloutPool,
-    Trainer,
-)
-from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
-from rlctl.pipelines.sync import SyncPipeline
+from rlctl.pipelines.build import build_pipeline
+from rlctl.pipelines.core import MonotonicClock
 from rlctl.plan import RunPlan
-from rlctl.recipe import PipelineMode, Recipe
+from rlctl.recipe import Recipe
 from rlctl.rewards.verifiers import make_verifier
 from rlctl.rundir import RunDir
-from rlctl.workloads import LengthDistribution
 
 log = logging.getLogger("rlctl.controller")
 
@@ -130,35 +113,3 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             verify=make_verifier(recipe.reward),
         )
         await pipeline.run(recipe.run.steps)
-
-
-def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
-                   on_step_end: Callable[[int], None], *, tokenize: Callable[[str], list[int]],
-                   detokenize: Callable[[list[int]], str], verify: Callable[[str, str], float]) -> Pipeline:
-    """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated)."""
-    s = recipe.rollout.sampling
-    sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                               top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
-    lengths = None
-    if s.long_tail.enabled:
-        lt = s.long_tail
-        dist = LengthDistribution(s.max_new_tokens, lt.median_fraction, lt.sigma, lt.min_tokens, lt.truncated_fraction)
-        rng = random.Random(recipe.run.seed)
-        lengths = lambda: dist.sample(rng)  # noqa: E731
-    p = recipe.pipeline
-    mode = PipelineMode(p.mode)
-    admission = make_admission(p.admission, recipe.rollout.concurrency * len(servers))
-    runner = GroupRunner(
-        RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize,
-        detokenize=detokenize, verify=verify, clock=clock, emit=emit, lengths=lengths,
-        resume_aborted=mode is PipelineMode.ASYNC and p.inflight_at_update == "abort_resume",
-    )
-    producer = GroupProducer(runner, prompt_stream(recipe.data, recipe.run.seed),
-                             dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit)
-    common = dict(batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,
-                  clock=clock, emit=emit, on_step_end=on_step_end, over_provision=recipe.rollout.over_provision)
-    if mode is PipelineMode.ASYNC:
-        return AsyncPipeline(producer, trainer, admission=admission, max_staleness=p.max_staleness,
-                             sync_every=p.sync_every, inflight_at_update=p.inflight_at_update, **common)
-    cls = SyncPipeline if mode is PipelineMode.SYNC else RolloutPipePipeline
-    return cls(producer, trainer, **common)

@@ -124,3 +124,54 @@ def step_metrics(events: Iterable[dict[str, Any]], step: int) -> dict[str, Any]:
         if values:
             m[key] = statistics.fmean(values)
     return m
+
+
+def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[str, Any]:
+    """The run's timeline as Chrome trace JSON (opens in Perfetto / chrome://tracing): one track per
+    rollout server (each sample's request), one per trainer rank (train batches, weight syncs),
+    and one for the controller (steps)."""
+    t0 = min((e["t"] for e in events), default=0.0)
+    out: list[dict[str, Any]] = []
+
+    def us(t: float) -> float:
+        return round((t - t0) * 1e6, 1)
+
+    def span(name: str, pid: int, tid: int, start: float, end: float, **args: Any) -> None:
+        out.append({"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": us(start),
+                    "dur": max(0.0, round((end - start) * 1e6, 1)), "args": args})
+
+    servers = sorted({s for e in events if e["event"] == "group_completed" for s in e.get("servers", [])})
+    tid_of = {s: i for i, s in enumerate(servers)}
+    for pid, name in ((1, "rollout servers"), (2, "trainer"), (3, "controller")):
+        out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+    for server, tid in tid_of.items():
+        out.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": server}})
+    for rank in range(trainer_ranks):
+        out.append({"name": "thread_name", "ph": "M", "pid": 2, "tid": rank, "args": {"name": f"trainer-{rank}"}})
+    out.append({"name": "thread_name", "ph": "M", "pid": 3, "tid": 0, "args": {"name": "steps"}})
+
+    open_spans: dict[tuple[str, Any], dict[str, Any]] = {}
+    for e in sorted(events, key=lambda e: e["t"]):
+        kind = e["event"]
+        if kind == "group_completed":
+            for i, (server, a, b) in enumerate(zip(e.get("servers", []), e.get("starts", []), e.get("ends", []))):
+                span(f"g{e['group']}", 1, tid_of[server], a, b, group=e["group"], sample=i, step=e["step"],
+                     tokens=e["lengths"][i], reward=e["rewards"][i], version=e["versions"][i])
+        elif kind in ("train_start", "sync_start", "step_start"):
+            open_spans[(kind.split("_")[0], e.get("batch", e["step"]))] = e
+        elif kind in ("train_end", "sync_end", "step_end"):
+            what = kind.split("_")[0]
+            start = open_spans.pop((what, e.get("batch", e["step"])), None)
+            if start is None:
+                continue
+            if what == "step":
+                span(f"step {e['step']}", 3, 0, start["t"], e["t"], step=e["step"], version=e.get("version"))
+                continue
+            label = f"train batch {e['batch']}" if what == "train" else f"weight sync v{e.get('version', '?')}"
+            for rank in range(trainer_ranks):
+                span(label, 2, rank, start["t"], e["t"], step=e["step"], version=e.get("version"))
+        elif kind in ("group_dropped", "server_up", "server_down"):
+            out.append({"name": kind, "ph": "i", "s": "p", "pid": 3 if kind == "group_dropped" else 1,
+                        "tid": tid_of.get(e.get("role"), 0), "ts": us(e["t"]),
+                        "args": {k: v for k, v in e.items() if k not in ("t", "event")}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}

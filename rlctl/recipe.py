@@ -207,6 +207,8 @@ class TrainConfig:
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty against the initial model (0 = off, no reference copy kept)."""
     grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192
+    """Most padded tokens per forward/backward; a train batch is split by length to fit."""
     sync_bucket_mb: float = 64.0
     """Size of one weight-broadcast bucket in MiB."""
 
@@ -233,6 +235,28 @@ class PipelineConfig:
 
 
 @dataclass(kw_only=True)
+class SimConfig:
+    """`rlctl simulate`: the cluster and model the cost model prices (rlctl/sim/cost.py)."""
+
+    gpu: str = "h200"
+    """h200 | h100 | a100 | cpu"""
+    params_b: float = 1.7
+    """Model size in billions of parameters (bf16)."""
+    rollout_gpus: int = 8
+    trainer_gpus: int = 8
+    tp: int = 1
+    """GPUs per rollout server; the simulation has rollout_gpus / tp servers."""
+    prompt_tokens: int = 256
+    reward_rate: float = 0.5
+    """Chance that a simulated sample is right (drives dynamic sampling's drop rate)."""
+    mfu_train: float = 0.4
+    mfu_prefill: float = 0.5
+    decode_bw_efficiency: float = 0.7
+    decode_step_overhead_s: float = 0.0
+    train_step_overhead_s: float = 0.0
+
+
+@dataclass(kw_only=True)
 class WandbConfig:
     mode: str = "disabled"
     project: str = "rlctl"
@@ -254,6 +278,7 @@ class Recipe:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     launcher: str = "local"
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
     @property
     def train_batches_per_step(self) -> int:
@@ -264,8 +289,12 @@ class Recipe:
 # Loading
 
 
-def load_recipe(path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a recipe file, apply `key=value` overrides, and return a validated Recipe."""
+def load_recipe(path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = (),
+                check_paths: bool = True) -> Recipe:
+    """Read a recipe file, apply `key=value` overrides, and return a validated Recipe.
+
+    check_paths=False skips the checks that local files exist (model, data): a simulation of a
+    cluster run needs neither."""
     file = str(path)
     try:
         text = Path(path).read_text()
@@ -276,7 +305,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: list[str] | tuple[str, 
     recipe = recipe_from_yaml(text, file, overrides)
     base = Path(path).resolve().parent
     _resolve_relative_paths(recipe, base)
-    validate(recipe, file)
+    validate(recipe, file, check_paths)
     return recipe
 
 
@@ -416,7 +445,7 @@ def _positive(file: str, key: str, value: float, *, zero_ok: bool = False) -> No
         raise RecipeError(file, key, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 
 
-def validate(recipe: Recipe, file: str) -> None:
+def validate(recipe: Recipe, file: str, check_paths: bool = True) -> None:
     r = recipe
     _positive(file, "run.steps", r.run.steps)
     _positive(file, "run.threads_per_process", r.run.threads_per_process)
@@ -425,7 +454,7 @@ def validate(recipe: Recipe, file: str) -> None:
 
     if (r.model.path is None) == (r.model.init is None):
         raise RecipeError(file, "model", "set exactly one of model.path (a local HF directory) or model.init (build a tiny model)")
-    if r.model.path is not None:
+    if r.model.path is not None and check_paths:
         p = Path(os.path.expanduser(r.model.path))
         if not (p / "config.json").is_file():
             raise RecipeError(file, "model.path", f"'{r.model.path}' is not a Hugging Face model directory (no config.json); give a local model directory")
@@ -448,7 +477,7 @@ def validate(recipe: Recipe, file: str) -> None:
     else:
         if not r.data.path:
             raise RecipeError(file, "data.path", "data.source=jsonl needs data.path, a JSONL file of prompt/answer rows")
-        if not Path(os.path.expanduser(r.data.path)).is_file():
+        if check_paths and not Path(os.path.expanduser(r.data.path)).is_file():
             raise RecipeError(file, "data.path", f"'{r.data.path}' does not exist; give a JSONL file of prompt/answer rows")
 
     if r.model.init is not None and r.model.init.warmup_steps > 0 and r.data.source != DataSource.TASK:
@@ -495,6 +524,7 @@ def validate(recipe: Recipe, file: str) -> None:
     _positive(file, "train.clip_eps", t.clip_eps)
     _positive(file, "train.kl_coef", t.kl_coef, zero_ok=True)
     _positive(file, "train.grad_clip", t.grad_clip)
+    _positive(file, "train.micro_batch_tokens", t.micro_batch_tokens)
     _positive(file, "train.sync_bucket_mb", t.sync_bucket_mb)
 
     _choice(file, "pipeline.mode", r.pipeline.mode, PipelineMode)
@@ -517,5 +547,18 @@ def validate(recipe: Recipe, file: str) -> None:
         if bad:
             raise RecipeError(file, key, f"cores {bad} do not exist here (0..{ncpu - 1}); leave it empty to not pin")
     _choice(file, "launcher", r.launcher, Launcher)
+    sim = r.sim
+    from rlctl.sim.cost import HARDWARE
+
+    if sim.gpu not in HARDWARE:
+        raise RecipeError(file, "sim.gpu", f"'{sim.gpu}' is not one of {', '.join(HARDWARE)}")
+    for key in ("params_b", "rollout_gpus", "trainer_gpus", "tp", "prompt_tokens", "mfu_train", "mfu_prefill",
+                "decode_bw_efficiency"):
+        _positive(file, f"sim.{key}", getattr(sim, key))
+    if sim.rollout_gpus % sim.tp:
+        raise RecipeError(file, "sim.tp", f"{sim.tp} does not divide sim.rollout_gpus ({sim.rollout_gpus})")
+    if not 0.0 <= sim.reward_rate <= 1.0:
+        raise RecipeError(file, "sim.reward_rate", f"must be in [0, 1], got {sim.reward_rate}")
+
     if r.tracking.wandb.mode != "disabled":
         raise RecipeError(file, "tracking.wandb.mode", "wandb tracking is not available in this version of rlctl; set it to disabled")

@@ -97,3 +97,17 @@ def test_overlapped_step_waits_less():
 def test_missing_step_is_an_error():
     with pytest.raises(ValueError):
         step_metrics(timeline(), 5)
+
+
+def test_chrome_trace_has_a_track_per_server_and_rank():
+    from rlctl.metrics import chrome_trace
+
+    trace = chrome_trace(timeline(), trainer_ranks=2)["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    assert names == {(1, 0): "r0", (1, 1): "r1", (2, 0): "trainer-0", (2, 1): "trainer-1", (3, 0): "steps"}
+    samples = [e for e in trace if e["ph"] == "X" and e["pid"] == 1]
+    assert len(samples) == 4 and all(e["dur"] > 0 for e in samples)
+    trains = [e for e in trace if e["ph"] == "X" and e["pid"] == 2 and e["name"].startswith("train")]
+    assert sorted((e["tid"], e["ts"], e["dur"]) for e in trains) == [
+        (0, 4e6, 1e6), (0, 5e6, 2e6), (1, 4e6, 1e6), (1, 5e6, 2e6)]
+    assert [e["name"] for e in trace if e["pid"] == 3 and e["ph"] == "X"] == ["step 0"]

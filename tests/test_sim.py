@@ -304,3 +304,21 @@ def test_many_requests_on_four_servers_is_fast() -> None:
     assert max(r[1] for r in results) == t_end
     assert all(0 < s.busy_seconds <= t_end for s in servers)
     assert wall < 2.0
+
+
+def test_abort_one_request_frees_its_place():
+    cost = CostModel(HARDWARE["h200"], ModelShape.from_params_b(1.0))
+
+    async def scenario():
+        server = SimServer("s", cost, max_running=1)
+        long = asyncio.ensure_future(server.generate(10, 1000, key="long"))
+        short = asyncio.ensure_future(server.generate(10, 5, key="short"))
+        await asyncio.sleep(cost.decode_step_seconds(1) * 10.5)
+        server.abort("long")
+        t0, t1, tokens = await long
+        assert 10 <= tokens <= 11
+        s0, s1, stokens = await short
+        assert stokens == 5 and s0 == t1  # the short one ran as soon as the long one left
+        return server
+
+    run_virtual(scenario())

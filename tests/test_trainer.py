@@ -76,3 +76,15 @@ def test_on_policy_logprobs_match_the_servers_definition(tiny_model_dir):
         logits = engine.model(input_ids=ids).logits[0, :-1] / 0.7
     manual = torch.log_softmax(logits, -1)[torch.arange(len(s.prompt_ids) - 1, ids.shape[1] - 1), ids[0, len(s.prompt_ids):]]
     torch.testing.assert_close(torch.tensor(lps[0]), manual, rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_give_the_same_gradient(tiny_model_dir):
+    """Splitting a train batch by length (less padding) must not change the step."""
+    whole = TorchTrainEngine(str(tiny_model_dir), CONFIG, temperature=1.0, rank=0, world_size=1)
+    split = TorchTrainEngine(str(tiny_model_dir), TrainConfig(lr=1e-2, grad_clip=1e9, micro_batch_tokens=40),
+                             temperature=1.0, rank=0, world_size=1)
+    a, b = whole.train_batch(make_samples()), split.train_batch(make_samples())
+    assert a["micro_batches"] == 1 and b["micro_batches"] >= 4
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    for (name, p), (_, q) in zip(whole.model.named_parameters(), split.model.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-8, msg=name)

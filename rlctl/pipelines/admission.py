@@ -41,41 +41,45 @@ class Admission(Protocol):
 
 
 class _Gate:
-    """Shared open/closed and in-flight accounting."""
+    """Open/closed and in-flight accounting, with events instead of polling."""
 
     def __init__(self) -> None:
         self.in_flight = 0
         self.is_open = True
-        self._changed = asyncio.Condition()
+        self._opened = asyncio.Event()
+        self._opened.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def _took(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _gave_back(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
 
     def close(self) -> None:
         self.is_open = False
-
-    async def drained(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.in_flight == 0)
-
-
-class FifoAdmission(_Gate):
-    def __init__(self) -> None:
-        super().__init__()
-
-    async def acquire(self, key: Key) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.is_open)
-            self.in_flight += 1
-
-    def release(self) -> None:
-        self.in_flight -= 1
-        asyncio.get_running_loop().create_task(self._notify())
+        self._opened.clear()
 
     def open(self) -> None:
         self.is_open = True
-        asyncio.get_running_loop().create_task(self._notify())
+        self._opened.set()
+
+    async def drained(self) -> None:
+        await self._idle.wait()
+
+
+class FifoAdmission(_Gate):
+    async def acquire(self, key: Key) -> None:
+        while not self.is_open:
+            await self._opened.wait()
+        self._took()
+
+    def release(self) -> None:
+        self._gave_back()
 
 
 class FrontierAdmission(_Gate):
@@ -87,7 +91,7 @@ class FrontierAdmission(_Gate):
 
     async def acquire(self, key: Key) -> None:
         if self.is_open and self.in_flight < self.bound and not self._waiting:
-            self.in_flight += 1
+            self._took()
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (key, next(self._tie), fut))
@@ -106,16 +110,15 @@ class FrontierAdmission(_Gate):
             _, _, fut = heapq.heappop(self._waiting)
             if fut.done():
                 continue
-            self.in_flight += 1
+            self._took()
             fut.set_result(None)
 
     def release(self) -> None:
-        self.in_flight -= 1
+        self._gave_back()
         self._admit_waiting()
-        asyncio.get_running_loop().create_task(self._notify())
 
     def open(self) -> None:
-        self.is_open = True
+        super().open()
         self._admit_waiting()
 
 

@@ -9,6 +9,7 @@ virtual time, and the scheduling code stays the same.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 
 from rlctl.algos.grpo import group_advantages
 from rlctl.data import Prompt
-from rlctl.engines.rollout.client import GenerateOutput, SamplingRequest
+from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest
 from rlctl.pipelines.admission import Admission
 
 
@@ -62,6 +63,8 @@ class Sample:
     reward: float
     versions: list[int]
     """Weight version of each generated segment (more than one after an abort-and-resume)."""
+    n_tokens: int
+    """Generated tokens (a simulated server generates counts, not token ids)."""
     server: str
     t_start: float
     t_end: float
@@ -100,29 +103,46 @@ class Group:
         """JSON rows for the trainer, with group-normalized advantages."""
         advantages = group_advantages(self.rewards)
         return [
-            {"prompt_ids": s.prompt_ids, "response_ids": s.output_ids, "advantage": a,
-             "logprobs": s.logprobs, "weight_version": s.weight_version}
+            {"prompt_ids": s.prompt_ids, "response_ids": s.output_ids, "response_tokens": s.n_tokens,
+             "advantage": a, "logprobs": s.logprobs, "weight_version": s.weight_version}
             for s, a in zip(self.samples, advantages)
         ]
 
 
 class RolloutPool:
     """Spreads requests over the servers (data parallelism = several servers): each request goes
-    to the server with the fewest requests in flight. How many go out is admission's business."""
+    to the server with the fewest requests in flight. How many go out is admission's business.
+
+    A heap of (load, order, server) with lazy deletion finds that server in O(log n), which
+    matters for simulated runs with hundreds of servers and tens of thousands of requests."""
 
     def __init__(self, servers: list[Rollout]) -> None:
         self.servers = servers
         self.in_flight = {s.name: 0 for s in servers}
         self.where: dict[str, Rollout] = {}
+        self._heap = [(0, i, s.name) for i, s in enumerate(servers)]
+        self._order = {s.name: i for i, s in enumerate(servers)}
+        self._by_name = {s.name: s for s in servers}
+
+    def _least_busy(self) -> Rollout:
+        while True:
+            load, _, name = self._heap[0]
+            if load == self.in_flight[name]:
+                return self._by_name[name]
+            heapq.heappop(self._heap)  # stale entry
+
+    def _set_load(self, name: str, delta: int) -> None:
+        self.in_flight[name] += delta
+        heapq.heappush(self._heap, (self.in_flight[name], self._order[name], name))
 
     async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str) -> tuple[Rollout, GenerateOutput]:
-        server = min(self.servers, key=lambda s: self.in_flight[s.name])
-        self.in_flight[server.name] += 1
+        server = self._least_busy()
+        self._set_load(server.name, +1)
         self.where[rid] = server
         try:
             return server, await server.generate(input_ids, sampling, rid)
         finally:
-            self.in_flight[server.name] -= 1
+            self._set_load(server.name, -1)
             self.where.pop(rid, None)
 
     async def abort(self, rids: list[str]) -> None:
@@ -173,6 +193,7 @@ class GroupRunner:
         output: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        n_tokens = 0
         t0: float | None = None
         segment = 0
         while True:
@@ -183,7 +204,7 @@ class GroupRunner:
                     self.emit("group_admitted", t0, step=group.step, group=group.id, prompt=group.prompt.index)
             rid = f"g{group.id}-s{index}-{segment}"
             self.rids_of[group.id].add(rid)
-            remaining = SamplingRequest(**{**request.__dict__, "max_new_tokens": request.max_new_tokens - len(output)})
+            remaining = SamplingRequest(**{**request.__dict__, "max_new_tokens": request.max_new_tokens - n_tokens})
             try:
                 server, out = await self.pool.generate(group.prompt_ids + output, remaining, rid)
             finally:
@@ -191,17 +212,18 @@ class GroupRunner:
                 self.admission.release()
             output += out.output_ids
             logprobs += out.logprobs
-            if out.output_ids or not versions:
+            n_tokens += out.completion_tokens
+            if out.completion_tokens or not versions:
                 versions.append(int(out.weight_version))
             reason = str(out.finish_reason.get("type", ""))
             # Partial rollout: a request aborted by a weight update resumes from where it stopped.
-            if reason != "abort" or not self.resume_aborted or group.cancelled or len(output) >= request.max_new_tokens:
+            if reason != "abort" or not self.resume_aborted or group.cancelled or n_tokens >= request.max_new_tokens:
                 break
             segment += 1
         text = self.detokenize(output)
         return Sample(group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=output,
                       logprobs=logprobs, text=text, reward=self.verify(text, group.prompt.answer),
-                      versions=versions, server=server.name, t_start=t0, t_end=self.clock.now(),
+                      versions=versions, n_tokens=n_tokens, server=server.name, t_start=t0, t_end=self.clock.now(),
                       finish_reason=reason)
 
 
@@ -281,7 +303,7 @@ class GroupProducer:
         now = self.clock.now()
         self.emit(
             "group_completed", now, step=group.step, group=group.id,
-            rewards=[x.reward for x in s], lengths=[len(x.output_ids) for x in s],
+            rewards=[x.reward for x in s], lengths=[x.n_tokens for x in s],
             versions=[x.weight_version for x in s], segments=[len(x.versions) for x in s],
             servers=[x.server for x in s], starts=[x.t_start for x in s], ends=[x.t_end for x in s],
         )

@@ -29,10 +29,11 @@ from rlctl.sim.cost import CostModel
 
 
 class _Request:
-    __slots__ = ("future", "prompt_tokens", "new_tokens", "t_start", "admitted_at")
+    __slots__ = ("future", "prompt_tokens", "new_tokens", "t_start", "admitted_at", "key")
 
     def __init__(self, future: asyncio.Future[tuple[float, float, int]], prompt_tokens: int,
-                 new_tokens: int) -> None:
+                 new_tokens: int, key: str | None = None) -> None:
+        self.key = key
         self.future = future
         self.prompt_tokens = prompt_tokens
         self.new_tokens = new_tokens
@@ -77,13 +78,14 @@ class SimServer:
         self._timer_steps = 0
         self._busy = 0.0
         self._tokens = 0
+        self._aborting: set[str] = set()
 
-    async def generate(self, prompt_tokens: int, new_tokens: int) -> tuple[float, float, int]:
+    async def generate(self, prompt_tokens: int, new_tokens: int, key: str | None = None) -> tuple[float, float, int]:
         """Queue a request for `new_tokens` tokens after a `prompt_tokens` prompt, and wait for it.
 
         Returns (t_start, t_end, tokens): the virtual time it joined the running batch, the time it
         finished, and the tokens it got (`new_tokens`, fewer if aborted; an aborted request that
-        never ran has t_start == t_end and 0 tokens)."""
+        never ran has t_start == t_end and 0 tokens). `key` names the request for `abort`."""
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
         loop = asyncio.get_running_loop()
@@ -91,7 +93,7 @@ class SimServer:
             self._loop = loop
         elif self._loop is not loop:
             raise RuntimeError(f"SimServer {self.name} is bound to another event loop")
-        request = _Request(loop.create_future(), prompt_tokens, new_tokens)
+        request = _Request(loop.create_future(), prompt_tokens, new_tokens, key)
         self._queue.append(request)
         self._wake()
         return await request.future
@@ -131,6 +133,7 @@ class SimServer:
         aborted = len(self._running) + len(self._queue)
         self._running.clear()
         self._queue.clear()
+        self._aborting.clear()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -138,6 +141,36 @@ class SimServer:
         self._prefill_owed = 0.0
         self._seg_start = t
         return aborted
+
+    def abort(self, key: str) -> None:
+        """Abort one request: a queued one at once (0 tokens); a running one at the next step
+        boundary, with the tokens it has by then, freeing its place in the batch."""
+        for request in self._queue:
+            if request.key == key:
+                self._queue.remove(request)
+                request.t_start = self._now()
+                self._finish(request, request.t_start, 0)
+                return
+        if any(r.key == key for _, _, r in self._running):
+            self._aborting.add(key)
+            if self._active:
+                self._schedule(self._next_boundary(self._now()))
+            else:
+                self._drop_aborting(self._now())
+
+    def _drop_aborting(self, t: float) -> None:
+        if not self._aborting:
+            return
+        keep = []
+        for entry in self._running:
+            request = entry[2]
+            if request.key in self._aborting:
+                self._finish(request, t, self._counter - request.admitted_at)
+            else:
+                keep.append(entry)
+        heapq.heapify(keep)
+        self._running = keep
+        self._aborting.clear()
 
     @property
     def busy_seconds(self) -> float:
@@ -231,6 +264,7 @@ class SimServer:
         while self._running and self._running[0][0] <= self._counter:
             request = heapq.heappop(self._running)[2]
             self._finish(request, t, request.new_tokens)
+        self._drop_aborting(t)
         self._start_segment(t)
 
     def _start_segment(self, t: float) -> None:

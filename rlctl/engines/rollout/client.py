@@ -8,55 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, GenerateOutput, SamplingRequest, parse_version
 from rlctl.errors import RunError
 
-# First SGLang release that refuses weight updates outside begin/end_weight_update.
-UPDATE_SESSION_SINCE = (0, 5, 21)
-
-
-@dataclass
-class GenerateOutput:
-    rid: str
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: dict[str, Any]
-    weight_version: str
-    prompt_tokens: int
-    text: str | None = None
-
-
-@dataclass
-class SamplingRequest:
-    """What the controller asks of one sample; to_json() is SGLang's `sampling_params`."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
-        }
-
-
-def parse_version(text: str) -> tuple[int, ...] | None:
-    import re
-
-    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", text.strip())
-    return tuple(int(x) for x in m.groups()) if m else None
+__all__ = ["GenerateOutput", "RolloutClient", "SamplingRequest"]
 
 
 class RolloutClient:
@@ -151,6 +110,7 @@ class RolloutClient:
             finish_reason=meta.get("finish_reason") or {},
             weight_version=str(meta.get("weight_version", "")),
             prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
+            completion_tokens=int(meta.get("completion_tokens", len(data["output_ids"]))),
             text=data.get("text"),
         )
 

@@ -7,6 +7,7 @@ train batch, so the averaged gradient is the token-mean gradient of the batch wh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Iterable
@@ -72,43 +73,68 @@ class TorchTrainEngine:
             out.append(lp[i, start : start + len(s.response_ids)].tolist())
         return out
 
+    def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
+        """Split by length so that padding stays small: sorted by length, each micro-batch holds at
+        most micro_batch_tokens padded tokens (one over-long sample goes alone)."""
+        budget = self.cfg.micro_batch_tokens
+        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+        batches: list[list[TrainSample]] = []
+        current: list[TrainSample] = []
+        for s in ordered:
+            length = len(s.prompt_ids) + len(s.response_ids)
+            if current and (len(current) + 1) * length > budget:
+                batches.append(current)
+                current = []
+            current.append(s)
+        if current:
+            batches.append(current)
+        return batches
+
     def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
         start = time.monotonic()
         total_tokens = sum(len(s.response_ids) for s in samples)
-        mine = samples[self.rank :: self.world_size]
+        # DDP averages gradients over ranks; scale back up so the result is the batch's token mean.
+        normalizer = total_tokens / self.world_size
+        micro = self.micro_batches(samples[self.rank :: self.world_size])
         self.optimizer.zero_grad(set_to_none=True)
-        stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "logprob_diff": 0.0}
-        if mine:
-            ids, attn, mask, old, adv = self._batch_tensors(mine)
-            logits = self._forward_model()(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            lp = token_logprobs(logits, ids[:, 1:], self.temperature)
-            # DDP averages gradients over ranks; scale back up so the result is the batch's token mean.
-            normalizer = total_tokens / self.world_size
-            loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, normalizer)
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_lp = token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:], self.temperature)
-                kl = (k3_kl(lp, ref_lp) * mask).sum() / normalizer
-                loss = loss + self.cfg.kl_coef * kl
-                stats["kl"] = float(kl) / self.world_size
-            loss.backward()
-            n = mask.sum().clamp(min=1)
-            stats["loss"] = loss.item() / self.world_size  # per-rank share; the all-reduce sums them
-            stats["clip_frac"] = pstats["clip_frac"]
-            stats["logprob_diff"] = float(((lp.detach() - old).abs() * mask).sum() / n)
-        elif self.ddp is not None:
+        sums = {"loss": 0.0, "clip_tokens": 0.0, "kl": 0.0, "logprob_diff": 0.0, "tokens": 0.0}
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            # Gradients are all-reduced once, after the last micro-batch.
+            sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
+            with sync:
+                ids, attn, mask, old, adv = self._batch_tensors(mb)
+                logits = self._forward_model()(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                lp = token_logprobs(logits, ids[:, 1:], self.temperature)
+                loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, normalizer)
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                        ref_lp = token_logprobs(ref_logits, ids[:, 1:], self.temperature)
+                    kl = (k3_kl(lp, ref_lp) * mask).sum() / normalizer
+                    loss = loss + self.cfg.kl_coef * kl
+                    sums["kl"] += kl.item() / self.world_size
+                loss.backward()
+            n = float(mask.sum())
+            sums["loss"] += loss.item() / self.world_size  # per-rank share; the all-reduce sums them
+            sums["clip_tokens"] += pstats["clip_frac"] * n
+            sums["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
+            sums["tokens"] += n
+        if not micro and self.ddp is not None:
             # A rank with no samples must still join DDP's gradient all-reduce.
             (sum(p.sum() for p in self.model.parameters()) * 0.0).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.version += 1
+        packed = torch.tensor([sums["loss"], sums["kl"], sums["clip_tokens"], sums["logprob_diff"], sums["tokens"]])
         if self.world_size > 1:
-            packed = torch.tensor([stats["loss"], stats["clip_frac"], stats["kl"], stats["logprob_diff"]])
             dist.all_reduce(packed)
-            stats = dict(zip(stats, (packed / torch.tensor([1.0, self.world_size, 1.0, self.world_size])).tolist(), strict=False))
-        stats.update(grad_norm=float(grad_norm), tokens=float(total_tokens), samples=float(len(samples)),
-                     seconds=time.monotonic() - start, version=float(self.version))
-        return stats
+        loss, kl, clip_tokens, diff, tokens = packed.tolist()
+        return {
+            "loss": loss, "kl": kl, "clip_frac": clip_tokens / max(tokens, 1.0), "logprob_diff": diff / max(tokens, 1.0),
+            "grad_norm": float(grad_norm), "tokens": float(total_tokens), "samples": float(len(samples)),
+            "micro_batches": float(len(micro)), "seconds": time.monotonic() - start, "version": float(self.version),
+        }
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         # named_parameters() lists a tied lm_head once, under the embedding's name: the server's

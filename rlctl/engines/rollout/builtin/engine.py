@@ -15,6 +15,7 @@ right-padded forward pass.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -101,6 +102,8 @@ class Engine:
         self.model_lock = threading.Lock()
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        # transformers 5.2x renamed the forward argument past_key_values to cache.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokens_generated = 0
 
     def start(self) -> None:
@@ -225,8 +228,8 @@ class Engine:
         # Positions count real tokens only, so left padding does not shift them: the trainer
         # (right padding) sees the same positions for the same tokens.
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        self._keep_cache(reqs, out.past_key_values, length, [len(s) for s in seqs])
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        self._keep_cache(reqs, _cache_of(out), length, [len(s) for s in seqs])
         return out.logits[:, -1].float()
 
     def _decode(self, reqs: list[Request]) -> torch.Tensor:
@@ -250,9 +253,9 @@ class Engine:
             mask[i, longest - n:] = 1
         ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]] for r in reqs])
         positions = torch.tensor([[n] for n in lengths])
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=DynamicCache(layers), use_cache=True)
-        self._keep_cache(reqs, out.past_key_values, longest + 1, [n + 1 for n in lengths])
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_arg: DynamicCache(layers)})
+        self._keep_cache(reqs, _cache_of(out), longest + 1, [n + 1 for n in lengths])
         return out.logits[:, -1].float()
 
     @staticmethod
@@ -288,6 +291,11 @@ class Engine:
         sampled = torch.multinomial(probs / probs.sum(1, keepdim=True), 1, generator=self.generator).squeeze(1)
         tokens = torch.where(greedy, logits.argmax(-1), sampled)
         return tokens, logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def future_callback(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Request], None]:

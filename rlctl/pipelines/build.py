@@ -1,0 +1,49 @@
+"""Recipe -> the scheduler for its pipeline mode, over any servers and trainer (real or simulated)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from rlctl.data import prompt_stream
+from rlctl.engines.rollout.protocol import SamplingRequest
+from rlctl.pipelines.admission import make_admission
+from rlctl.pipelines.async_ import AsyncPipeline
+from rlctl.pipelines.base import Pipeline
+from rlctl.pipelines.core import Clock, EventSink, GroupProducer, GroupRunner, Rollout, RolloutPool, Trainer
+from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
+from rlctl.pipelines.sync import SyncPipeline
+from rlctl.recipe import PipelineMode, Recipe
+from rlctl.workloads import LengthDistribution
+
+
+def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
+                   on_step_end: Callable[[int], None], *, tokenize: Callable[[str], list[int]],
+                   detokenize: Callable[[list[int]], str], verify: Callable[[str, str], float]) -> Pipeline:
+    """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated)."""
+    s = recipe.rollout.sampling
+    sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                               top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
+    lengths = None
+    if s.long_tail.enabled:
+        lt = s.long_tail
+        dist = LengthDistribution(s.max_new_tokens, lt.median_fraction, lt.sigma, lt.min_tokens, lt.truncated_fraction)
+        rng = random.Random(recipe.run.seed)
+        lengths = lambda: dist.sample(rng)  # noqa: E731
+    p = recipe.pipeline
+    mode = PipelineMode(p.mode)
+    admission = make_admission(p.admission, recipe.rollout.concurrency * len(servers))
+    runner = GroupRunner(
+        RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize,
+        detokenize=detokenize, verify=verify, clock=clock, emit=emit, lengths=lengths,
+        resume_aborted=mode is PipelineMode.ASYNC and p.inflight_at_update == "abort_resume",
+    )
+    producer = GroupProducer(runner, prompt_stream(recipe.data, recipe.run.seed),
+                             dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit)
+    common = dict(batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,
+                  clock=clock, emit=emit, on_step_end=on_step_end, over_provision=recipe.rollout.over_provision)
+    if mode is PipelineMode.ASYNC:
+        return AsyncPipeline(producer, trainer, admission=admission, max_staleness=p.max_staleness,
+                             sync_every=p.sync_every, inflight_at_update=p.inflight_at_update, **common)
+    cls = SyncPipeline if mode is PipelineMode.SYNC else RolloutPipePipeline
+    return cls(producer, trainer, **common)
