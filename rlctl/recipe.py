@@ -188,6 +188,8 @@ class RolloutConfig:
     not leave the rollout batch waiting for late replacements. Leftovers are aborted."""
     cpus: list[int] = field(default_factory=list)
     """Pin rollout servers to these CPU cores (empty = no pinning)."""
+    device: str = "cpu"
+    """Where built-in servers run: cpu or cuda (server i uses cuda:i when there are enough GPUs)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -198,6 +200,8 @@ class TrainConfig:
     """Data-parallel trainer processes (torch.distributed, gloo on CPU)."""
     cpus: list[int] = field(default_factory=list)
     """Pin trainer ranks to these CPU cores (empty = no pinning)."""
+    device: str = "cpu"
+    """cpu or cuda (rank r uses cuda:r when there are enough GPUs)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
     groups_per_batch: int = 8
@@ -527,6 +531,9 @@ def validate(recipe: Recipe, file: str, check_paths: bool = True) -> None:
     _positive(file, "train.micro_batch_tokens", t.micro_batch_tokens)
     _positive(file, "train.sync_bucket_mb", t.sync_bucket_mb)
 
+    for key, dev in (("rollout.device", ro.device), ("train.device", t.device)):
+        if dev not in ("cpu", "cuda"):
+            raise RecipeError(file, key, f"'{dev}' is not one of cpu, cuda")
     _choice(file, "pipeline.mode", r.pipeline.mode, PipelineMode)
     _choice(file, "pipeline.admission", r.pipeline.admission, Admission)
     _choice(file, "pipeline.inflight_at_update", r.pipeline.inflight_at_update, InflightAtUpdate)

@@ -41,6 +41,15 @@ def _threads(recipe: Recipe, cpus: list[int] | None = None) -> None:
     torch.set_num_interop_threads(1)
 
 
+def _device(kind: str, index: int) -> str:
+    """cuda -> cuda:index when that GPU exists, else the GPUs are shared round-robin."""
+    if kind != "cuda":
+        return kind
+    import torch
+
+    return f"cuda:{index % max(1, torch.cuda.device_count())}"
+
+
 def run_prepare(rd: RunDir, recipe: Recipe) -> None:
     from rlctl.models.tiny import ensure_tiny_model
 
@@ -62,6 +71,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         "--random-seed", str(recipe.run.seed * 1000 + index),
         "--max-running-requests", str(recipe.rollout.max_running_requests),
         "--threads", str(recipe.run.threads_per_process),
+        "--device", _device(recipe.rollout.device, index),
     ])
     server.serve(args)
 
@@ -79,8 +89,10 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     world = len(plan.trainers)
     if world > 1:
         master = plan.trainers[0].host
-        dist.init_process_group("gloo", init_method=f"tcp://{master}:{plan.trainer_dist_port}", rank=rank, world_size=world)
-    engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world)
+        backend = "nccl" if recipe.train.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master}:{plan.trainer_dist_port}", rank=rank, world_size=world)
+    engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
+                              device=_device(recipe.train.device, rank))
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
         web.run_app(TrainerService(engine, world).app(), host=role.host, port=role.port, print=None, access_log=None)

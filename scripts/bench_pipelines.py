@@ -56,7 +56,9 @@ def run_mode(recipe: Path, overrides: list[str], out: Path) -> list[dict]:
 
 def summarize(metrics: list[dict]) -> dict[str, float]:
     steps = metrics[1:] if len(metrics) > 1 else metrics
-    return {key: statistics.median(m[key] for m in steps) for key, _ in COLUMNS}
+    out = {key: statistics.median(m[key] for m in steps) for key, _ in COLUMNS}
+    out["final_reward"] = statistics.fmean(m["reward_mean"] for m in metrics[-5:])
+    return out
 
 
 SWEEP = [(g, b, cap) for g in (8, 16) for b in (128, 512) for cap in (4096, 8192, 16384)]
@@ -131,6 +133,11 @@ def main() -> None:
         for name, row in table.items():
             cells = "".join(f"{(row[k] / base[k] if base[k] else float('nan')):12.2f}" for k, _ in COLUMNS)
             print(f"{'  ' + name:22}{cells}")
+    print("final reward (mean of the last 5 steps), over rounds:")
+    for name, runs in results.items():
+        finals = [r["final_reward"] for r in runs]
+        spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        print(f"  {name:22} {statistics.fmean(finals):.3f} +- {spread:.3f}  ({', '.join(f'{x:.3f}' for x in finals)})")
     if a.json:
         a.json.write_text(json.dumps({"table": table, "runs": results}, indent=2))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import statistics
+import math
 from typing import TYPE_CHECKING
 from collections.abc import Sequence
 
@@ -11,9 +11,12 @@ if TYPE_CHECKING:
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """(r - mean) / (std + eps) within one group; all-equal rewards give all zeros."""
-    mean = statistics.fmean(rewards)
-    std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+    """(r - mean) / (std + eps) within one group, with the sample standard deviation; all-equal
+    rewards give all zeros. Plain floats: statistics.stdev's exact arithmetic costs ~100 us a
+    group, which a simulated step with thousands of groups notices."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
     return [(r - mean) / (std + eps) for r in rewards]
 
 

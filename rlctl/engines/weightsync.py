@@ -243,6 +243,8 @@ class WeightSender:
         import torch.distributed as dist
 
         for t in tensors:
+            if self.backend == "gloo":
+                t = t.cpu()  # CPU staging: gloo moves host memory
             dist.broadcast(t.detach().contiguous(), src=0, group=self.group)
 
     async def close(self) -> None:

@@ -73,6 +73,9 @@ def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log=print) 
     )
     model = Qwen3ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
+    # Warm up on a GPU when there is one (the larger benchmark models); the result is saved on CPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
     log(f"tiny model: {n_params:,} parameters, vocab {config.vocab_size}")
 
     task = TASKS[task_name]
@@ -93,7 +96,7 @@ def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log=print) 
         for i, (p, t) in enumerate(rows):
             ids[i, : len(p) + len(t)] = torch.tensor(p + t)
             labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)  # loss on the answer only
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -102,7 +105,7 @@ def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log=print) 
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
-    model.save_pretrained(tmp)
+    model.cpu().save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "rlctl_model.json").write_text(
         json.dumps({"init": asdict(init), "task": task_name, "parameters": n_params}, indent=2)

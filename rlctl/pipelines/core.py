@@ -9,6 +9,7 @@ virtual time, and the scheduling code stays the same.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import math
 import time
@@ -184,9 +185,7 @@ class GroupRunner:
     def _request(self) -> SamplingRequest:
         if self.lengths is None:
             return self.sampling
-        s = self.sampling
-        return SamplingRequest(max_new_tokens=self.lengths(), temperature=s.temperature, top_p=s.top_p,
-                               top_k=s.top_k, stop_token_ids=s.stop_token_ids, ignore_eos=True)
+        return dataclasses.replace(self.sampling, max_new_tokens=self.lengths(), ignore_eos=True)
 
     async def _sample(self, group: Group, index: int) -> Sample:
         request = self._request()
@@ -204,9 +203,13 @@ class GroupRunner:
                     self.emit("group_admitted", t0, step=group.step, group=group.id, prompt=group.prompt.index)
             rid = f"g{group.id}-s{index}-{segment}"
             self.rids_of[group.id].add(rid)
-            remaining = SamplingRequest(**{**request.__dict__, "max_new_tokens": request.max_new_tokens - n_tokens})
+            if n_tokens:  # resuming a partial rollout: continue from the tokens it has
+                remaining = dataclasses.replace(request, max_new_tokens=request.max_new_tokens - n_tokens)
+                input_ids = group.prompt_ids + output
+            else:
+                remaining, input_ids = request, group.prompt_ids
             try:
-                server, out = await self.pool.generate(group.prompt_ids + output, remaining, rid)
+                server, out = await self.pool.generate(input_ids, remaining, rid)
             finally:
                 self.rids_of[group.id].discard(rid)
                 self.admission.release()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import selectors
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -26,6 +27,13 @@ T = TypeVar("T")
 
 class SimulationDeadlock(RuntimeError):
     """Every task waits on something that no scheduled timer or ready callback will ever cause."""
+
+
+class _NoIOSelector(selectors.SelectSelector):
+    """A simulation does no I/O: polling costs a system call per loop iteration for nothing."""
+
+    def select(self, timeout: float | None = None) -> list:
+        return []
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -40,7 +48,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(_NoIOSelector())
         self._virtual_now = 0.0
 
     def time(self) -> float:

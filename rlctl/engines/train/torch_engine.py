@@ -37,7 +37,8 @@ class TorchTrainEngine:
         self.pad_id = self.model.config.pad_token_id or 0
         self.ddp = None
         if world_size > 1:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0
 
@@ -126,7 +127,8 @@ class TorchTrainEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.version += 1
-        packed = torch.tensor([sums["loss"], sums["kl"], sums["clip_tokens"], sums["logprob_diff"], sums["tokens"]])
+        packed = torch.tensor([sums["loss"], sums["kl"], sums["clip_tokens"], sums["logprob_diff"], sums["tokens"]],
+                              device=self.device)
         if self.world_size > 1:
             dist.all_reduce(packed)
         loss, kl, clip_tokens, diff, tokens = packed.tolist()

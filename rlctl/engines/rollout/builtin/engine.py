@@ -93,7 +93,8 @@ class Engine:
         self.max_running = max_running
         self.max_context = max_context
         self.weight_version = weight_version
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.paused = False
@@ -228,6 +229,7 @@ class Engine:
         # Positions count real tokens only, so left padding does not shift them: the trainer
         # (right padding) sees the same positions for the same tokens.
         positions = (mask.cumsum(1) - 1).clamp(min=0)
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         self._keep_cache(reqs, _cache_of(out), length, [len(s) for s in seqs])
         return out.logits[:, -1].float()
@@ -251,8 +253,9 @@ class Engine:
         mask = torch.zeros((len(reqs), longest + 1), dtype=torch.long)
         for i, n in enumerate(lengths):
             mask[i, longest - n:] = 1
-        ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]] for r in reqs])
-        positions = torch.tensor([[n] for n in lengths])
+        ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]] for r in reqs], device=self.device)
+        positions = torch.tensor([[n] for n in lengths], device=self.device)
+        mask = mask.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_arg: DynamicCache(layers)})
         self._keep_cache(reqs, _cache_of(out), longest + 1, [n + 1 for n in lengths])
@@ -271,7 +274,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row with that row's temperature/top-k/top-p/min-p; logprob under T."""
-        temps = torch.tensor([r.params.temperature for r in reqs])
+        temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
         greedy = temps == 0
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
         logprobs_all = torch.log_softmax(scaled, dim=-1)

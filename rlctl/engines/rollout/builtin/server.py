@@ -57,7 +57,7 @@ class BuiltinServer:
         torch.set_num_threads(self.args.threads)
         torch.manual_seed(self.args.seed)
         model = AutoModelForCausalLM.from_pretrained(self.args.model_path, dtype=getattr(torch, self.args.dtype))
-        model.eval()
+        model.to(self.args.device).eval()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.args.model_path)
         except (OSError, ValueError):
@@ -411,6 +411,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", dest="seed", type=int, default=0)
     p.add_argument("--max-running-requests", type=int, default=128)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--weight-version", default="0")
     return p
