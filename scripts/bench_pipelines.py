@@ -5,7 +5,7 @@ and async, run for real, interleaved, and compared in one table with ratios to s
     python scripts/bench_pipelines.py --sweep [KEY=VALUE ...]
 
 --sweep runs 12 settings (group size x rollout batch x length cap) of rolloutpipe (frontier)
-against sync in `rlctl simulate` (recipes/sim-1024gpu.yaml, scaled down to 64 + 64 GPUs unless
+against sync in `rlctl simulate` (recipes/sim-1024gpu.yaml, scaled down to 64 rollout + 16 trainer GPUs unless
 overridden) and prints each setting's train/rollout time ratio and both reductions.
 
 Each round runs every mode once with the same recipe and seed (rounds use seeds 0, 1, ...), so
@@ -69,7 +69,7 @@ def sweep(overrides: list[str]) -> None:
     from rlctl.commands.simulate import simulate_run
     from rlctl.recipe import load_recipe
 
-    base = ["run.steps=2", "sim.rollout_gpus=64", "sim.trainer_gpus=64", *overrides]
+    base = ["run.steps=2", "sim.rollout_gpus=64", "sim.trainer_gpus=16", *overrides]
     print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/rollout':>14} {'r2t sync s':>11} {'r2t pipe s':>11} "
           f"{'r2t change':>11} {'wait sync':>10} {'wait pipe':>10} {'wait change':>12} {'wall s':>7}")
     changes = []
@@ -123,7 +123,12 @@ def main() -> None:
     table = {n: {k: statistics.median(r[k] for r in runs) for k, _ in COLUMNS} for n, runs in results.items()}
     base = table.get("sync")
     print(f"recipe {a.recipe.name} {' '.join(a.overrides)}; {a.rounds} round(s), medians over steps 1..N and rounds")
-    print(f"machine: {os.cpu_count()} cores; pinning from the recipe (rollout.cpus / train.cpus), 1 torch thread each")
+    sys.path.insert(0, str(REPO))
+    from rlctl.recipe import load_recipe
+
+    r = load_recipe(a.recipe, a.overrides)
+    print(f"machine: {os.cpu_count()} cores; rollout servers on {r.rollout.device} cores {r.rollout.cpus or 'any'}, "
+          f"trainer on {r.train.device} cores {r.train.cpus or 'any'}, {r.run.threads_per_process} torch thread(s) each")
     header = f"{'mode':22}" + "".join(f"{label:>12}" for _, label in COLUMNS)
     print(header)
     for name, row in table.items():
