@@ -16,8 +16,10 @@ from typing import Any
 
 import typer
 
+from rlctl.recipe import Recipe
 
-def simulate_run(recipe, run_dir=None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+
+def simulate_run(recipe: Recipe) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
     """Run the recipe's pipeline in virtual time. Returns (events, metrics, wall seconds)."""
     from rlctl.metrics import step_metrics
     from rlctl.pipelines.build import build_pipeline
