@@ -154,6 +154,11 @@ def render_detail(d: dict[str, Any]):
             f"last step {m['step']}: reward {m['reward_mean']:.3f}, step {m['step_time']:.2f} s "
             f"(rollout {m['rollout_time']:.2f}, train {m['train_time']:.2f}, sync {m['sync_time']:.2f}), "
             f"trainer waiting {m['trainer_wait_ratio']:.0%}"))
+        if "critical_path_bound" in m:
+            parts.append(Text(
+                f"rollout-to-train-end {m['rollout_to_train_end']:.2f} s, efficiency {m['efficiency']:.2f} of the "
+                f"critical-path bound, servers idle {m.get('rollout_idle_ratio', 0.0):.0%}, "
+                f"{m['tokens_per_s']:.0f} tokens/s, staleness max {m.get('staleness_max', 0)}"))
     procs = Table("ROLE", "PID", "HOST", "PORT", "ALIVE", "LOG", box=None, pad_edge=False, title_justify="left")
     for p in d["processes"]:
         procs.add_row(p["role"], str(p["pid"] or "-"), p["host"] or "-", str(p["port"] or "-"),
