@@ -251,6 +251,12 @@ class SimConfig:
     tp: int = 1
     """GPUs per rollout server; the simulation has rollout_gpus / tp servers."""
     prompt_tokens: int = 256
+    context_tokens: int = 2048
+    """Mean tokens of context a decoding request holds (its KV cache read per step)."""
+    layers: int = 0
+    """Transformer layers, for the KV-cache size (0 = estimate from params_b)."""
+    kv_dim: int = 0
+    """KV heads x head dim, for the KV-cache size (0 = estimate)."""
     reward_rate: float = 0.5
     """Chance that a simulated sample is right (drives dynamic sampling's drop rate)."""
     mfu_train: float = 0.4

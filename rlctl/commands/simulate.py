@@ -30,7 +30,8 @@ def simulate_run(recipe: Recipe) -> tuple[list[dict[str, Any]], list[dict[str, A
 
     sim = recipe.sim
     cost = CostModel(
-        HARDWARE[sim.gpu], ModelShape.from_params_b(sim.params_b), mfu_train=sim.mfu_train,
+        HARDWARE[sim.gpu], ModelShape.from_params_b(sim.params_b, layers=sim.layers or None, kv_dim=sim.kv_dim or None),
+        mfu_train=sim.mfu_train, mean_context_tokens=sim.context_tokens,
         mfu_prefill=sim.mfu_prefill, decode_bw_efficiency=sim.decode_bw_efficiency, gpus_per_server=sim.tp,
         trainer_gpus=sim.trainer_gpus, decode_step_overhead_s=sim.decode_step_overhead_s,
         train_step_overhead_s=sim.train_step_overhead_s,
@@ -92,14 +93,33 @@ def simulate(
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
     overrides: list[str] | None = typer.Argument(None, help="KEY=VALUE overrides, e.g. sim.rollout_gpus=512."),
     save: bool = typer.Option(True, "--save/--no-save", help="Write a run directory (launcher: simulate)."),
+    calibrate_from: str | None = typer.Option(None, "--calibrate", help="Fit the cost model to this measured run first."),
+    compare: str | None = typer.Option(None, "--compare", help="Print predicted vs measured step time for this run."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where --calibrate/--compare runs are."),
 ) -> None:
     """Simulate a run at cluster scale: the real scheduler, simulated engines, virtual time."""
     import json
+    import statistics
 
     from rlctl.recipe import load_recipe, recipe_to_yaml
-    from rlctl.rundir import RunState, create_run_dir, write_atomic
+    from rlctl.rundir import RunState, create_run_dir, find_run, write_atomic
 
-    r = load_recipe(recipe, overrides or [], check_paths=False)
+    fitted: list[str] = []
+    if calibrate_from:
+        from rlctl.sim.calibrate import calibrate
+
+        measured = find_run(calibrate_from, runs_dir)
+        info = measured.read()
+        procs = info.get("processes", {})
+        base = load_recipe(measured.recipe_path, check_paths=False)
+        knobs = calibrate(measured.events(), info["model_path"],
+                          servers=sum(r.startswith("rollout-") for r in procs),
+                          trainer_ranks=sum(r.startswith("trainer-") for r in procs),
+                          long_tail=base.rollout.sampling.long_tail.enabled)
+        fitted = [f"{k}={v}" for k, v in knobs.items()]
+        print(f"calibrated on {measured.id}: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                        for k, v in knobs.items()))
+    r = load_recipe(recipe, [*fitted, *(overrides or [])], check_paths=False)
     events, metrics, wall = simulate_run(r)
     sim = r.sim
     samples = r.rollout.batch_size * r.rollout.group_size
@@ -107,6 +127,13 @@ def simulate(
           f"{sim.params_b:g}B on {sim.rollout_gpus} rollout + {sim.trainer_gpus} trainer {sim.gpu} GPUs, "
           f"{samples} samples per step, in {wall:.2f} s of wall time")
     print(render_metrics(metrics))
+    if compare:
+        other = find_run(compare, runs_dir).metrics()
+        steady = other[1:] or other
+        predicted = statistics.median(m["step_time"] for m in (metrics[1:] or metrics))
+        measured_s = statistics.median(m["step_time"] for m in steady)
+        print(f"median step time: predicted {predicted:.3f} s, measured {measured_s:.3f} s "
+              f"({predicted / measured_s - 1:+.1%}) for {compare}")
     if not save:
         return
     info = {"launcher": "simulate", "mode": r.pipeline.mode, "steps_total": r.run.steps,

@@ -306,7 +306,7 @@ class GroupProducer:
         s = group.samples
         now = self.clock.now()
         self.emit(
-            "group_completed", now, step=group.step, group=group.id,
+            "group_completed", now, step=group.step, group=group.id, prompt_tokens=len(group.prompt_ids),
             rewards=[x.reward for x in s], lengths=[x.n_tokens for x in s],
             versions=[x.weight_version for x in s], segments=[len(x.versions) for x in s],
             servers=[x.server for x in s], starts=[x.t_start for x in s], ends=[x.t_end for x in s],

@@ -44,11 +44,12 @@ class SimTrainer:
         self.version = 0
 
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        tokens = sum(len(s["prompt_ids"]) + s["response_tokens"] for s in samples)
-        seconds = self.cost.train_seconds(tokens)
+        response = sum(s["response_tokens"] for s in samples)
+        seconds = self.cost.train_seconds(response + sum(len(s["prompt_ids"]) for s in samples))
         await asyncio.sleep(seconds)
         self.version += 1
-        return {"version": float(self.version), "seconds": seconds, "tokens": float(tokens),
+        # "tokens" means response tokens, as the real trainer reports it.
+        return {"version": float(self.version), "seconds": seconds, "tokens": float(response),
                 "samples": float(len(samples))}
 
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:

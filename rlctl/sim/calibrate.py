@@ -1,0 +1,123 @@
+"""Fit the cost model to a measured run, so that `rlctl simulate` predicts this machine.
+
+From the run's events (pure functions of them, plus the model's parameter count):
+- training: the controller-observed duration of each train batch against the tokens it holds
+  (prompt + response), by least squares: seconds = overhead + tokens * 6 * params / (F * mfu);
+- decoding: per step and server, the sum of request durations over the tokens they produced is
+  the time of one decode step at the mean concurrency seen; what the roofline model does not
+  explain of it becomes the per-step overhead (on a CPU, Python and framework overhead dominate);
+- lengths: without the long-tail workload, responses end at EOS well before the cap, so the
+  simulation uses the measured median response length as its fixed length.
+The result is a list of `sim.*` overrides; anything else in the recipe stays as it is.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
+
+
+def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Intercept and slope of y = a + b x (slope only through the origin when x does not vary)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return 0.0, my / mx if mx else 0.0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx, b
+
+
+def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, trainer_ranks: int,
+              long_tail: bool) -> dict[str, Any]:
+    """sim.* overrides (and the fixed response length) that make the cost model fit the events."""
+    import json
+    from pathlib import Path
+
+    hw = HARDWARE["cpu"]
+    params = model_parameters(model_dir)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layers = int(config["num_hidden_layers"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_dim = int(config.get("num_key_value_heads", config["num_attention_heads"])) * int(head_dim)
+    completed = [e for e in events if e["event"] == "group_completed"]
+    if not completed:
+        raise ValueError("the run has no completed groups to calibrate from")
+    prompt_tokens = round(statistics.fmean(e.get("prompt_tokens", 0) for e in completed)) or 1
+
+    starts = {(e["step"], e["batch"]): e for e in events if e["event"] == "train_start"}
+    xs, ys = [], []
+    for end in (e for e in events if e["event"] == "train_end"):
+        start = starts.get((end["step"], end["batch"]))
+        if start is not None:
+            xs.append(end["tokens"] + end["samples"] * prompt_tokens)
+            ys.append(end["t"] - start["t"])
+    if statistics.pstdev(xs) < 0.1 * statistics.fmean(xs):
+        # Every batch about the same size: overhead and per-token cost cannot be told apart, and
+        # need not be for batches of that size; charge it all per token.
+        overhead, per_token = 0.0, statistics.fmean(ys) / statistics.fmean(xs)
+    else:
+        overhead, per_token = _least_squares(xs, ys)
+    mfu_train = 6 * params / (per_token * hw.bf16_flops * trainer_ranks) if per_token > 0 else 1.0
+
+    # One decode step at the concurrency each server saw, per step.
+    per_step: list[tuple[float, float]] = []
+    by_key: dict[tuple[int, str], list[tuple[float, float, int]]] = {}
+    for e in completed:
+        for server, a, b, n in zip(e["servers"], e["starts"], e["ends"], e["lengths"]):
+            by_key.setdefault((e["step"], server), []).append((a, b, n))
+    for intervals in by_key.values():
+        tokens = sum(n for _, _, n in intervals)
+        total = sum(b - a for a, b, _ in intervals)
+        busy_end, busy = float("-inf"), 0.0
+        for a, b, _ in sorted(intervals):
+            if b > busy_end:
+                busy += b - max(a, busy_end)
+                busy_end = b
+        if tokens and busy > 0:
+            per_step.append((total / tokens, total / busy))
+    step_s = statistics.median(s for s, _ in per_step)
+    concurrency = statistics.median(c for _, c in per_step)
+    lengths = sorted(n for e in completed for n in e["lengths"])
+    context = prompt_tokens + max(1, lengths[len(lengths) // 2])
+    shape = ModelShape.from_params_b(params / 1e9, layers=layers, kv_dim=kv_dim)
+    base = CostModel(hw, shape, mean_context_tokens=context).decode_step_seconds(max(1, round(concurrency)))
+
+    overrides = {
+        "sim.gpu": "cpu",
+        "sim.params_b": params / 1e9,
+        "sim.rollout_gpus": servers,
+        "sim.trainer_gpus": trainer_ranks,
+        "sim.tp": 1,
+        "sim.prompt_tokens": prompt_tokens,
+        "sim.context_tokens": context,
+        "sim.layers": layers,
+        "sim.kv_dim": kv_dim,
+        "sim.reward_rate": statistics.fmean(r for e in completed for r in e["rewards"]),
+        "sim.mfu_train": mfu_train,
+        "sim.train_step_overhead_s": max(0.0, overhead),
+        "sim.decode_step_overhead_s": max(0.0, step_s - base),
+    }
+    if not long_tail:
+        overrides["rollout.sampling.max_new_tokens"] = max(1, lengths[len(lengths) // 2])
+    return overrides
+
+
+def model_parameters(model_dir: str) -> int:
+    """Parameter count of a local HF model, from its safetensors headers (no tensors are read)."""
+    import json
+    import math
+    import struct
+    from pathlib import Path
+
+    total = 0
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no safetensors files to count parameters from")
+    for f in files:
+        with f.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
