@@ -7,7 +7,7 @@ run.json, and every worker reads its part from there.
 from __future__ import annotations
 
 import socket
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlctl.recipe import Recipe
@@ -33,11 +33,6 @@ class RunPlan:
     """torch.distributed rendezvous of the trainer ranks (on trainer 0's host)."""
     weight_sync_port: int
     """TCP store of the weight-sync group, hosted by trainer rank 0."""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def roles(self) -> list[Role]:
-        return [*self.rollout, *self.trainers, self.controller]
 
     @property
     def server_urls(self) -> list[str]:
@@ -59,7 +54,6 @@ class RunPlan:
             controller=Role(**d["controller"]),
             trainer_dist_port=d["trainer_dist_port"],
             weight_sync_port=d["weight_sync_port"],
-            extra=d.get("extra", {}),
         )
 
 

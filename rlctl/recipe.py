@@ -290,9 +290,6 @@ class Recipe:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
-    @property
-    def train_batches_per_step(self) -> int:
-        return self.rollout.batch_size // self.train.groups_per_batch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,12 +357,6 @@ def recipe_to_yaml(recipe: Recipe) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(recipe))
 
 
-def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(recipe)
-
-
 def _yaml_where(e: Exception) -> str:
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     if mark is None:
@@ -379,7 +370,7 @@ def _translate_omegaconf_error(e: Exception, file: str) -> RecipeError:
     key = getattr(e, "full_key", None) or "<unknown>"
     msg = getattr(e, "msg", None) or str(e)
     if isinstance(e, ConfigKeyError) or "not in" in msg:
-        parent, _, leaf = key.rpartition(".")
+        parent = key.rpartition(".")[0]
         valid = _valid_keys(parent)
         hint = f"valid keys{' under ' + parent if parent else ''}: {', '.join(valid)}" if valid else "remove it"
         return RecipeError(file, key, f"unknown key; {hint}")

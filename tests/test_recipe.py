@@ -14,7 +14,6 @@ def test_quickstart_loads_with_overrides():
     r = load_recipe(QUICKSTART, ["run.steps=7", "rollout.servers=3", "train.lr=0.01"])
     assert (r.run.steps, r.rollout.servers, r.train.lr) == (7, 3, 0.01)
     assert r.model.init is not None and r.model.path is None
-    assert r.train_batches_per_step == r.rollout.batch_size // r.train.groups_per_batch
 
 
 def test_resolved_recipe_round_trips():

@@ -83,6 +83,9 @@ def test_abort_and_pause(start_server):
             await c.continue_generation()
             out = await c.generate([1, 22], SamplingRequest(max_new_tokens=3, ignore_eos=True), "after")
             assert len(out.output_ids) == 3
+            async with c.session.get(url + "/v1/loads") as resp:
+                loads = await resp.json()
+            assert loads["num_running_reqs"] == 0 and loads["num_generated_tokens"] >= 3
             await c.flush_cache()
 
     asyncio.run(scenario())

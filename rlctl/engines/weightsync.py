@@ -157,10 +157,6 @@ class SyncStats:
     buckets: int
     tensors: int
 
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / self.seconds if self.seconds > 0 else 0.0
-
 
 class WeightSender:
     """Trainer rank 0's side of the weight-sync group, speaking to every rollout server.

@@ -147,7 +147,8 @@ class Engine:
 
     def load(self) -> dict[str, int]:
         with self.cond:
-            return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting)}
+            return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                    "num_generated_tokens": self.tokens_generated}
 
     @property
     def idle(self) -> bool:
