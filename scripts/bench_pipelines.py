@@ -7,6 +7,7 @@ and async, run for real, interleaved, and compared in one table with ratios to s
 --sweep runs 12 settings (group size x rollout batch x length cap) of rolloutpipe (frontier)
 against sync in `rlctl simulate` (recipes/sim-1024gpu.yaml, scaled down to 64 rollout + 16 trainer GPUs unless
 overridden) and prints each setting's train/rollout time ratio and both reductions.
+--sweep --real runs 12 smaller settings for real on this machine (bench-longtail.yaml, 3 steps each).
 
 Each round runs every mode once with the same recipe and seed (rounds use seeds 0, 1, ...), so
 slow drift of the machine hits all modes alike. Per run, the medians over steps (the first step
@@ -97,6 +98,34 @@ def sweep(overrides: list[str]) -> None:
           "(RolloutPipe paper, against Slime: -30.7..-42.3% and -37..-76%)")
 
 
+REAL_SWEEP = [(g, b, cap) for g in (4, 8) for b in (16, 32) for cap in (64, 128, 256)]
+
+
+def sweep_real(recipe: Path, overrides: list[str]) -> None:
+    """The sweep for real on CPU: same table, smaller settings (G x B groups x length cap)."""
+    print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/rollout':>14} {'r2t sync s':>11} {'r2t pipe s':>11} "
+          f"{'r2t change':>11} {'wait sync':>10} {'wait pipe':>10} {'wait change':>12}", flush=True)
+    changes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for g, b, cap in REAL_SWEEP:
+            setting = ["run.steps=3", f"rollout.group_size={g}", f"rollout.batch_size={b}",
+                       f"train.groups_per_batch={b // 8}", f"rollout.sampling.max_new_tokens={cap}", *overrides]
+            rows = {}
+            for mode, extra in (("sync", MODES[0][1]), ("pipe", MODES[1][1])):
+                metrics = run_mode(recipe, [*setting, *extra], Path(tmp) / "runs")[1:]
+                rows[mode] = {k: statistics.median(m[k] for m in metrics)
+                              for k in ("rollout_to_train_end", "trainer_wait_ratio", "train_time", "rollout_time")}
+            s, p = rows["sync"], rows["pipe"]
+            r2t = p["rollout_to_train_end"] / s["rollout_to_train_end"] - 1
+            wait = p["trainer_wait_ratio"] / s["trainer_wait_ratio"] - 1 if s["trainer_wait_ratio"] else float("nan")
+            changes.append((r2t, wait))
+            print(f"{g:3d} {b:5d} {cap:6d} {s['train_time'] / s['rollout_time']:14.2f} {s['rollout_to_train_end']:11.2f} "
+                  f"{p['rollout_to_train_end']:11.2f} {r2t:11.1%} {s['trainer_wait_ratio']:10.2f} "
+                  f"{p['trainer_wait_ratio']:10.2f} {wait:12.1%}", flush=True)
+    print(f"range: rollout-to-train-end {min(c[0] for c in changes):.1%} .. {max(c[0] for c in changes):.1%}, "
+          f"trainer waiting ratio {min(c[1] for c in changes):.1%} .. {max(c[1] for c in changes):.1%}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", type=Path, default=REPO / "recipes" / "bench-longtail.yaml")
@@ -104,10 +133,11 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(name for name, _ in MODES))
     p.add_argument("--json", type=Path, help="also write the per-run summaries here")
     p.add_argument("--sweep", action="store_true", help="12 simulated settings instead of real runs")
+    p.add_argument("--real", action="store_true", help="with --sweep: 12 smaller settings run for real")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     if a.sweep:
-        sweep(a.overrides)
+        sweep_real(a.recipe, a.overrides) if a.real else sweep(a.overrides)
         return
     chosen = [(n, o) for n, o in MODES if n in a.modes.split(",")]
 
