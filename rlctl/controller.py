@@ -7,6 +7,7 @@ metrics (computed from the events) to metrics.jsonl.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -53,10 +54,10 @@ class TrainerClient:
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             async with self.session.post(self.url + path, json=body) as resp:
-                data = await resp.json(content_type=None)
-                if resp.status != 200:
-                    raise RunError(f"trainer {path}: HTTP {resp.status}: {data}")
-                return data
+                text = await resp.text()
+                if resp.status != 200:  # the trainer's own errors are JSON, aiohttp's 500 page is not
+                    raise RunError(f"trainer {path}: HTTP {resp.status}: {text.strip()[:300]}; see the trainer's log")
+                return json.loads(text)
         except aiohttp.ClientError as e:
             raise RunError(f"trainer {self.url}{path}: unreachable ({e})") from None
 

@@ -21,7 +21,14 @@ class Role:
     """rollout | trainer | controller"""
     index: int
     host: str
+    """Where the others reach it (a node name on a cluster)."""
     port: int | None = None
+    bind: str | None = None
+    """Address its server listens on when not `host` (0.0.0.0 on a cluster node)."""
+
+    @property
+    def listen(self) -> str:
+        return self.bind or self.host
 
 
 @dataclass
@@ -82,4 +89,33 @@ def local_plan(recipe: Recipe, host: str = "127.0.0.1") -> RunPlan:
         controller=Role("controller", "controller", 0, host),
         trainer_dist_port=ports[n_servers + 1],
         weight_sync_port=ports[n_servers + 2],
+    )
+
+
+def slurm_plan(recipe: Recipe, trainer_hosts: list[str], rollout_hosts: list[str], port_base: int) -> RunPlan:
+    """The plan inside a Slurm allocation, made by the job itself once it knows its nodes.
+
+    Rollout servers fill the rollout nodes in order (servers_per_node each, ports port_base + k);
+    trainer ranks fill the trainer nodes in order; trainer rank 0's node hosts the trainer service,
+    the torch.distributed rendezvous, the weight-sync store and the controller. Ports are the
+    same on every node, which is fine: each node is a separate host.
+    """
+    spn = recipe.slurm.rollout.servers_per_node
+    n_servers, n_ranks = recipe.rollout.servers, recipe.train.ranks
+    if len(rollout_hosts) * spn < n_servers:
+        raise ValueError(f"{n_servers} rollout servers need {-(-n_servers // spn)} nodes, the job has {len(rollout_hosts)}")
+    if not trainer_hosts or n_ranks % len(trainer_hosts):
+        raise ValueError(f"{n_ranks} trainer ranks do not spread evenly over {len(trainer_hosts)} nodes")
+    per_node = n_ranks // len(trainer_hosts)
+    rollout = [Role(f"rollout-{i}", "rollout", i, rollout_hosts[i // spn], port_base + i % spn, bind="0.0.0.0")
+               for i in range(n_servers)]
+    trainers = [Role(f"trainer-{r}", "trainer", r, trainer_hosts[r // per_node],
+                     port_base + spn if r == 0 else None, bind="0.0.0.0" if r == 0 else None)
+                for r in range(n_ranks)]
+    return RunPlan(
+        rollout=rollout,
+        trainers=trainers,
+        controller=Role("controller", "controller", 0, trainer_hosts[0]),
+        trainer_dist_port=port_base + spn + 1,
+        weight_sync_port=port_base + spn + 2,
     )

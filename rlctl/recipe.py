@@ -9,6 +9,7 @@ raises `RecipeError(file, key, message)`, which the CLI prints as one line and e
 from __future__ import annotations
 
 import enum
+import re
 import importlib.util
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -66,7 +67,7 @@ AVAILABLE = {
     "pipeline.mode": {PipelineMode.SYNC, PipelineMode.ROLLOUTPIPE, PipelineMode.ASYNC},
     "rollout.engine": {RolloutEngine.BUILTIN},
     "train.engine": {TrainEngine.TORCH},
-    "launcher": {Launcher.LOCAL},
+    "launcher": {Launcher.LOCAL, Launcher.SLURM},
 }
 
 
@@ -267,6 +268,55 @@ class SimConfig:
 
 
 @dataclass(kw_only=True)
+class SlurmTrainerConfig:
+    """Heterogeneous-job component 0: the trainer ranks (and the controller, on the first node)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    """GPUs to request per node (--gpus-per-node); 0 = none."""
+    cpus_per_task: int = 0
+    """--cpus-per-task for each trainer rank; 0 = the cluster's default."""
+    mem: str = ""
+    """--mem per node, e.g. 200G; empty = the cluster's default."""
+
+
+@dataclass(kw_only=True)
+class SlurmRolloutConfig:
+    """Heterogeneous-job component 1: the rollout servers."""
+
+    nodes: int = 0
+    """0 = rollout.servers / servers_per_node."""
+    servers_per_node: int = 1
+    """Rollout servers per node (one per TP group of the node's GPUs)."""
+    gpus_per_node: int = 0
+    cpus_per_task: int = 0
+    mem: str = ""
+
+
+@dataclass(kw_only=True)
+class SlurmConfig:
+    """launcher=slurm: the run is one heterogeneous Slurm job (trainers | rollout servers)."""
+
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = "01:00:00"
+    """Time limit, in any of Slurm's forms (MM, HH:MM:SS, D-HH:MM ...)."""
+    trainer: SlurmTrainerConfig = field(default_factory=SlurmTrainerConfig)
+    rollout: SlurmRolloutConfig = field(default_factory=SlurmRolloutConfig)
+    sbatch_args: list[str] = field(default_factory=list)
+    """Extra sbatch flags for both components, e.g. ["--exclusive", "--constraint=h200"]."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run at the start of the job, e.g. "module load cuda/12.4", "source venv/bin/activate"."""
+    python: str = ""
+    """The Python on the compute nodes; empty = the one that runs `rlctl launch` (shared filesystem)."""
+    port_base: int = 0
+    """First port the run's servers listen on; 0 = 20000 + job id % 20000, so jobs sharing a node differ."""
+    health_timeout_s: int = 600
+    """How long the job waits for every rollout server's /health before it gives up."""
+
+
+@dataclass(kw_only=True)
 class WandbConfig:
     mode: str = "disabled"
     project: str = "rlctl"
@@ -287,6 +337,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     launcher: str = "local"
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
@@ -546,11 +597,12 @@ def validate(recipe: Recipe, file: str, check_paths: bool = True) -> None:
             raise RecipeError(file, "rollout.sampling.long_tail.truncated_fraction", f"must be in [0, 1), got {lt.truncated_fraction}")
         _positive(file, "rollout.sampling.long_tail.min_tokens", lt.min_tokens)
     ncpu = len(os.sched_getaffinity(0))
-    for key, cpus in (("rollout.cpus", ro.cpus), ("train.cpus", t.cpus)):
+    for key, cpus in (("rollout.cpus", ro.cpus), ("train.cpus", t.cpus)) if r.launcher == Launcher.LOCAL else ():
         bad = [c for c in cpus if not 0 <= c < ncpu]
         if bad:
             raise RecipeError(file, key, f"cores {bad} do not exist here (0..{ncpu - 1}); leave it empty to not pin")
     _choice(file, "launcher", r.launcher, Launcher)
+    _validate_slurm(r, file)
     sim = r.sim
     from rlctl.sim.cost import HARDWARE
 
@@ -566,3 +618,54 @@ def validate(recipe: Recipe, file: str, check_paths: bool = True) -> None:
 
     if r.tracking.wandb.mode != "disabled":
         raise RecipeError(file, "tracking.wandb.mode", "wandb tracking is not available in this version of rlctl; set it to disabled")
+
+
+_SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$")
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:+-]*$")
+
+
+def slurm_rollout_nodes(recipe: Recipe) -> int:
+    sl = recipe.slurm.rollout
+    return sl.nodes or -(-recipe.rollout.servers // sl.servers_per_node)
+
+
+def _validate_slurm(r: Recipe, file: str) -> None:
+    """The slurm section is checked whatever the launcher, so a typo shows before a cluster run."""
+    sl = r.slurm
+    for key in ("partition", "account", "qos", "trainer.mem", "rollout.mem"):
+        value = getattr(sl.trainer if key.startswith("trainer.") else sl.rollout if key.startswith("rollout.") else sl,
+                        key.rpartition(".")[2])
+        if not _SLURM_NAME.match(value):
+            raise RecipeError(file, f"slurm.{key}", f"'{value}' has characters Slurm names do not use; letters, digits and _.,:+- only")
+    if not _SLURM_TIME.match(sl.time):
+        raise RecipeError(file, "slurm.time", f"'{sl.time}' is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS")
+    for key, value in (("trainer.nodes", sl.trainer.nodes), ("rollout.servers_per_node", sl.rollout.servers_per_node),
+                       ("health_timeout_s", sl.health_timeout_s)):
+        _positive(file, f"slurm.{key}", value)
+    for key, value in (("trainer.gpus_per_node", sl.trainer.gpus_per_node), ("trainer.cpus_per_task", sl.trainer.cpus_per_task),
+                       ("rollout.nodes", sl.rollout.nodes), ("rollout.gpus_per_node", sl.rollout.gpus_per_node),
+                       ("rollout.cpus_per_task", sl.rollout.cpus_per_task), ("port_base", sl.port_base)):
+        _positive(file, f"slurm.{key}", value, zero_ok=True)
+    if sl.port_base and not 1024 <= sl.port_base <= 65000:
+        raise RecipeError(file, "slurm.port_base", f"{sl.port_base} is outside 1024..65000; use 0 to derive it from the job id")
+    for i, arg in enumerate(sl.sbatch_args):
+        if not arg.startswith("-") or "\n" in arg:
+            raise RecipeError(file, f"slurm.sbatch_args[{i}]", f"'{arg}' is not an sbatch flag; write flags like --exclusive or --constraint=h200")
+        if arg.split("=")[0] in ("--job-name", "-J", "--output", "-o", "--error", "-e", "--nodes", "-N", "--het-group"):
+            raise RecipeError(file, f"slurm.sbatch_args[{i}]", f"'{arg}' is set by rlctl; use the slurm section's own keys")
+    for i, line in enumerate(sl.setup):
+        if "\n" in line:
+            raise RecipeError(file, f"slurm.setup[{i}]", "one shell line per list item")
+    if r.launcher != Launcher.SLURM:
+        return
+    ro = sl.rollout
+    if ro.nodes and ro.nodes * ro.servers_per_node != r.rollout.servers:
+        raise RecipeError(file, "slurm.rollout.nodes", f"{ro.nodes} nodes x {ro.servers_per_node} servers per node != "
+                          f"rollout.servers ({r.rollout.servers}); set nodes to 0 to derive it")
+    if r.rollout.servers % ro.servers_per_node:
+        raise RecipeError(file, "slurm.rollout.servers_per_node", f"{ro.servers_per_node} does not divide rollout.servers ({r.rollout.servers})")
+    if r.train.ranks % sl.trainer.nodes:
+        raise RecipeError(file, "slurm.trainer.nodes", f"{sl.trainer.nodes} does not divide train.ranks ({r.train.ranks}); every node runs the same number of ranks")
+    if r.rollout.cpus or r.train.cpus:
+        key = "rollout.cpus" if r.rollout.cpus else "train.cpus"
+        raise RecipeError(file, key, "core pinning is for the local launcher; with launcher=slurm use slurm.*.cpus_per_task")

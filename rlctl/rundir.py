@@ -39,10 +39,12 @@ class RunState(enum.StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    DRY_RUN = "dry-run"
+    """launcher=slurm with --dry-run: the batch script was written, nothing submitted."""
 
     @property
     def finished(self) -> bool:
-        return self in (RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED)
+        return self in (RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.DRY_RUN)
 
 
 def now_iso() -> str:
@@ -133,7 +135,25 @@ class RunDir:
         return self.path / "logs"
 
     def log_path(self, role: str) -> Path:
-        return self.logs / f"{role}.log"
+        """logs/<role>.log; a Slurm run keeps each attempt's logs in logs/attempt-<restart count>/,
+        and the batch script's own output in logs/slurm-<job id>.out (role "job")."""
+        local = self.logs / f"{role}.log"
+        if local.exists():
+            return local
+        if role == "job":
+            outs = sorted(self.logs.glob("slurm-*.out"), key=lambda p: p.stat().st_mtime)
+            return outs[-1] if outs else local
+        attempts = sorted(self.logs.glob("attempt-*"), key=lambda p: int(p.name.rpartition("-")[2] or 0))
+        return attempts[-1] / f"{role}.log" if attempts else local
+
+    def log_files(self) -> dict[str, Path]:
+        """Every role's current log, by role."""
+        found = {p.stem: p for p in self.logs.glob("*.log")}
+        for role in {p.stem for p in self.logs.glob("attempt-*/*.log")} - found.keys():
+            found[role] = self.log_path(role)
+        if any(self.logs.glob("slurm-*.out")):
+            found["job"] = self.log_path("job")
+        return dict(sorted(found.items()))
 
     # -- run.json ------------------------------------------------------------------------------
 

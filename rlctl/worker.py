@@ -3,7 +3,10 @@
 Roles: supervisor (local launcher), prepare (build the tiny model), rollout (a rollout server),
 trainer (one trainer rank), controller (the pipeline). Each reads the resolved recipe and the
 plan from the run directory, records its pid/host/port in run.json, and logs to stdout, which
-the launcher sends to logs/<role>.log.
+the launcher sends to logs/<role>.log. Inside a Slurm job (rlctl/launchers/slurm.py) the batch
+script also runs `plan` (the plan from the job's node lists), `health` (are all servers up?) and
+`state` (the run's final state); there --index defaults to SLURM_PROCID, the task's rank in its
+srun step.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         os.sched_setaffinity(0, recipe.rollout.cpus)
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
     args = server.parser().parse_args([
-        "--model-path", info["model_path"], "--host", role.host, "--port", str(role.port),
+        "--model-path", info["model_path"], "--host", role.listen, "--port", str(role.port),
         "--random-seed", str(recipe.run.seed * 1000 + index),
         "--max-running-requests", str(recipe.rollout.max_running_requests),
         "--threads", str(recipe.run.threads_per_process),
@@ -95,7 +98,7 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
                               device=_device(recipe.train.device, rank))
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
-        web.run_app(TrainerService(engine, world).app(), host=role.host, port=role.port, print=None, access_log=None)
+        web.run_app(TrainerService(engine, world).app(), host=role.listen, port=role.port, print=None, access_log=None)
     else:
         follower_loop(engine)
     if world > 1:
@@ -117,14 +120,24 @@ def run_supervisor(rd: RunDir) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlctl.worker")
-    p.add_argument("role", choices=["supervisor", "prepare", "rollout", "trainer", "controller"])
+    p.add_argument("role", choices=["supervisor", "prepare", "rollout", "trainer", "controller", "plan", "health", "state"])
     p.add_argument("--run-dir", required=True, type=Path)
-    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--index", type=int, default=int(os.environ.get("SLURM_PROCID", 0)))
+    p.add_argument("--trainer-nodes", default="", help="plan: the trainer component's hostnames")
+    p.add_argument("--rollout-nodes", default="", help="plan: the rollout component's hostnames")
+    p.add_argument("--port-base", type=int, default=0, help="plan: first port")
+    p.add_argument("--state", default="", help="state: running | completed | failed | cancelled")
+    p.add_argument("--reason", default="", help="state: why the run ended")
+    p.add_argument("--failed", default="", help="state: the component that failed (rollout | trainer | controller)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format=f"%(asctime)s %(levelname)s {args.role}-{args.index}: %(message)s")
     if args.role == "supervisor":
         return run_supervisor(RunDir(args.run_dir))
+    if args.role in ("plan", "health", "state"):
+        from rlctl.launchers import slurm_job
+
+        return slurm_job.main(args)
     rd, recipe, plan, info = _context(args.run_dir)
     try:
         if args.role == "prepare":

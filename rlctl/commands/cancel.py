@@ -19,11 +19,14 @@ def cancel(
     run: str = typer.Argument(..., help="A run id, name or run directory."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
-    """Cancel a run: its supervisor ends every process; waits until they are gone."""
+    """Cancel a run: its supervisor (or Slurm: scancel) ends every process; waits until they are gone."""
     rd = find_run(run, runs_dir)
     info = rd.read()
     if RunState(info["state"]).finished:
         print(f"{rd.id} already {info['state']}")
+        return
+    if info.get("launcher") == "slurm":
+        _cancel_slurm(rd, info)
         return
     procs = info.get("processes", {})
     supervisor = procs.get("supervisor", {}).get("pid")
@@ -43,4 +46,21 @@ def cancel(
             except ProcessLookupError:
                 pass
     rd.set_state(RunState.CANCELLED, "cancelled by rlctl cancel")
+    print(f"{rd.id} {rd.read()['state']}")
+
+
+def _cancel_slurm(rd, info: dict) -> None:
+    """scancel the run's job and wait until Slurm says it ended: then no process of the run is
+    left on any node (Slurm kills every step of the job)."""
+    from rlctl.launchers import slurm
+
+    job_id = slurm.job_id_of(info)
+    if job_id is None:
+        rd.set_state(RunState.CANCELLED, "cancelled by rlctl cancel before it was submitted")
+    else:
+        job = slurm.cancel(job_id, wait_s=WAIT_S)
+        rd.set_state(RunState.CANCELLED, f"cancelled by rlctl cancel (scancel {job_id})")
+        slurm.refresh([rd])
+        if job is not None:
+            print(f"slurm job {job_id}: {job.describe()}")
     print(f"{rd.id} {rd.read()['state']}")

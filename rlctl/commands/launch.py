@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from rlctl.errors import RunError
+from rlctl.errors import RunError, UsageError
 from rlctl.rundir import RunDir, RunState, pid_alive
 
 
@@ -17,31 +17,79 @@ def launch(
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
     overrides: list[str] | None = typer.Argument(None, help="KEY=VALUE overrides, e.g. run.steps=10."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return at once; the run goes on in the background."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="launcher=slurm: write and print the batch script, submit nothing."),
 ) -> None:
     """Start a run from a recipe."""
-    from rlctl.launchers.local import start_supervisor
-    from rlctl.plan import local_plan
-    from rlctl.recipe import load_recipe, recipe_to_yaml
-    from rlctl.rundir import create_run_dir
+    from rlctl.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])  # validation admits only the launchers this version has
-    plan = local_plan(r)
-    info = {
+    if r.launcher == "slurm":
+        code = launch_slurm(r, recipe, overrides or [], detach=detach, dry_run=dry_run)
+        raise typer.Exit(code)
+    if dry_run:
+        raise UsageError("--dry-run is for launcher=slurm (a local run has no script to show)")
+    code = launch_local(r, recipe, overrides or [], detach=detach)
+    raise typer.Exit(code)
+
+
+def _run_info(r, recipe: Path, overrides: list[str], plan: dict | None) -> dict:
+    return {
         "launcher": r.launcher,
         "mode": r.pipeline.mode,
         "steps_total": r.run.steps,
         "recipe_file": str(recipe),
-        "overrides": list(overrides or []),
+        "overrides": list(overrides),
         "model_path": str(Path(os.path.expanduser(r.model.path)).resolve()) if r.model.path else None,
-        "plan": plan.to_json(),
+        "plan": plan,
     }
+
+
+def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
+    from rlctl.launchers.local import start_supervisor
+    from rlctl.plan import local_plan
+    from rlctl.recipe import recipe_to_yaml
+    from rlctl.rundir import create_run_dir
+
+    info = _run_info(r, recipe, overrides, local_plan(r).to_json())
     rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), info)
     start_supervisor(rd)
     if detach:
         print(rd.id)
-        return
-    code = follow(rd)
-    raise typer.Exit(code)
+        return 0
+    return follow(rd)
+
+
+def launch_slurm(r, recipe: Path, overrides: list[str], *, detach: bool, dry_run: bool) -> int:
+    """Write the batch script into a new run directory and sbatch it (the same path up to the
+    submit call with --dry-run). The plan is written by the job, once it knows its nodes."""
+    import sys
+
+    from rlctl.launchers import slurm
+    from rlctl.recipe import recipe_to_yaml
+    from rlctl.rundir import create_run_dir
+
+    python = r.slurm.python or sys.executable
+    rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), _run_info(r, recipe, overrides, None))
+    script = rd.path / "job.sbatch"
+    script.write_text(slurm.render_batch_script(r, rd.path.resolve(), rd.id, python))
+    rd.update(lambda d: d.update(slurm={"script": str(script)}))
+    if dry_run:
+        print(script.read_text(), end="")
+        rd.set_state(RunState.DRY_RUN, "the batch script was written, nothing was submitted")
+        typer.echo(f"dry run: {script} (not submitted)", err=True)
+        return 0
+    try:
+        job_id = slurm.submit(script)
+    except RunError as e:
+        rd.set_state(RunState.FAILED, f"not submitted: {e}")
+        raise
+    rd.update(lambda d: d["slurm"].update(job_id=job_id))
+    rd.event("submitted", job_id=job_id)
+    if detach:
+        typer.echo(f"submitted Slurm job {job_id}", err=True)
+        print(rd.id)
+        return 0
+    return follow(rd)
 
 
 def _supervisor_pid(rd: RunDir, wait_s: float = 10.0) -> int | None:
@@ -54,6 +102,54 @@ def _supervisor_pid(rd: RunDir, wait_s: float = 10.0) -> int | None:
     return None
 
 
+class _LocalWatch:
+    """The local run's driver is its supervisor process."""
+
+    def __init__(self, rd: RunDir) -> None:
+        self.rd, self.pid = rd, _supervisor_pid(rd)
+
+    def check(self) -> str | None:
+        """A note for the progress line; ends the run in run.json if its driver is gone."""
+        if self.pid and not pid_alive(self.pid):
+            time.sleep(0.5)  # it may have just written its final state
+            self.rd.set_state(RunState.FAILED, f"supervisor (pid {self.pid}) is gone; see {self.rd.log_path('supervisor')}")
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        if self.pid:
+            os.kill(self.pid, signal.SIGTERM)
+            while pid_alive(self.pid):
+                time.sleep(0.1)
+
+
+class _SlurmWatch:
+    """A Slurm run's driver is its job: Slurm's state is joined with the run's every 2 s."""
+
+    def __init__(self, rd: RunDir) -> None:
+        from rlctl.launchers import slurm
+
+        self.rd, self.slurm, self.job_id = rd, slurm, rd.read()["slurm"]["job_id"]
+        self.job, self.asked = None, 0.0
+
+    def check(self) -> str | None:
+        if time.monotonic() - self.asked >= 2.0:
+            self.asked = time.monotonic()
+            self.job = self.slurm.refresh([self.rd]).get(self.rd.id)
+        return f"job {self.job_id} {self.job.describe()}" if self.job else f"job {self.job_id}"
+
+    def done(self) -> bool:
+        """The run has ended: wait until its job has let go of its nodes too."""
+        job = self.slurm.query([self.job_id]).get(self.job_id)
+        return job is None or not job.active
+
+    def cancel(self) -> None:
+        self.slurm.cancel(self.job_id)
+        self.rd.set_state(RunState.CANCELLED, f"cancelled from rlctl launch (scancel {self.job_id})")
+
+
 def follow(rd: RunDir) -> int:
     """Show a progress bar until the run ends; Ctrl-C cancels the run. Returns the exit code."""
     from rich.console import Console
@@ -63,7 +159,7 @@ def follow(rd: RunDir) -> int:
     info = rd.read()
     total = info["steps_total"]
     err.print(f"run [bold]{rd.id}[/] ({info['mode']}, {info['launcher']}) in {rd.path}")
-    supervisor = _supervisor_pid(rd)
+    watch = _SlurmWatch(rd) if info["launcher"] == "slurm" else _LocalWatch(rd)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[step_time]}"),
                         TimeElapsedColumn(), console=err, transient=False)
@@ -71,29 +167,23 @@ def follow(rd: RunDir) -> int:
     try:
         with progress:
             while True:
+                note = watch.check()
                 info = rd.read()
                 metrics = rd.metrics()
                 if metrics:
                     m = metrics[-1]
                     progress.update(task, completed=len(metrics), description="training",
                                     reward=f"{m['reward_mean']:.3f}", step_time=f"{m['step_time']:.2f} s/step")
-                elif info["state"] == RunState.RUNNING.value:
-                    progress.update(task, description="running")
-                state = RunState(info["state"])
-                if state.finished:
+                else:
+                    progress.update(task, description=note or info["state"])
+                if RunState(info["state"]).finished:
                     break
-                if supervisor and not pid_alive(supervisor):
-                    time.sleep(0.5)  # it may have just written its final state
-                    if not RunState(rd.read()["state"]).finished:
-                        rd.set_state(RunState.FAILED, f"supervisor (pid {supervisor}) is gone; see {rd.log_path('supervisor')}")
-                    continue
+                time.sleep(0.5)
+            while not watch.done():
                 time.sleep(0.5)
     except KeyboardInterrupt:
         err.print("cancelling...")
-        if supervisor:
-            os.kill(supervisor, signal.SIGTERM)
-            while pid_alive(supervisor):
-                time.sleep(0.1)
+        watch.cancel()
         return 130
     info = rd.read()
     state = RunState(info["state"])

@@ -14,7 +14,7 @@ from rlctl.rundir import RunState, find_run
 
 def logs(
     run: str = typer.Argument(..., help="A run id, name or run directory."),
-    role: str | None = typer.Argument(None, help="controller, trainer-0, rollout-1, supervisor, prepare ..."),
+    role: str | None = typer.Argument(None, help="controller, trainer-0, rollout-1, supervisor, prepare; job (Slurm's output) ..."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing as the log grows."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
@@ -23,7 +23,7 @@ def logs(
     role = role or "controller"
     path = rd.log_path(role)
     if not path.is_file():
-        have = ", ".join(sorted(p.stem for p in rd.logs.glob("*.log"))) or "none yet"
+        have = ", ".join(rd.log_files()) or "none yet"
         raise UsageError(f"{rd.id}: no log for role '{role}'; logs: {have}")
     with path.open("rb") as f:
         while True:

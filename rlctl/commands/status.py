@@ -1,7 +1,9 @@
 """`rlctl status [RUN] [--json] [--watch]`: runs and their state, read from the run directories.
 
 A run's state is what run.json says, unless run.json says it is still going while its
-supervisor is gone: then it is shown as failed, with the supervisor's log to read.
+supervisor is gone: then it is shown as failed, with the supervisor's log to read. Slurm runs
+are joined with Slurm's own state first: one batched squeue for all of them
+(rlctl/launchers/slurm.py), and the job's state is shown beside the run's.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ STARTING_GRACE_S = 30.0
 
 def effective_state(rd: RunDir, info: dict[str, Any]) -> tuple[RunState, str | None]:
     state = RunState(info["state"])
-    if state.finished:
-        return state, info.get("exit_reason")
+    if state.finished or info.get("launcher") == "slurm":
+        return state, info.get("exit_reason")  # a Slurm run was joined with Slurm's state before
     supervisor = info.get("processes", {}).get("supervisor", {}).get("pid")
     if supervisor is None:
         created = dt.datetime.fromisoformat(info["created"])
@@ -84,7 +86,25 @@ def summary(rd: RunDir) -> dict[str, Any]:
         "created": info["created"],
         "exit_reason": reason,
         "path": str(rd.path),
+        "slurm": _slurm_summary(info),
     }
+
+
+def _slurm_summary(info: dict[str, Any]) -> dict[str, Any] | None:
+    sl = info.get("slurm")
+    if not sl or not sl.get("job_id"):
+        return None
+    from rlctl.launchers.slurm import JobInfo
+
+    last = sl.get("last")
+    return {"job_id": sl["job_id"], **(last or {}),
+            "describe": JobInfo(**last).describe() if last else "submitted, not yet seen by squeue"}
+
+
+def _refresh_slurm(runs: list[RunDir]) -> None:
+    from rlctl.launchers.slurm import refresh
+
+    refresh(runs)  # asks Slurm only if some run is a Slurm run that needs it
 
 
 def detail(rd: RunDir) -> dict[str, Any]:
@@ -93,12 +113,14 @@ def detail(rd: RunDir) -> dict[str, Any]:
     procs = []
     for role, p in info.get("processes", {}).items():
         procs.append({"role": role, "pid": p.get("pid"), "host": p.get("host"), "port": p.get("port"),
-                      "alive": pid_alive(p.get("pid"), expect_in_cmdline=rd.id) if p.get("pid") else False,
+                      # a Slurm run's processes live on other nodes: no pid to check from here
+                      "alive": None if info.get("launcher") == "slurm" else
+                      pid_alive(p.get("pid"), expect_in_cmdline=rd.id) if p.get("pid") else False,
                       "log": p.get("log", str(rd.log_path(role)))})
     out["processes"] = procs
     out["last_events"] = rd.events()[-10:]
     out["last_metrics"] = last_jsonl_record(rd.metrics_path)
-    out["logs"] = sorted(str(p) for p in rd.logs.glob("*.log"))
+    out["logs"] = [str(p) for p in rd.log_files().values()]
     return out
 
 
@@ -109,17 +131,21 @@ def render_table(rows: list[dict[str, Any]]):
     """Aligned columns as one Text: far cheaper than a rich Table for hundreds of runs."""
     from rich.text import Text
 
-    header = ("RUN", "MODE", "LAUNCHER", "STATE", "STEP", "REWARD", "ELAPSED")
+    header: tuple[str, ...] = ("RUN", "MODE", "LAUNCHER", "STATE", "STEP", "REWARD", "ELAPSED")
     right = {4, 5, 6}
     cells = [
         (r["id"], r["mode"] or "-", r["launcher"] or "-", r["state"], f"{r['step']}/{r['steps_total']}",
          "-" if r["reward"] is None else f"{r['reward']:.3f}", _fmt_duration(r["elapsed_s"]))
         for r in rows
     ]
+    if any(r.get("slurm") for r in rows):
+        header += ("SLURM JOB",)  # the state word only; `rlctl status RUN` says more
+        cells = [(*c, f"{r['slurm']['job_id']} {r['slurm'].get('state', 'SUBMITTED')}" if r.get("slurm") else "-")
+                 for c, r in zip(cells, rows)]
     widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
 
     def line(row: tuple[str, ...], state_style: str = "") -> Text:
-        out = Text(no_wrap=True, overflow="crop")  # a narrow terminal crops rows, never breaks them
+        out = Text()
         for i, (cell, width) in enumerate(zip(row, widths)):
             if i:
                 out.append(" ")
@@ -129,7 +155,6 @@ def render_table(rows: list[dict[str, Any]]):
 
     text = line(header)
     text.stylize("bold")
-    text.no_wrap, text.overflow = True, "crop"
     for row in cells:
         text.append("\n")
         text.append_text(line(row, STATE_STYLE.get(row[3], "")))
@@ -146,6 +171,8 @@ def render_detail(d: dict[str, Any]):
         f"  step {d['step']}/{d['steps_total']}  elapsed {_fmt_duration(d['elapsed_s'])}\n{d['path']}"
     )
     parts: list[Any] = [head]
+    if d.get("slurm"):
+        parts.append(Text(f"slurm job {d['slurm']['job_id']}: {d['slurm']['describe']}"))
     if d["exit_reason"]:
         parts.append(Text(f"reason: {d['exit_reason']}"))
     m = d["last_metrics"]
@@ -162,7 +189,7 @@ def render_detail(d: dict[str, Any]):
     procs = Table("ROLE", "PID", "HOST", "PORT", "ALIVE", "LOG", box=None, pad_edge=False, title_justify="left")
     for p in d["processes"]:
         procs.add_row(p["role"], str(p["pid"] or "-"), p["host"] or "-", str(p["port"] or "-"),
-                      "yes" if p["alive"] else "no", p["log"])
+                      "-" if p["alive"] is None else "yes" if p["alive"] else "no", p["log"])
     parts.append(procs)
     if d["last_events"]:
         parts.append(Text("last events:"))
@@ -183,8 +210,12 @@ def status(
 
     def build():
         if run:
-            return detail(find_run(run, runs_dir))
-        return [summary(rd) for rd in list_runs(runs_dir)]
+            rd = find_run(run, runs_dir)
+            _refresh_slurm([rd])
+            return detail(rd)
+        runs = list_runs(runs_dir)
+        _refresh_slurm(runs)
+        return [summary(rd) for rd in runs]
 
     def render(data):
         return render_detail(data) if run else render_table(data)
@@ -194,7 +225,12 @@ def status(
         return
     console = Console()
     if not watch:
-        console.print(render(build()))
+        if run:
+            console.print(render(build()))
+        elif console.is_terminal:  # a narrow terminal crops rows, never breaks them
+            console.print(render(build()), no_wrap=True, overflow="crop")
+        else:  # piped: whole lines, for grep and friends
+            console.print(render(build()), soft_wrap=True)
         return
     from rich.live import Live
 

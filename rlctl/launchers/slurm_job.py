@@ -1,0 +1,94 @@
+"""The rlctl steps a Slurm batch script runs besides the roles (see rlctl/launchers/slurm.py).
+
+    python -m rlctl.worker plan   --run-dir D --trainer-nodes "n1" --rollout-nodes "n2 n3" --port-base P
+    python -m rlctl.worker health --run-dir D      exit 0 when every rollout server answers /health
+    python -m rlctl.worker state  --run-dir D --state failed --failed rollout [--reason ...]
+
+They run on the job's first trainer node and write to the run directory (a shared filesystem),
+so the run directory stays the source of truth for `rlctl status` as with the local launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import urllib.request
+from pathlib import Path
+
+from rlctl.launchers.local import last_log_line
+from rlctl.plan import RunPlan, slurm_plan
+from rlctl.recipe import recipe_from_yaml
+from rlctl.rundir import RunDir, RunState
+
+# What srun says on its own stderr when a task of its step ends badly.
+_SRUN_TASK_ERROR = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)")
+
+
+def main(args: argparse.Namespace) -> int:
+    rd = RunDir(args.run_dir)
+    if args.role == "plan":
+        return write_plan(rd, args.trainer_nodes.split(), args.rollout_nodes.split(), args.port_base)
+    if args.role == "health":
+        plan = RunPlan.from_json(rd.read()["plan"])
+        return 0 if all(_healthy(url) for url in plan.server_urls) else 1
+    return record_state(rd, RunState(args.state), args.reason, args.failed)
+
+
+def write_plan(rd: RunDir, trainer_nodes: list[str], rollout_nodes: list[str], port_base: int) -> int:
+    recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
+    try:
+        plan = slurm_plan(recipe, trainer_nodes, rollout_nodes, port_base)
+    except ValueError as e:
+        print(f"error: {e}", flush=True)
+        return 1
+
+    def apply(d: dict) -> None:
+        d["plan"] = plan.to_json()
+        d.setdefault("slurm", {}).update(
+            job_id=os.environ.get("SLURM_JOB_ID"), restart_count=int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+            trainer_nodes=trainer_nodes, rollout_nodes=rollout_nodes, batch_host=socket.gethostname(),
+            logs=os.environ.get("RLCTL_LOGS"),
+        )
+    rd.update(apply)
+    print(f"plan: trainers on {' '.join(trainer_nodes)}, rollout servers on {' '.join(rollout_nodes)}, ports from {port_base}",
+          flush=True)
+    return 0
+
+
+def record_state(rd: RunDir, state: RunState, reason: str, failed: str) -> int:
+    if failed and state is RunState.FAILED:
+        reason = failure_reason(rd, failed, reason)
+    if state.finished:
+        if RunState(rd.read()["state"]).finished:
+            return 0  # the first word stands: a cancel after a failure does not rewrite why
+        rd.event("run_end", state=state.value, reason=reason)
+    rd.set_state(state, reason or None)
+    return 0
+
+
+def failure_reason(rd: RunDir, component: str, what: str) -> str:
+    """Name the process that died: srun's own stderr says which task of the step ended badly and
+    on which node; that task's log usually says why."""
+    logs = Path(os.environ.get("RLCTL_LOGS") or rd.logs)
+    srun_log = logs / f"{component}.srun.log"
+    lines = srun_log.read_text(errors="replace").splitlines() if srun_log.is_file() else []
+    for line in lines:  # the first task srun reports is the one that died; --kill-on-bad-exit ended the rest
+        m = _SRUN_TASK_ERROR.search(line)
+        if m:
+            task = re.split(r"[,-]", m["tasks"])[0]
+            role = f"{component}-{task}"
+            said = last_log_line(logs / f"{role}.log")
+            tail = f"; it said: {said}" if said and "Killed" not in m["what"] else ""
+            return f"{role} on {m['node']}: {m['what'].strip()} ({what}){tail}; see {logs / f'{role}.log'}"
+    said = last_log_line(logs / f"{component}.log") if component == "controller" else None
+    return f"{component}: {what}" + (f"; it said: {said}" if said else "") + f"; see {logs}"
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

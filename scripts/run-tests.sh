@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): install rlctl with its test extras, bring up the project's
+# own 3-node Slurm test cluster (as root; scripts/slurm-test-cluster.sh), run pytest, and stop the
+# cluster again whatever happened. Arguments go to pytest.
+# Not root: the Slurm tests are skipped (they need network namespaces and slurmd).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e '.[local,test]'
+
+if [ "$(id -u)" = 0 ]; then
+  if ! command -v shellcheck >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null
+  fi
+  trap 'scripts/slurm-test-cluster.sh stop' EXIT
+  eval "$(scripts/slurm-test-cluster.sh start)"   # exports SLURM_CONF
+  export RLCTL_SLURM_TESTS=1
+fi
+python3 -m pytest -q "$@"

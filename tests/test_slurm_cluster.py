@@ -1,0 +1,147 @@
+"""launcher=slurm on a real multi-node Slurm: scripts/slurm-test-cluster.sh's 3 nodes, each in
+its own network namespace with its own hostname (scripts/run-tests.sh starts it and sets
+RLCTL_SLURM_TESTS=1). The run's trainer lands on one node and its two rollout servers on the two
+others, so the weight broadcast and every HTTP call cross hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
+from rlctl.rundir import RunDir
+
+if not os.environ.get("RLCTL_SLURM_TESTS"):
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must run the Slurm tests: run scripts/run-tests.sh (it starts the test cluster)")
+    pytest.skip("no Slurm test cluster (scripts/run-tests.sh starts one as root)", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+SLURM = ["launcher=slurm", "slurm.time=10:00", "slurm.health_timeout_s=120"]
+
+
+def launch(tmp_path: Path, *overrides: str, detach: bool) -> RunDir:
+    args = ["launch", str(QUICKSTART), *SLURM, f"run.output_dir={tmp_path}", *overrides]
+    res = rlctl(*args, *(["--detach"] if detach else []), cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return RunDir(tmp_path / res.stdout.strip().splitlines()[-1])
+
+
+def scontrol(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True).stdout
+    first = out.splitlines()[0]  # component 0 of the het job
+    return dict(item.split("=", 1) for item in first.split() if "=" in item)
+
+
+def squeue_state(job_id: str) -> str | None:
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"], capture_output=True, text=True).stdout
+    states = {line.split("|")[1] for line in out.splitlines() if "|" in line}
+    return states.pop() if len(states) == 1 else None
+
+
+def status_json(tmp_path: Path, run_id: str) -> dict:
+    res = rlctl("status", run_id, "--json", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_run_spans_three_nodes_and_learns(tmp_path):
+    rd = launch(tmp_path, "run.steps=12", detach=False)
+    info = rd.read()
+    assert info["state"] == "completed", info.get("exit_reason")
+    hosts = {role: p["host"] for role, p in info["processes"].items()}
+    assert hosts["trainer-0"] not in (hosts["rollout-0"], hosts["rollout-1"])
+    assert hosts["rollout-0"] != hosts["rollout-1"]
+    assert hosts["trainer-0"] == hosts["controller"] == info["slurm"]["batch_host"]
+    assert {hosts["trainer-0"], hosts["rollout-0"], hosts["rollout-1"]} == {"node1", "node2", "node3"}
+    plan = info["plan"]
+    assert [s["host"] for s in plan["rollout"]] == [hosts["rollout-0"], hosts["rollout-1"]]
+
+    # Weights crossed hosts after every step: the servers generated step k with the version the
+    # trainer had after all optimizer steps before it.
+    metrics = rd.metrics()
+    assert len(metrics) == 12
+    optimizer_steps = [sum(m["train_batches"] for m in metrics[:k]) for k in range(12)]
+    assert [m["weight_version_min"] for m in metrics] == optimizer_steps
+    assert [m["weight_version_max"] for m in metrics] == optimizer_steps
+    assert all(m["sync_bytes"] > 0 for m in metrics)
+    first = sum(m["reward_mean"] for m in metrics[:3]) / 3
+    last = sum(m["reward_mean"] for m in metrics[-3:]) / 3
+    assert last > first + 0.05, (first, last)
+
+    # status agrees with Slurm after the end
+    job_id = info["slurm"]["job_id"]
+    wait_for(lambda: squeue_state(job_id) == "COMPLETED", 30, "the job to be COMPLETED")
+    st = status_json(tmp_path, rd.id)
+    assert st["state"] == "completed"
+    assert st["slurm"]["state"] == scontrol(job_id)["JobState"] == "COMPLETED"
+    assert st["slurm"]["exit_code"] == scontrol(job_id)["ExitCode"] == "0:0"
+    assert processes_mentioning(rd.id) == []
+    res = rlctl("logs", rd.id, "rollout-1", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0 and "rollout" in res.stdout
+
+
+def test_sigkill_of_a_rollout_server_ends_the_job(tmp_path):
+    rd = launch(tmp_path, "run.steps=400", *FAST[1:], detach=True)
+    job_id = rd.read()["slurm"]["job_id"]
+    wait_for(lambda: rd.metrics(), 120, "the first step")
+
+    # While running, status agrees with squeue / scontrol.
+    st = status_json(tmp_path, rd.id)
+    sc = scontrol(job_id)
+    assert st["state"] == "running"
+    assert st["slurm"]["state"] == squeue_state(job_id) == sc["JobState"] == "RUNNING"
+    assert st["slurm"]["nodes"][0] == sc["NodeList"]
+
+    victim = rd.read()["processes"]["rollout-1"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: squeue_state(job_id) in ("FAILED", "COMPLETED", "CANCELLED"), 30, "the job to end")
+    assert time.monotonic() - killed < 30
+    st = status_json(tmp_path, rd.id)
+    assert st["state"] == "failed"
+    assert "rollout-1" in st["exit_reason"] and victim["host"] in st["exit_reason"], st["exit_reason"]
+    assert st["slurm"]["state"] == scontrol(job_id)["JobState"] == "FAILED"
+    wait_for(lambda: not processes_mentioning(rd.id), 15, "every process of the run to exit")
+
+
+def test_cancel_leaves_no_process_on_any_node(tmp_path):
+    rd = launch(tmp_path, "run.steps=400", *FAST[1:], detach=True)
+    job_id = rd.read()["slurm"]["job_id"]
+    wait_for(lambda: rd.metrics(), 120, "the first step")
+    assert processes_mentioning(rd.id)
+    res = rlctl("cancel", rd.id, "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    # cancel returns once Slurm says the job ended: by then every step on every node is gone.
+    assert processes_mentioning(rd.id) == []
+    assert squeue_state(job_id) == scontrol(job_id)["JobState"] == "CANCELLED"
+    st = status_json(tmp_path, rd.id)
+    assert st["state"] == "cancelled" and st["slurm"]["state"] == "CANCELLED"
+
+
+def test_slurm_controller_down_is_a_one_line_error(tmp_path):
+    conf = tmp_path / "slurm.conf"
+    real = Path(os.environ["SLURM_CONF"]).read_text()
+    # Same cluster, but a controller port where nothing listens.
+    conf.write_text(real.replace("SlurmctldHost=", "SlurmctldPort=1\nSlurmctldHost=", 1))
+    env = {"SLURM_CONF": str(conf)}
+    res = rlctl("launch", str(QUICKSTART), *SLURM, f"run.output_dir={tmp_path}", *FAST, cwd=tmp_path, env=env, timeout=120)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sbatch failed" in lines[0], res.stderr
