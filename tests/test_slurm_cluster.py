@@ -145,3 +145,22 @@ def test_slurm_controller_down_is_a_one_line_error(tmp_path):
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "sbatch failed" in lines[0], res.stderr
+
+
+def test_unsatisfiable_allocation_is_pending_with_a_reason_and_cancel_removes_it(tmp_path):
+    # 4 rollout nodes + 1 trainer node on a 3-node cluster: Slurm keeps it pending.
+    rd = launch(tmp_path, *FAST, "rollout.servers=4", detach=True)
+    job_id = rd.read()["slurm"]["job_id"]
+    wait_for(lambda: squeue_state(job_id) == "PENDING", 10, "squeue to list the job")
+    st = wait_for(lambda: (s := status_json(tmp_path, rd.id))["slurm"].get("reason") not in (None, "None") and s, 15,
+                  "a pending reason")
+    assert st["state"] == "starting"
+    # In words: PartitionNodeLimit, or PartitionConfig just after submission
+    assert st["slurm"]["describe"] in ("PENDING: it asks for more nodes than the partition allows",
+                                       "PENDING: it asks for more than the partition's configuration allows (nodes, CPUs or GPUs)")
+    res = rlctl("status", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert f"{job_id} PENDING" in res.stdout
+    res = rlctl("cancel", rd.id, "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert squeue_state(job_id) == "CANCELLED"
+    assert status_json(tmp_path, rd.id)["state"] == "cancelled"

@@ -189,6 +189,7 @@ PENDING_REASONS = {
     "PartitionDown": "its partition is down",
     "PartitionInactive": "its partition is inactive",
     "PartitionNodeLimit": "it asks for more nodes than the partition allows",
+    "PartitionConfig": "it asks for more than the partition's configuration allows (nodes, CPUs or GPUs)",
     "PartitionTimeLimit": "its time limit is above the partition's",
     "QOSMaxGRESPerUser": "you are at your QOS's GPU limit",
     "QOSMaxJobsPerUserLimit": "you are at your QOS's running-job limit",
@@ -208,6 +209,7 @@ PENDING_REASONS = {
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
           "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "STOPPED"}
 _SQUEUE_FORMAT = "%i|%j|%T|%r|%M|%N"
+_VAGUE_REASONS = ("", "None", "Resources", "Priority")
 # Settings of the user's shell that would change what Slurm's commands print.
 _IGNORED_ENV = ("SQUEUE_FORMAT", "SQUEUE_FORMAT2", "SQUEUE_SORT", "SQUEUE_STATES", "SACCT_FORMAT", "SLURM_TIME_FORMAT")
 
@@ -288,7 +290,9 @@ def query(job_ids: list[str]) -> dict[str, JobInfo]:
         base, _, offset = jid.partition("+")
         job = jobs.setdefault(base, JobInfo(base, state, reason, elapsed, []))
         if offset in ("", "0"):
-            job.state, job.reason, job.elapsed = state, reason, elapsed
+            job.state, job.elapsed = state, elapsed
+        if job.reason in _VAGUE_REASONS and reason not in _VAGUE_REASONS:
+            job.reason = reason  # a het job's real obstacle may be one component's: say that one
         job.nodes.append(nodes)
     for jid, job in jobs.items():
         if not job.active:

@@ -34,7 +34,12 @@ class RolloutClient:
             return await resp.json()
 
     async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        return await self.session.post(self.url + path, json=body, headers=self.headers)
+        try:
+            return await self.session.post(self.url + path, json=body, headers=self.headers)
+        except aiohttp.ServerDisconnectedError:
+            # A pooled keep-alive connection the server closed just as the request went out: the
+            # server never saw the request, so it is sent once more on a fresh connection.
+            return await self.session.post(self.url + path, json=body, headers=self.headers)
 
     async def _control(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
