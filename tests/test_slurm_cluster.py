@@ -26,6 +26,16 @@ pytestmark = pytest.mark.slow
 SLURM = ["launcher=slurm", "slurm.time=10:00", "slurm.health_timeout_s=120"]
 
 
+@pytest.fixture(autouse=True)
+def _scancel_leftovers(tmp_path):
+    """A failed test must not leave its job queued: a pending 5-node job would hold up the next."""
+    yield
+    for run_json in tmp_path.glob("*/run.json"):
+        job_id = (json.loads(run_json.read_text()).get("slurm") or {}).get("job_id")
+        if job_id:
+            subprocess.run(["scancel", job_id], capture_output=True)
+
+
 def launch(tmp_path: Path, *overrides: str, detach: bool) -> RunDir:
     args = ["launch", str(QUICKSTART), *SLURM, f"run.output_dir={tmp_path}", *overrides]
     res = rlctl(*args, *(["--detach"] if detach else []), cwd=tmp_path, timeout=600)
