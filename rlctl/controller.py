@@ -44,6 +44,39 @@ class NamedServer:
         await self.client.abort(rid)
 
 
+def sync_backend(recipe) -> str:
+    """The weight-sync group's backend: train.sync_backend, or with `auto` NCCL when trainer and
+    servers are on GPUs of different hosts (a Slurm run), gloo otherwise: NCCL refuses two ranks
+    on one GPU, which a one-machine run may well have."""
+    if recipe.train.sync_backend != "auto":
+        return recipe.train.sync_backend
+    on_gpus = recipe.train.device == "cuda" and (recipe.rollout.device == "cuda" or recipe.rollout.engine == "sglang")
+    return "nccl" if on_gpus and recipe.launcher == "slurm" else "gloo"
+
+
+class CheckedTrainer:
+    """pipeline.check_weights: after every weight sync, the sha256 of every tensor on each server
+    must equal the trainer's (built-in servers; slow, for tests and debugging)."""
+
+    def __init__(self, trainer: TrainerClient, clients: list[RolloutClient], emit, clock) -> None:
+        self.trainer, self.clients, self.emit, self.clock = trainer, clients, emit, clock
+
+    async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        return await self.trainer.train(samples)
+
+    async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
+        stats = await self.trainer.sync_weights(version, pause_mode)
+        want = (await self.trainer.weight_checksums())["checksums"]
+        for c in self.clients:
+            got = (await c.weight_checksums())["checksums"]
+            wrong = [n for n, h in want.items() if got.get(n) != h]
+            if wrong:
+                raise RunError(f"after the sync to version {version}, {c.url} differs from the trainer in "
+                               f"{len(wrong)} of {len(want)} tensors (first: {wrong[0]})")
+        self.emit("weights_checked", self.clock.now(), version=version, tensors=len(want), servers=len(self.clients))
+        return stats
+
+
 class TrainerClient:
     """The controller's side of the trainer service (engines/train/service.py)."""
 
@@ -65,11 +98,15 @@ class TrainerClient:
         probe = RolloutClient(self.url, self.session)  # same /health semantics
         await probe.wait_healthy(timeout_s)
 
+    async def weight_checksums(self) -> dict[str, Any]:
+        async with self.session.get(self.url + "/weight_checksums") as resp:
+            return await resp.json()
+
     async def init_weight_sync(self, servers: list[str], master_address: str, master_port: int,
-                               backend: str, bucket_mb: float) -> None:
+                               backend: str, bucket_mb: float, api_key: str = "") -> None:
         await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,
                                                "master_port": master_port, "backend": backend,
-                                               "bucket_mb": bucket_mb})
+                                               "bucket_mb": bucket_mb, "api_key": api_key})
 
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self._post("/train", {"samples": samples})
@@ -98,14 +135,24 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
     clock = MonotonicClock()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        clients = [RolloutClient(url, session) for url in plan.server_urls]
+        api_key = recipe.rollout.sglang.api_key if recipe.rollout.engine == "sglang" else ""
+        clients = [RolloutClient(url, session, api_key or None) for url in plan.server_urls]
         for c in clients:
             await c.wait_healthy(READY_TIMEOUT_S)
+        if recipe.rollout.engine == "sglang":
+            from rlctl.engines.rollout.sglang import speaks
+
+            for c in clients:
+                info = await c.server_info()
+                log.info("%s: SGLang %s (%s)", c.url, info.get("version"), speaks(str(info.get("version", ""))))
         trainer = TrainerClient(plan.trainer_url, session)
         await trainer.wait_healthy(READY_TIMEOUT_S)
         await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
-                                       backend="gloo", bucket_mb=recipe.train.sync_bucket_mb)
+                                       backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
+                                       api_key=api_key)
         emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode)
+        if recipe.pipeline.check_weights:
+            trainer = CheckedTrainer(trainer, clients, emit, clock)
         servers = [NamedServer(r.name, c) for r, c in zip(plan.rollout, clients)]
         pipeline = build_pipeline(
             recipe, servers, trainer, clock, emit, on_step_end,

@@ -62,11 +62,15 @@ class DataSource(enum.StrEnum):
     JSONL = "jsonl"
 
 
+# Flags the sglang engine sets itself (rlctl/engines/rollout/sglang.py).
+SGLANG_MANAGED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--random-seed", "--api-key",
+                        "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp")
+
 # What this version of rlctl can run. The schema already has room for the rest.
 AVAILABLE = {
     "pipeline.mode": {PipelineMode.SYNC, PipelineMode.ROLLOUTPIPE, PipelineMode.ASYNC},
-    "rollout.engine": {RolloutEngine.BUILTIN},
-    "train.engine": {TrainEngine.TORCH},
+    "rollout.engine": {RolloutEngine.BUILTIN, RolloutEngine.SGLANG},
+    "train.engine": {TrainEngine.TORCH, TrainEngine.MEGATRON},
     "launcher": {Launcher.LOCAL, Launcher.SLURM},
 }
 
@@ -170,8 +174,25 @@ class SamplingConfig:
 
 
 @dataclass(kw_only=True)
+class SGLangConfig:
+    """rollout.engine=sglang: how each server is started (python -m sglang.launch_server)."""
+
+    tp_size: int = 1
+    """GPUs per server (tensor parallel); data parallel = rollout.servers."""
+    mem_fraction_static: float = 0.85
+    dtype: str = "bfloat16"
+    api_key: str = ""
+    """Sent as a Bearer token on every request when set (--api-key)."""
+    skip_tokenizer_init: bool = True
+    """rlctl sends token ids and reads output_ids, so the server needs no tokenizer."""
+    extra_args: list[str] = field(default_factory=list)
+    """Passed through to sglang.launch_server, e.g. ["--attention-backend", "fa3"]."""
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     engine: str = "builtin"
+    """builtin (rlctl's own server, CPU or GPU) or sglang."""
     servers: int = 2
     """Rollout servers (data parallel: one per TP group)."""
     group_size: int = 8
@@ -192,11 +213,25 @@ class RolloutConfig:
     device: str = "cpu"
     """Where built-in servers run: cpu or cuda (server i uses cuda:i when there are enough GPUs)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+
+@dataclass(kw_only=True)
+class MegatronConfig:
+    """train.engine=megatron: how the Megatron-core model is parallelized."""
+
+    tp: int = 1
+    """Tensor-parallel size; train.ranks = tp x data-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size (only 1 for now)."""
+    dtype: str = "bfloat16"
+    """Parameter dtype: bfloat16 (fp32 master weights in the optimizer) or float32."""
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
     engine: str = "torch"
+    """torch (transformers model, DDP) or megatron (Megatron-core GPTModel; CUDA only)."""
     ranks: int = 1
     """Data-parallel trainer processes (torch.distributed, gloo on CPU)."""
     cpus: list[int] = field(default_factory=list)
@@ -216,6 +251,10 @@ class TrainConfig:
     """Most padded tokens per forward/backward; a train batch is split by length to fit."""
     sync_bucket_mb: float = 64.0
     """Size of one weight-broadcast bucket in MiB."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    sync_backend: str = "auto"
+    """Weight-sync group: gloo (CPU staging), nccl (GPU to GPU, one GPU per rank), or auto: nccl
+    when trainers and servers are on GPUs of different nodes (launcher=slurm), else gloo."""
 
 
 @dataclass(kw_only=True)
@@ -233,6 +272,9 @@ class PipelineConfig:
     """async: the most weight versions a trained sample may lag behind the trainer."""
     sync_every: int = 1
     """async: optimizer steps between weight broadcasts."""
+    check_weights: bool = False
+    """After every weight sync, compare the sha256 of every tensor on each server with the
+    trainer's, and fail the run on a difference (built-in servers; slow: for tests)."""
     inflight_at_update: str = "finish"
     """async: what happens to requests in flight at a weight update. finish: they complete on the
     old weights (tagged with that version). abort_resume: they are aborted and resumed on the new
@@ -554,6 +596,17 @@ def validate(recipe: Recipe, file: str, check_paths: bool = True) -> None:
     _positive(file, "rollout.batch_size", ro.batch_size)
     _positive(file, "rollout.concurrency", ro.concurrency)
     _positive(file, "rollout.max_running_requests", ro.max_running_requests)
+    sg = ro.sglang
+    _positive(file, "rollout.sglang.tp_size", sg.tp_size)
+    if not 0.0 < sg.mem_fraction_static < 1.0:
+        raise RecipeError(file, "rollout.sglang.mem_fraction_static", f"must be in (0, 1), got {sg.mem_fraction_static}")
+    if sg.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise RecipeError(file, "rollout.sglang.dtype", f"'{sg.dtype}' is not one of auto, bfloat16, float16, float32")
+    for i, arg in enumerate(sg.extra_args):
+        if arg.split("=")[0] in SGLANG_MANAGED_FLAGS:
+            raise RecipeError(file, f"rollout.sglang.extra_args[{i}]", f"'{arg}' is set by rlctl; use the rollout.sglang keys or the plan")
+    if ro.engine == RolloutEngine.SGLANG and ro.device != "cuda":
+        raise RecipeError(file, "rollout.device", "SGLang runs on GPUs only; set rollout.device=cuda (or rollout.engine=builtin on CPU)")
     s = ro.sampling
     _positive(file, "rollout.sampling.temperature", s.temperature, zero_ok=True)
     if not 0.0 < s.top_p <= 1.0:
@@ -578,6 +631,21 @@ def validate(recipe: Recipe, file: str, check_paths: bool = True) -> None:
     _positive(file, "train.grad_clip", t.grad_clip)
     _positive(file, "train.micro_batch_tokens", t.micro_batch_tokens)
     _positive(file, "train.sync_bucket_mb", t.sync_bucket_mb)
+    mg = t.megatron
+    _positive(file, "train.megatron.tp", mg.tp)
+    if mg.pp != 1:
+        raise RecipeError(file, "train.megatron.pp", "pipeline parallelism is not supported yet; use pp=1 (and tp for large models)")
+    if mg.dtype not in ("bfloat16", "float32"):
+        raise RecipeError(file, "train.megatron.dtype", f"'{mg.dtype}' is not one of bfloat16, float32")
+    if t.engine == TrainEngine.MEGATRON:
+        if t.ranks % mg.tp:
+            raise RecipeError(file, "train.megatron.tp", f"{mg.tp} does not divide train.ranks ({t.ranks}); ranks = tp x data parallel")
+        if t.device != "cuda":
+            raise RecipeError(file, "train.device", "Megatron trains on GPUs only; set train.device=cuda (or train.engine=torch on CPU)")
+        if t.kl_coef > 0:
+            raise RecipeError(file, "train.kl_coef", "the KL penalty is not in the megatron engine yet; set it to 0 or use train.engine=torch")
+    if t.sync_backend not in ("auto", "gloo", "nccl"):
+        raise RecipeError(file, "train.sync_backend", f"'{t.sync_backend}' is not one of auto, gloo, nccl")
 
     for key, dev in (("rollout.device", ro.device), ("train.device", t.device)):
         if dev not in ("cpu", "cuda"):

@@ -69,6 +69,15 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     if recipe.rollout.cpus:
         os.sched_setaffinity(0, recipe.rollout.cpus)
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
+    if recipe.rollout.engine == "sglang":
+        from rlctl.engines.rollout import sglang
+
+        sglang.require_sglang()
+        cmd = sglang.launch_command(sys.executable, info["model_path"], recipe.rollout.sglang, host=role.listen,
+                                    port=role.port, seed=recipe.run.seed * 1000 + index)
+        log.info("exec %s", " ".join(cmd))
+        sys.stdout.flush()
+        os.execv(cmd[0], cmd)  # the server takes this process over: same pid, log and parent-death signal
     args = server.parser().parse_args([
         "--model-path", info["model_path"], "--host", role.listen, "--port", str(role.port),
         "--random-seed", str(recipe.run.seed * 1000 + index),
@@ -90,18 +99,25 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     role = plan.trainers[rank]
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
     world = len(plan.trainers)
-    if world > 1:
-        master = plan.trainers[0].host
-        backend = "nccl" if recipe.train.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master}:{plan.trainer_dist_port}", rank=rank, world_size=world)
-    engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
-                              device=_device(recipe.train.device, rank))
+    init_method = f"tcp://{plan.trainers[0].host}:{plan.trainer_dist_port}"
+    if recipe.train.engine == "megatron":
+        from rlctl.engines.train.megatron_engine import MegatronTrainEngine
+
+        # Megatron needs its NCCL group even for one rank; the engine makes it.
+        engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
+                                     world, device=_device("cuda", rank), init_method=init_method)
+    else:
+        if world > 1:
+            backend = "nccl" if recipe.train.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+        engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
+                                  device=_device(recipe.train.device, rank))
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
         web.run_app(TrainerService(engine, world).app(), host=role.listen, port=role.port, print=None, access_log=None)
     else:
         follower_loop(engine)
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

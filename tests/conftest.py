@@ -67,12 +67,12 @@ def start_server(tiny_model_dir, tmp_path):
     """Start built-in rollout servers as real processes; all are killed at teardown."""
     procs: list[subprocess.Popen] = []
 
-    def start(seed: int = 0) -> str:
+    def start(seed: int = 0, *extra: str) -> str:
         port = free_port()
         log = (tmp_path / f"server-{port}.log").open("wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "rlctl.engines.rollout.builtin.server", "--model-path", str(tiny_model_dir),
-             "--port", str(port), "--random-seed", str(seed)],
+             "--port", str(port), "--random-seed", str(seed), *extra],
             stdout=log, stderr=subprocess.STDOUT,
         ))
         url = f"http://127.0.0.1:{port}"

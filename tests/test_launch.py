@@ -87,9 +87,12 @@ def test_sync_invariant_every_trained_sample_has_the_step_version(tmp_path):
     assert sorted(trained) == sorted(completed) and len(set(trained)) == len(trained)  # each once
 
 
-def test_two_trainer_ranks(tmp_path):
-    res = launch(tmp_path, "train.ranks=2")
+def test_two_trainer_ranks_and_checked_weights(tmp_path):
+    # check_weights: after every sync each server's tensors must hash like the trainer's
+    res = launch(tmp_path, "train.ranks=2", "pipeline.check_weights=true")
     assert res.returncode == 0, res.stderr
+    checked = [e for e in only_run(tmp_path).events() if e["event"] == "weights_checked"]
+    assert len(checked) == 3 and all(e["servers"] == 2 and e["tensors"] > 10 for e in checked)
     info = only_run(tmp_path).read()
     assert {"trainer-0", "trainer-1"} <= set(info["processes"])
     assert "trainer rank 1/2 ready" in (only_run(tmp_path).log_path("trainer-1").read_text())

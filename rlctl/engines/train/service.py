@@ -38,6 +38,8 @@ def follower_loop(engine: TrainEngine) -> None:
             return
         if command == "train":
             engine.train_batch(payload)
+        elif command == "weights":
+            list(engine.hf_weights())  # take part in the all-gathers that rebuild full tensors
 
 
 class TrainerService:
@@ -56,6 +58,13 @@ class TrainerService:
             dist.broadcast_object_list([("train", samples)], src=0)
         return self.engine.train_batch(samples)
 
+    def _weights(self) -> list:
+        """Full HF-named weights. An engine whose weights are sharded across ranks (Megatron with
+        TP > 1) needs every rank in the gathers: rank 0 tells the others to join."""
+        if self.world_size > 1 and getattr(self.engine, "collective_export", False):
+            dist.broadcast_object_list([("weights", None)], src=0)
+        return list(self.engine.hf_weights())
+
     def _stop_followers(self) -> None:
         if self.world_size > 1:
             dist.broadcast_object_list([("stop", None)], src=0)
@@ -64,7 +73,7 @@ class TrainerService:
         return web.Response(status=200)
 
     async def info(self, request: web.Request) -> web.Response:
-        n = sum(t.numel() for _, t in self.engine.hf_weights())
+        n = sum(t.numel() for _, t in await self._run(self._weights))
         return web.json_response({"version": self.engine.version, "ranks": self.world_size, "parameters": n})
 
     async def train(self, request: web.Request) -> web.Response:
@@ -81,7 +90,7 @@ class TrainerService:
         body = await request.json()
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        clients = [RolloutClient(url, self.session) for url in body["servers"]]
+        clients = [RolloutClient(url, self.session, body.get("api_key") or None) for url in body["servers"]]
         self.sender = WeightSender(
             clients, master_address=body["master_address"], master_port=int(body["master_port"]),
             backend=body.get("backend", "gloo"), bucket_bytes=int(float(body["bucket_mb"]) * 2**20),
@@ -94,13 +103,13 @@ class TrainerService:
         if self.sender is None:
             return web.json_response({"success": False, "message": "call /init_weight_sync first"}, status=400)
         # Snapshot on the engine thread so no train batch runs while tensors are read.
-        weights = await self._run(lambda: list(self.engine.hf_weights()))
+        weights = await self._run(self._weights)
         stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"))
         return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
                                   "buckets": stats.buckets, "tensors": stats.tensors})
 
     async def weight_checksums(self, request: web.Request) -> web.Response:
-        sums = await self._run(lambda: {n: tensor_sha256(t) for n, t in self.engine.hf_weights()})
+        sums = await self._run(lambda: {n: tensor_sha256(t) for n, t in self._weights()})
         return web.json_response({"version": self.engine.version, "checksums": sums})
 
     async def shutdown(self, request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from rlctl.engines.rollout.builtin.engine import Engine, Request, SamplingParams, future_callback
+from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, parse_version
 
 log = logging.getLogger("rlctl.rollout")
 
@@ -109,6 +111,10 @@ class BuiltinServer:
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
+        if self.args.emulate_sglang:  # answer as that SGLang version does: no rlctl-only keys
+            return web.json_response({"version": self.args.emulate_sglang, "model_path": self.args.model_path,
+                                      "tp_size": 1, "dp_size": 1, "random_seed": self.args.seed,
+                                      "max_running_requests": self.args.max_running_requests})
         return web.json_response({
             "version": SERVER_VERSION,
             "model_path": self.args.model_path,
@@ -255,6 +261,13 @@ class BuiltinServer:
         log.info("joined weight update group %s as rank %d of %d", group_name, rank, world_size)
         return ok(f"joined {group_name} as rank {rank}")
 
+    def _sessions_required(self) -> bool:
+        """SGLang >= 0.5.21 refuses weight updates outside a session; older versions have none."""
+        if not self.args.emulate_sglang:
+            return True
+        v = parse_version(self.args.emulate_sglang)
+        return v is not None and v >= UPDATE_SESSION_SINCE
+
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         self.in_update_session = True
         return ok("weight update session begun")
@@ -280,7 +293,7 @@ class BuiltinServer:
                 raise ValueError(f"unsupported load_format {load_format!r}")
         except (KeyError, TypeError, ValueError) as e:
             return fail(f"bad request: {e}")
-        if not self.in_update_session:
+        if not self.in_update_session and self._sessions_required():
             # The sender is about to broadcast; we must not leave it hanging in the collective,
             # so receive (and discard) the bucket, then refuse.
             await self._receive(names, dtypes, shapes, load_format)
@@ -373,8 +386,21 @@ class BuiltinServer:
             sums = {n: tensor_sha256(t) for n, t in self.engine.model.state_dict().items()}
         return web.json_response({"weight_version": self.engine.weight_version, "checksums": sums})
 
+    @web.middleware
+    async def _record(self, request: web.Request, handler):
+        """--record-requests: what a client sent, for checking it against SGLang's field lists."""
+        if request.method == "POST":
+            raw = await request.read()  # aiohttp keeps it: the handler reads it again
+            try:
+                body = json.loads(raw) if raw else None
+            except ValueError:
+                body = raw.decode(errors="replace")
+            with open(self.args.record_requests, "a") as f:
+                f.write(json.dumps({"path": request.path, "body": body}) + "\n")
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._record] if self.args.record_requests else [])
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
@@ -391,8 +417,9 @@ class BuiltinServer:
         r.add_post("/flush_cache", self.flush_cache)
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/begin_weight_update", self.begin_weight_update)
-        r.add_post("/end_weight_update", self.end_weight_update)
+        if self._sessions_required():  # like SGLang before 0.5.21, an emulated old server has no such routes
+            r.add_post("/begin_weight_update", self.begin_weight_update)
+            r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
@@ -414,6 +441,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--weight-version", default="0")
+    p.add_argument("--emulate-sglang", default="", metavar="VERSION",
+                   help="answer /server_info and weight-update sessions as this SGLang version does (adapter tests)")
+    p.add_argument("--record-requests", default="", metavar="FILE",
+                   help="append every POST's path and JSON body to FILE (adapter contract tests)")
     return p
 
 

@@ -1,0 +1,56 @@
+"""rollout.engine=sglang: SGLang servers behind the same client the built-in server uses.
+
+rlctl talks to SGLang only over its HTTP API (rlctl/engines/rollout/client.py), so nothing here
+imports sglang: this module builds the command that starts a server and knows which SGLang
+versions the adapter speaks. Data parallelism is several servers (one per TP group; SGLang's
+weight-update groups assume dp_size == 1); the controller spreads requests over them itself and
+sends abort and pause to each one, since sglang_router does not forward those.
+
+Versions: the request bodies and the weight-sync sequence follow SGLang 0.5.15 .. 0.5.23
+(tests/test_sglang_contract.py checks them against the field lists of those versions). Servers
+from 0.5.21 on refuse weight updates outside /begin_weight_update ... /end_weight_update; the
+sender reads /server_info's version and opens that session only where it exists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, parse_version
+from rlctl.errors import RunError
+from rlctl.recipe import SGLangConfig
+
+OLDEST_SPOKEN = (0, 5, 15)
+NEWEST_SPOKEN = (0, 5, 23)
+
+
+def launch_command(python: str, model_path: str, cfg: SGLangConfig, *, host: str, port: int, seed: int) -> list[str]:
+    """The command line of one SGLang server (the same on every node, its port from the plan)."""
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(cfg.tp_size),
+           "--host", host, "--port", str(port), "--mem-fraction-static", str(cfg.mem_fraction_static),
+           "--dtype", cfg.dtype, "--random-seed", str(seed)]
+    if cfg.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    if cfg.api_key:
+        cmd += ["--api-key", cfg.api_key]
+    return cmd + list(cfg.extra_args)
+
+
+def speaks(version: str) -> str:
+    """How the adapter talks to a server of this version: 'session' (>= 0.5.21: begin/end around
+    weight updates), 'no-session', or raises for a version outside the range it was checked on."""
+    v = parse_version(version)
+    if v is None:
+        raise RunError(f"SGLang server reports version {version!r}; the adapter speaks "
+                       f"{'.'.join(map(str, OLDEST_SPOKEN))} to {'.'.join(map(str, NEWEST_SPOKEN))}")
+    if not OLDEST_SPOKEN <= v[:3] <= NEWEST_SPOKEN:
+        raise RunError(f"SGLang {version} is outside the versions rlctl's adapter was checked against "
+                       f"({'.'.join(map(str, OLDEST_SPOKEN))} .. {'.'.join(map(str, NEWEST_SPOKEN))}); "
+                       "use one of those, or rollout.engine=builtin")
+    return "session" if v[:3] >= UPDATE_SESSION_SINCE else "no-session"
+
+
+def require_sglang() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        raise RunError("rollout.engine=sglang needs SGLang on the rollout nodes (pip install 'sglang[all]>=0.5.15,<=0.5.23'), "
+                       "or set rollout.engine=builtin")

@@ -1,0 +1,239 @@
+"""`train.engine: megatron`: a Megatron-core GPTModel trained with the same GRPO loss as the torch
+engine (pip install 'rlctl[megatron]'; needs CUDA: Megatron's DDP and optimizer refuse CPU tensors).
+
+The model is built from the HF config (local layer spec: RMSNorm, SwiGLU, GQA, qk-norm for Qwen3,
+rope, tied embeddings), loaded from the HF safetensors through rlctl/engines/train/megatron_convert.py,
+wrapped in Megatron's DistributedDataParallel with the distributed optimizer, and trained through
+Megatron's forward-backward schedule. Per-token log-probs come from vocab-parallel cross entropy.
+`hf_weights()` gathers TP shards and returns HF names for the weight broadcast, on the (dp 0, tp 0)
+rank. Tensor parallel and data parallel sizes come from the recipe (train.ranks = tp x dp);
+pipeline parallelism is not supported yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from rlctl.algos.grpo import clipped_policy_loss
+from rlctl.engines.train.base import TrainSample
+from rlctl.engines.train.megatron_convert import Layout, gather, hf_to_mcore, mcore_to_hf, shard
+from rlctl.recipe import TrainConfig
+
+
+def load_hf_state(model_path: str) -> dict[str, torch.Tensor]:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    if not state:
+        raise FileNotFoundError(f"{model_path}: no *.safetensors files")
+    return state
+
+
+class MegatronTrainEngine:
+    def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
+                 device: str = "cuda", init_method: str | None = None) -> None:
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer import TransformerConfig
+        from transformers import AutoConfig
+
+        self.cfg, self.temperature = cfg, temperature
+        mcfg = cfg.megatron
+        self.rank, self.world_size = rank, world_size
+        torch.cuda.set_device(torch.device(device).index or 0)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method=init_method or "env://", rank=rank, world_size=world_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=mcfg.tp, pipeline_model_parallel_size=1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = mcfg.tp
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+
+        hf_cfg = AutoConfig.from_pretrained(model_path)
+        self.layout = L = Layout.from_hf_config(hf_cfg)
+        if L.vocab_size % self.tp_size:
+            raise ValueError(f"vocab size {L.vocab_size} does not split over {self.tp_size} TP ranks")
+        self.dtype = torch.bfloat16 if mcfg.dtype == "bfloat16" else torch.float32
+        bf16 = self.dtype == torch.bfloat16
+        self.tconfig = TransformerConfig(
+            num_layers=L.num_layers, hidden_size=L.hidden_size, num_attention_heads=L.num_heads,
+            num_query_groups=L.num_kv_heads, kv_channels=L.head_dim, ffn_hidden_size=L.ffn_hidden_size,
+            normalization="RMSNorm", layernorm_epsilon=hf_cfg.rms_norm_eps, gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+            qk_layernorm=L.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
+            params_dtype=self.dtype, pipeline_dtype=self.dtype, tensor_model_parallel_size=self.tp_size,
+            attention_softmax_in_fp32=True, apply_rope_fusion=False, bias_dropout_fusion=False,
+            masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        )
+        model = GPTModel(
+            config=self.tconfig,
+            transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=L.qk_norm, normalization="RMSNorm"),
+            vocab_size=L.vocab_size, max_sequence_length=hf_cfg.max_position_embeddings,
+            pre_process=True, post_process=True, parallel_output=True,
+            share_embeddings_and_output_weights=L.tied, position_embedding_type="rope",
+            rotary_base=int(getattr(hf_cfg, "rope_theta", None) or hf_cfg.rope_parameters["rope_theta"]),
+        ).cuda()
+        self._load_hf(model, load_hf_state(model_path))
+        self.ddp = DistributedDataParallel(
+            self.tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                                        overlap_grad_reduce=False), module=model)
+        self.model = model
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, bf16=bf16,
+                            params_dtype=self.dtype, use_distributed_optimizer=True, clip_grad=cfg.grad_clip,
+                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8),
+            [self.ddp])
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+        self.pad_id = hf_cfg.pad_token_id or 0
+        self.collective_export = self.tp_size > 1  # hf_weights() all-gathers over the TP group
+        self.version = 0
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _load_hf(self, model, hf: dict[str, torch.Tensor]) -> None:
+        full = hf_to_mcore(hf, self.layout)
+        params = dict(model.named_parameters())
+        missing = sorted(set(params) - set(full))
+        if missing:
+            raise ValueError(f"no HF weight for Megatron parameters {missing[:5]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                part = shard(name, full[name], self.tp_rank, self.tp_size)
+                if part.shape != p.shape:
+                    raise ValueError(f"{name}: HF gives {tuple(part.shape)}, the model has {tuple(p.shape)}")
+                p.copy_(part.to(p.dtype))
+
+    def mcore_state(self) -> dict[str, torch.Tensor]:
+        """Full Megatron tensors: TP shards all-gathered (every TP rank takes part)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            t = p.detach()
+            if self.tp_size > 1 and _is_split(name):
+                parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+                dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+                t = gather(name, parts)
+            out[name] = t
+        return out
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return mcore_to_hf(self.mcore_state(), self.layout)
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def _batch(self, samples: list[TrainSample]):
+        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        n = len(samples)
+        ids = torch.full((n, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, length - 1))
+        old = torch.zeros((n, length - 1))
+        for i, s in enumerate(samples):
+            seq = s.prompt_ids + s.response_ids
+            ids[i, : len(seq)] = torch.tensor(seq)
+            start = len(s.prompt_ids) - 1
+            mask[i, start : start + len(s.response_ids)] = 1
+            old[i, start : start + len(s.response_ids)] = torch.tensor(s.logprobs[: len(s.response_ids)])
+        adv = torch.tensor([s.advantage for s in samples])
+        return ids.cuda(), mask.cuda(), old.cuda(), adv.cuda()
+
+    def _token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        """log p(ids[:, t+1] | ids[:, :t+1]) under the current weights, [B, T-1], via the
+        vocab-parallel cross entropy (each TP rank holds a slice of the vocabulary)."""
+        from megatron.core import tensor_parallel
+
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        logits = self.ddp(ids, positions, None)  # [B, T, V / tp]; causal mask, right padding
+        logits = logits[:, :-1].float()
+        if self.temperature not in (0.0, 1.0):
+            logits = logits / self.temperature
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), ids[:, 1:].contiguous())
+
+    def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
+        ids, mask, _, _ = self._batch(samples)
+        with torch.no_grad():
+            lp = self._token_logprobs(ids)
+        return [lp[i, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.response_ids)].tolist()
+                for i, s in enumerate(samples)]
+
+    def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
+        budget = self.cfg.micro_batch_tokens
+        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+        batches: list[list[TrainSample]] = []
+        current: list[TrainSample] = []
+        for s in ordered:
+            length = len(s.prompt_ids) + len(s.response_ids)
+            if current and (len(current) + 1) * length > budget:
+                batches.append(current)
+                current = []
+            current.append(s)
+        return batches + [current] if current else batches
+
+    def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        start = time.monotonic()
+        total_tokens = sum(len(s.response_ids) for s in samples)
+        normalizer = total_tokens / self.dp_size  # Megatron's DDP averages over DP ranks, as torch's does
+        micro = self.micro_batches(samples[self.dp_rank :: self.dp_size]) or [[samples[0]]]
+        empty = not samples[self.dp_rank :: self.dp_size]
+        stats = {"loss": 0.0, "clip_tokens": 0.0, "logprob_diff": 0.0, "tokens": 0.0}
+
+        def forward_step(data_iterator, model):
+            ids, mask, old, adv = self._batch(next(data_iterator))
+            if empty:
+                mask = mask * 0  # a DP rank with no samples still joins the gradient reduction
+            lp = self._token_logprobs(ids)
+
+            def loss_func(_output):
+                loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, normalizer)
+                n = float(mask.sum())
+                stats["loss"] += float(loss) / self.dp_size
+                stats["clip_tokens"] += pstats["clip_frac"] * n
+                stats["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
+                stats["tokens"] += n
+                # The schedule divides by the number of micro-batches; the loss is already a sum
+                # over the batch's tokens divided by the normalizer.
+                return loss * len(micro), {"loss": loss.detach()}
+
+            return lp, loss_func
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
+            num_microbatches=len(micro), seq_length=max(len(s.prompt_ids) + len(s.response_ids) for s in samples),
+            micro_batch_size=max(len(m) for m in micro), forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.version += 1
+        packed = torch.tensor([stats["loss"], stats["clip_tokens"], stats["logprob_diff"], stats["tokens"]], device="cuda")
+        if self.dp_size > 1:
+            from megatron.core import parallel_state
+
+            dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
+        loss, clip_tokens, diff, tokens = packed.tolist()
+        return {
+            "loss": loss, "kl": 0.0, "clip_frac": clip_tokens / max(tokens, 1.0), "logprob_diff": diff / max(tokens, 1.0),
+            "grad_norm": float(grad_norm or 0.0), "tokens": float(total_tokens), "samples": float(len(samples)),
+            "micro_batches": float(len(micro)), "seconds": time.monotonic() - start, "version": float(self.version),
+            "update_ok": float(bool(ok)),
+        }
+
+
+def _is_split(name: str) -> bool:
+    from rlctl.engines.train.megatron_convert import tp_dim
+
+    return tp_dim(name) is not None

@@ -1,0 +1,229 @@
+"""Every GPU check of train.engine=megatron in one go, for the GPU machine:
+
+    python -m pip install --no-deps --target /tmp/deps .device-wheels/*.whl   # megatron-core, omegaconf
+    PYTHONPATH=$PWD:/tmp/deps python scripts/gpu_checks.py --out OUT_DIR
+
+1. HF -> Megatron -> HF round trip of a small Qwen3-architecture model through the engine
+   (fp32 and bf16): exact.
+2. Per-token log-probs of the Megatron and torch engines on the same weights and tokens (padded
+   batch of different lengths): fp32 max abs diff <= 1e-4; bf16 reported.
+3. One GRPO step of each engine from the same state and batch: losses within 1e-3 relative; how
+   far the updated weights are apart is reported.
+4. A local run, train.engine=megatron (fp32) with 2 built-in rollout servers on the same GPU,
+   weight sync over gloo, pipeline.check_weights=true: after every sync each server's tensors hash
+   like the trainer's.
+5. Weight-broadcast throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU,
+   gloo with CPU staging, for 3 bucket sizes.
+Prints one line per check and writes OUT_DIR/gpu_checks.json. Exit 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rlctl.engines.train.base import TrainSample  # noqa: E402
+from rlctl.recipe import MegatronConfig, TrainConfig  # noqa: E402
+
+RESULTS: dict[str, dict] = {}
+
+
+def report(name: str, ok: bool | None, **numbers) -> None:
+    RESULTS[name] = {"ok": ok, **numbers}
+    verdict = "PASS" if ok else "FAIL" if ok is not None else "INFO"
+    print(f"{verdict} {name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in numbers.items()), flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_model(path: Path, dtype: torch.dtype, **shape) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**shape)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).to(dtype)
+    with torch.no_grad():  # norms away from 1, so that a dropped norm weight shows
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+def samples(vocab: int, n: int = 12, seed: int = 0) -> list[TrainSample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = int(torch.randint(4, 17, (1,), generator=g))
+        r = int(torch.randint(5, 41, (1,), generator=g))
+        ids = torch.randint(1, vocab, (p + r,), generator=g).tolist()
+        out.append(TrainSample(ids[:p], ids[p:], advantage=float(torch.randn(1, generator=g)), logprobs=[0.0] * r,
+                               weight_version=0))
+    return out
+
+
+def megatron_engine(model_dir: Path, dtype: str, lr: float = 1e-5):
+    from megatron.core import parallel_state
+
+    from rlctl.engines.train.megatron_engine import MegatronTrainEngine
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    cfg = TrainConfig(lr=lr, grad_clip=1.0, micro_batch_tokens=4096, megatron=MegatronConfig(dtype=dtype))
+    return MegatronTrainEngine(str(model_dir), cfg, 1.0, 0, 1, device="cuda:0", init_method=f"tcp://127.0.0.1:{free_port()}")
+
+
+def torch_engine(model_dir: Path, lr: float = 1e-5):
+    from rlctl.engines.train.torch_engine import TorchTrainEngine
+
+    cfg = TrainConfig(lr=lr, grad_clip=1.0, micro_batch_tokens=4096)
+    return TorchTrainEngine(str(model_dir), cfg, 1.0, 0, 1, device="cuda:0")
+
+
+def check_engines(work: Path) -> None:
+    from safetensors.torch import load_file
+
+    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+    model_dir = build_model(work / "small", torch.float32, **shape)
+    on_disk = load_file(str(model_dir / "model.safetensors"))
+
+    # 1. round trip
+    for dtype in ("float32", "bfloat16"):
+        eng = megatron_engine(model_dir, dtype)
+        exported = dict(eng.hf_weights())
+        want = {n: t.to(getattr(torch, dtype)) for n, t in on_disk.items()}
+        same = set(exported) == set(want) and all(torch.equal(exported[n].cpu(), want[n]) for n in want)
+        report(f"round trip HF->Megatron->HF ({dtype})", same, tensors=len(exported))
+        del eng
+
+    # 2. log-probs, 3. one GRPO step
+    batch = samples(shape["vocab_size"])
+    te = torch_engine(model_dir)
+    ref = te.logprobs(batch)
+    batch = [TrainSample(s.prompt_ids, s.response_ids, s.advantage, lp, 0) for s, lp in zip(batch, ref)]
+    for dtype in ("float32", "bfloat16"):
+        me = megatron_engine(model_dir, dtype)
+        got = me.logprobs(batch)
+        diff = max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x, y))
+        report(f"log-probs Megatron vs torch ({dtype})", diff <= 1e-4 if dtype == "float32" else None, max_abs_diff=diff)
+        if dtype == "float32":
+            m_stats = me.train_batch(batch)
+            t_stats = te.train_batch(batch)
+            rel = abs(m_stats["loss"] - t_stats["loss"]) / max(abs(t_stats["loss"]), 1e-12)
+            after = dict(me.hf_weights())
+            wdiff = max(float((after[n].float().cpu() - p.detach().float().cpu()).abs().max())
+                        for n, p in te.model.named_parameters())
+            lp_after = max(abs(a - b) for x, y in zip(me.logprobs(batch), te.logprobs(batch)) for a, b in zip(x, y))
+            report("one GRPO step, Megatron vs torch (float32)", rel <= 1e-3, loss_megatron=m_stats["loss"],
+                   loss_torch=t_stats["loss"], rel_diff=rel, weights_max_abs_diff_after=wdiff,
+                   logprobs_max_abs_diff_after=lp_after, grad_norm_megatron=m_stats["grad_norm"],
+                   grad_norm_torch=t_stats["grad_norm"])
+        del me
+
+
+def check_local_run(out: Path) -> None:
+    runs = out / "runs"
+    cmd = [sys.executable, "-m", "rlctl", "launch", str(REPO / "recipes" / "quickstart.yaml"), "run.steps=8",
+           "train.engine=megatron", "train.device=cuda", "rollout.device=cuda", "train.megatron.dtype=float32",
+           "pipeline.check_weights=true", f"run.output_dir={runs}"]
+    start = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=400)
+    seconds = time.monotonic() - start
+    if res.returncode != 0:
+        report("local run, megatron trainer + 2 built-in servers on one GPU", False, seconds=seconds,
+               error=res.stderr.strip().splitlines()[-1][:300] if res.stderr.strip() else "")
+        return
+    run_dir = next(runs.iterdir())
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    checked = [e for e in events if e["event"] == "weights_checked"]
+    report("local run, megatron trainer + 2 built-in servers on one GPU", len(checked) == 8 and len(metrics) == 8,
+           steps=len(metrics), syncs_checked=len(checked), seconds=seconds,
+           reward_first=metrics[0]["reward_mean"], reward_last=metrics[-1]["reward_mean"],
+           step_time_median=sorted(m["step_time"] for m in metrics)[len(metrics) // 2])
+
+
+def check_broadcast(work: Path) -> None:
+    import aiohttp
+
+    from rlctl.engines.rollout.client import RolloutClient
+    from rlctl.engines.weightsync import WeightSender
+
+    shape = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True)
+    model_dir = build_model(work / "qwen3-0.6b-shape", torch.bfloat16, **shape)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    weights = [(n, p.detach()) for n, p in model.named_parameters()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "rlctl.engines.rollout.builtin.server", "--model-path", str(model_dir),
+                               "--port", str(port), "--device", "cuda:0", "--dtype", "bfloat16"],
+                              stdout=open(work / "server.log", "wb"), stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        async def scenario():
+            async with aiohttp.ClientSession() as s:
+                c = RolloutClient(f"http://127.0.0.1:{port}", s)
+                await c.wait_healthy(300)
+                for bucket_mb in (64, 256, 1024):
+                    sender = WeightSender([c], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                                          bucket_bytes=bucket_mb << 20)
+                    await sender.connect()
+                    times = []
+                    for rep in range(2):
+                        stats = await sender.send(weights, version=f"{bucket_mb}-{rep}")
+                        times.append(stats.seconds)
+                    await sender.close()
+                    best = min(times)
+                    report(f"weight broadcast, {nbytes / 1e9:.2f} GB bf16, gloo, bucket {bucket_mb} MiB", None,
+                           params_b=sum(t.numel() for _, t in weights) / 1e9, seconds=best, gb_per_s=nbytes / best / 1e9)
+        asyncio.run(scenario())
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-checks-out")))
+    p.add_argument("--only", default="engines,run,broadcast")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/rlctl-gpu-checks")
+    work.mkdir(exist_ok=True)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
+    steps = {"engines": lambda: check_engines(work), "run": lambda: check_local_run(a.out),
+             "broadcast": lambda: check_broadcast(work)}
+    for name in a.only.split(","):
+        try:
+            steps[name]()
+        except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            report(f"{name} (crashed)", False, error=f"{type(e).__name__}: {e}"[:300])
+    (a.out / "gpu_checks.json").write_text(json.dumps(RESULTS, indent=2))
+    sys.exit(0 if all(r["ok"] is not False for r in RESULTS.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
