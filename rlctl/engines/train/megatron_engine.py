@@ -201,7 +201,7 @@ class MegatronTrainEngine:
             def loss_func(_output):
                 loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, normalizer)
                 n = float(mask.sum())
-                stats["loss"] += float(loss) / self.dp_size
+                stats["loss"] += float(loss.detach()) / self.dp_size
                 stats["clip_tokens"] += pstats["clip_frac"] * n
                 stats["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
                 stats["tokens"] += n
