@@ -46,6 +46,7 @@ class BuiltinServer:
         self.weight_group = None
         self.weight_group_name: str | None = None
         self.in_update_session = False
+        self.weight_device = None
         self.loading_error: str | None = None
         # Weight loads are one at a time, in arrival order, like SGLang's tokenizer manager lock.
         self.update_lock = asyncio.Lock()
@@ -243,8 +244,10 @@ class BuiltinServer:
             backend = body.get("backend", "nccl")
         except (KeyError, TypeError, ValueError) as e:
             return fail(f"bad request: {e}")
-        if backend == "nccl":
-            backend = "gloo"  # no GPU here; the sender picks gloo too when either side has no GPU
+        on_gpu = self.engine is not None and self.engine.device.type == "cuda"
+        if backend == "nccl" and not on_gpu:
+            backend = "gloo"  # a CPU server; the sender picks gloo too when either side has no GPU
+        self.weight_device = self.engine.device if backend == "nccl" and self.engine is not None else None
         if self.weight_group is not None:
             return fail(f"weight update group {self.weight_group_name!r} already exists; destroy it first")
         try:
@@ -318,16 +321,17 @@ class BuiltinServer:
         from rlctl.engines.weightsync import flattened_size, unflatten_bucket
 
         group = self.weight_group
+        device = self.weight_device or "cpu"  # NCCL receives straight into GPU memory, gloo into host memory
 
         def recv():
             if load_format == "flattened_bucket":
                 metas = list(zip(names, dtypes, shapes, strict=False))
-                flat = torch.empty(flattened_size(metas), dtype=torch.uint8)
+                flat = torch.empty(flattened_size(metas), dtype=torch.uint8, device=device)
                 dist.broadcast(flat, src=0, group=group)
                 return [(n, t.clone()) for n, t in unflatten_bucket(flat, metas)]
             out = []
             for n, d, s in zip(names, dtypes, shapes, strict=False):
-                t = torch.empty(s, dtype=d)
+                t = torch.empty(s, dtype=d, device=device)
                 dist.broadcast(t, src=0, group=group)
                 out.append((n, t))
             return out
