@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from rlctl.commands import cancel, launch, logs, simulate, status, trace
+from rlctl.commands import cancel, compare, launch, logs, simulate, status, trace
 from rlctl.errors import RlctlError
 
 app = typer.Typer(
@@ -35,6 +35,7 @@ app.command("cancel", no_args_is_help=True)(cancel.cancel)
 app.command("logs", no_args_is_help=True)(logs.logs)
 app.command("simulate", no_args_is_help=True)(simulate.simulate)
 app.command("trace", no_args_is_help=True)(trace.trace)
+app.command("compare", no_args_is_help=True)(compare.compare)
 
 
 def main() -> None:

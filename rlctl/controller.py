@@ -125,10 +125,16 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
         events.append({"t": t, "event": kind, **fields})
         rd.event(kind, t=t, **fields)
 
+    from rlctl.tracking import make_tracker
+
+    tracker = make_tracker(rd, recipe)
+
     def on_step_end(step: int) -> None:
         m = step_metrics(events, step)
         m["time"] = time.time()
         rd.append_metrics(m)
+        if tracker is not None:
+            tracker.log_step(m)
         log.info("step %d: reward %.3f, step time %.2f s (rollout %.2f, train %.2f, sync %.2f)",
                  step, m["reward_mean"], m["step_time"], m["rollout_time"], m["train_time"], m["sync_time"])
 
@@ -160,4 +166,8 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             verify=make_verifier(recipe.reward),
         )
-        await pipeline.run(recipe.run.steps)
+        try:
+            await pipeline.run(recipe.run.steps)
+        finally:
+            if tracker is not None:
+                tracker.finish(ok=len(rd.metrics()) == recipe.run.steps)

@@ -360,8 +360,15 @@ class SlurmConfig:
 
 @dataclass(kw_only=True)
 class WandbConfig:
+    """Weights & Biases: the resolved recipe as config, every step's metrics (the names of
+    metrics.jsonl), and a summary at the end. `offline` writes into the run directory."""
+
     mode: str = "disabled"
+    """disabled | offline | online"""
     project: str = "rlctl"
+    entity: str = ""
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -684,8 +691,11 @@ def validate(recipe: Recipe, file: str, check_paths: bool = True) -> None:
     if not 0.0 <= sim.reward_rate <= 1.0:
         raise RecipeError(file, "sim.reward_rate", f"must be in [0, 1], got {sim.reward_rate}")
 
-    if r.tracking.wandb.mode != "disabled":
-        raise RecipeError(file, "tracking.wandb.mode", "wandb tracking is not available in this version of rlctl; set it to disabled")
+    wb = r.tracking.wandb
+    if wb.mode not in ("disabled", "offline", "online"):
+        raise RecipeError(file, "tracking.wandb.mode", f"'{wb.mode}' is not one of disabled, offline, online")
+    if wb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise RecipeError(file, "tracking.wandb.mode", "wandb is not installed: pip install 'rlctl[wandb]', or set it to disabled")
 
 
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$")

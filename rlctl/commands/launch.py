@@ -32,8 +32,25 @@ def launch(
     raise typer.Exit(code)
 
 
+def code_version() -> dict:
+    """The rlctl checkout's git commit and whether it had uncommitted changes ({} outside git)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if commit.returncode != 0:
+            return {}
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
 def _run_info(r, recipe: Path, overrides: list[str], plan: dict | None) -> dict:
     return {
+        "code": code_version(),
         "launcher": r.launcher,
         "mode": r.pipeline.mode,
         "steps_total": r.run.steps,

@@ -120,6 +120,7 @@ def detail(rd: RunDir) -> dict[str, Any]:
     out["processes"] = procs
     out["last_events"] = rd.events()[-10:]
     out["last_metrics"] = last_jsonl_record(rd.metrics_path)
+    out["wandb"] = (info.get("tracking") or {}).get("wandb")
     out["logs"] = [str(p) for p in rd.log_files().values()]
     return out
 
@@ -175,6 +176,9 @@ def render_detail(d: dict[str, Any]):
         parts.append(Text(f"slurm job {d['slurm']['job_id']}: {d['slurm']['describe']}"))
     if d["exit_reason"]:
         parts.append(Text(f"reason: {d['exit_reason']}"))
+    wb = d.get("wandb")
+    if wb:
+        parts.append(Text(f"wandb ({wb['mode']}): run {wb['id']} " + (wb["url"] or f"in {wb['dir']}")))
     m = d["last_metrics"]
     if m:
         parts.append(Text(

@@ -1,0 +1,188 @@
+"""`rlctl compare RUN_A RUN_B [RUN ...]`: what differs between runs, what it did to learning and to
+time. Runs are ids, names or run directories, local and Slurm alike; the first is the baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from rlctl.errors import RunError, UsageError
+from rlctl.rundir import find_run
+
+TIME_LABELS = {
+    "step_time": "step time s", "rollout_time": "rollout s", "train_time": "train s", "sync_time": "weight sync s",
+    "trainer_wait_ratio": "trainer waiting", "rollout_to_train_end": "rollout->train end s",
+    "efficiency": "eff. vs bound", "tokens_per_s": "tokens/s",
+}
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def render(comp: dict[str, Any], width: int = 80):
+    """The three parts (config diff, learning, time) and, with --group-by, the groups."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from rlctl.compare import sparkline
+
+    runs = comp["runs"]
+    labels = [r["label"] for r in runs]
+    parts: list[Any] = []
+
+    t = Table(box=None, pad_edge=False, show_header=False, title="runs", title_justify="left", title_style="bold")
+    t.add_column("")
+    t.add_column("", no_wrap=True)  # a run id stays whole: it is what the user copies
+    t.add_column("", overflow="fold")
+    t.add_column("", no_wrap=True)
+    for r in runs:
+        code = r["code"].get("commit", "")[:8] + ("+dirty" if r["code"].get("dirty") else "") if r["code"] else "-"
+        t.add_row(r["label"], r["id"], f"{r['state']} {r['mode']}/{r['launcher']} {r['steps']} steps", code or "-")
+    parts.append(t)
+
+    c = comp["config"]
+    t = Table(box=None, pad_edge=False, title=f"config: {c['keys_differ']} of {c['keys_total']} keys differ",
+              title_justify="left", title_style="bold")
+    t.add_column("key", overflow="fold")
+    for label in labels:
+        t.add_column(label, overflow="fold")
+    for key, values in c["differ"].items():
+        t.add_row(key, *("(absent)" if v is None else json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+                         for v in values))
+    parts.append(t)
+
+    t = Table(box=None, pad_edge=False, title="learning (mean of the last steps; best; change vs A)",
+              title_justify="left", title_style="bold")
+    for col, justify in (("metric", "left"), ("run", "left"), ("last", "right"), ("best", "right"),
+                         ("diff", "right"), ("%", "right")):
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    t.add_column("reward curve", no_wrap=True)
+    for name, rows in comp["metrics"].items():
+        for i, row in enumerate(rows):
+            curve = sparkline([v for v in comp["curves"][labels[i]] if v is not None]) if name == "reward_mean" else ""
+            pct = f"{row['pct']:+.1f}" if row["pct"] is not None and i else ""
+            diff = f"{row['diff']:+.3g}" if row["diff"] is not None and i else ""
+            t.add_row(name if i == 0 else "", labels[i], _fmt(row["last_mean"]), _fmt(row["best"]), diff, pct, curve)
+    parts.append(t)
+
+    t = Table(box=None, pad_edge=False, title="time (medians over steps; ratio to A)", title_justify="left",
+              title_style="bold")
+    t.add_column("metric")
+    for i, label in enumerate(labels):
+        t.add_column(label, justify="right")
+        if i:
+            t.add_column(f"{label}/A", justify="right")
+    for name, rows in comp["time"].items():
+        cells = []
+        for i, row in enumerate(rows):
+            cells.append(_fmt(row["median"]))
+            if i:
+                cells.append(f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-")
+        t.add_row(TIME_LABELS.get(name, name), *cells)
+    parts.append(t)
+
+    if "groups" in comp:
+        g = comp["groups"]
+        t = Table(box=None, pad_edge=False, title=f"by {g['key']} (mean over runs, 95% bootstrap interval)",
+                  title_justify="left", title_style="bold")
+        for col in ("value", "runs", "reward", "step s", "r2t end s"):
+            t.add_column(col, overflow="fold")
+        small = []
+        for grp in g["groups"]:
+            def cell(m):
+                if m is None:
+                    return "-"
+                return f"{m['mean']:.3g} [{m['lo']:.3g}, {m['hi']:.3g}]" if m["lo"] is not None else f"{m['mean']:.3g}"
+            t.add_row(str(grp["value"]), ",".join(grp["runs"]), cell(grp["reward_mean"]), cell(grp["step_time"]),
+                      cell(grp["rollout_to_train_end"]))
+            if grp["n"] < 3:
+                small.append(str(grp["value"]))
+        parts.append(t)
+        if small:
+            parts.append(Text(f"no interval for {', '.join(small)}: fewer than 3 runs (run more seeds)"))
+    failed = [r for r in runs if r["state"] == "failed"]
+    for r in failed:
+        parts.append(Text(f"{r['label']} failed: {r['exit_reason']}", style="red"))
+    return Group(*parts)
+
+
+def plot(comp: dict[str, Any], runs, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
+    from rlctl.compare import step_metrics
+
+    labels = [r["label"] for r in comp["runs"]]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for label, rd in zip(labels, runs):
+        ms = step_metrics(rd)
+        steps = [m["step"] for m in ms]
+        rewards = [m["reward_mean"] for m in ms]
+        wall = []
+        total = 0.0
+        for m in ms:
+            total += m.get("step_time", 0.0)
+            wall.append(total)
+        axes[0][0].plot(steps, rewards, label=label)
+        axes[0][1].plot(wall, rewards, label=label)
+        axes[1][1].plot(steps, [m.get("trainer_wait_ratio", 0.0) for m in ms], label=label)
+    axes[0][0].set(title="reward vs step", xlabel="step", ylabel="mean reward")
+    axes[0][1].set(title="reward vs wall time", xlabel="seconds of steps", ylabel="mean reward")
+    axes[1][1].set(title="trainer waiting ratio", xlabel="step", ylabel="waiting / rollout-to-train-end")
+    bottom = [0.0] * len(labels)
+    for name in ("rollout_time", "train_time", "sync_time"):
+        values = [row["median"] or 0.0 for row in comp["time"][name]]
+        axes[1][0].bar(labels, values, bottom=bottom, label=name.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axes[1][0].plot(labels, [row["median"] or 0.0 for row in comp["time"]["step_time"]], "k_", markersize=30,
+                    label="step time")
+    axes[1][0].set(title="median step-time parts (rollout and train overlap when pipelined)", ylabel="seconds")
+    for ax in (axes[0][0], axes[0][1], axes[1][0], axes[1][1]):
+        ax.legend(fontsize=8)
+    fig.suptitle(" vs ".join(f"{r['label']}={r['id']}" for r in comp["runs"]), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def compare(
+    runs: list[str] = typer.Argument(..., help="Two or more run ids, names or run directories; the first is the baseline."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
+    last: int = typer.Option(5, "--last", help="Steps averaged for the learning table."),
+    group_by: str | None = typer.Option(None, "--group-by", help="A recipe key, e.g. pipeline.mode: mean and 95% interval per value."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (stable keys)."),
+    plot_file: Path | None = typer.Option(None, "--plot", help="Write reward, step-time and waiting plots to this PNG."),
+    fail_if: str | None = typer.Option(None, "--fail-if", help="Exit 1 when it holds for a run, e.g. 'rollout_to_train_end.ratio > 0.8'."),
+) -> None:
+    """Compare runs: config diff, learning, time breakdown."""
+    from rich.console import Console
+
+    from rlctl.compare import comparison, failing
+
+    if len(runs) < 2:
+        raise UsageError("compare needs at least two runs")
+    if last < 1:
+        raise UsageError("--last must be >= 1")
+    dirs = [find_run(r, runs_dir) for r in runs]
+    comp = comparison(dirs, last=last, group_by=group_by)
+    hits = failing(comp, fail_if) if fail_if else []
+    if as_json:
+        print(json.dumps({**comp, "fail_if": {"expr": fail_if, "hits": hits} if fail_if else None}, indent=2))
+    else:
+        Console().print(render(comp))
+    if plot_file:
+        plot(comp, dirs, plot_file)
+    if hits:
+        raise RunError(f"--fail-if {fail_if!r} holds: " + "; ".join(hits))
