@@ -212,6 +212,8 @@ class RolloutConfig:
     """Pin rollout servers to these CPU cores (empty = no pinning)."""
     device: str = "cpu"
     """Where built-in servers run: cpu or cuda (server i uses cuda:i when there are enough GPUs)."""
+    gpus: list[int] = field(default_factory=list)
+    """Local launcher, device cuda: the GPUs the servers use (server i on gpus[i % len]); empty = cuda:i."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -238,6 +240,9 @@ class TrainConfig:
     """Pin trainer ranks to these CPU cores (empty = no pinning)."""
     device: str = "cpu"
     """cpu or cuda (rank r uses cuda:r when there are enough GPUs)."""
+    gpus: list[int] = field(default_factory=list)
+    """Local launcher, device cuda: the GPUs the ranks use (rank r on gpus[r % len]); empty = cuda:r.
+    Give trainers and servers different GPUs for a disaggregated run on one multi-GPU host."""
     lr: float = 1e-3
     weight_decay: float = 0.0
     groups_per_batch: int = 8
@@ -657,6 +662,9 @@ def validate(recipe: Recipe, file: str, check_paths: bool = True) -> None:
     for key, dev in (("rollout.device", ro.device), ("train.device", t.device)):
         if dev not in ("cpu", "cuda"):
             raise RecipeError(file, key, f"'{dev}' is not one of cpu, cuda")
+    for key, gpus in (("rollout.gpus", ro.gpus), ("train.gpus", t.gpus)):
+        if any(g < 0 for g in gpus):
+            raise RecipeError(file, key, f"GPU indices are >= 0, got {gpus}")
     _choice(file, "pipeline.mode", r.pipeline.mode, PipelineMode)
     _choice(file, "pipeline.admission", r.pipeline.admission, Admission)
     _choice(file, "pipeline.inflight_at_update", r.pipeline.inflight_at_update, InflightAtUpdate)

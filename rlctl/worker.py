@@ -44,10 +44,13 @@ def _threads(recipe: Recipe, cpus: list[int] | None = None) -> None:
     torch.set_num_interop_threads(1)
 
 
-def _device(kind: str, index: int) -> str:
-    """cuda -> cuda:index when that GPU exists, else the GPUs are shared round-robin."""
+def _device(kind: str, index: int, gpus: list[int] | None = None) -> str:
+    """cuda -> the index-th of the recipe's GPU list (round-robin), or cuda:index when that GPU
+    exists, else the GPUs are shared round-robin."""
     if kind != "cuda":
         return kind
+    if gpus:
+        return f"cuda:{gpus[index % len(gpus)]}"
     import torch
 
     return f"cuda:{index % max(1, torch.cuda.device_count())}"
@@ -83,7 +86,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         "--random-seed", str(recipe.run.seed * 1000 + index),
         "--max-running-requests", str(recipe.rollout.max_running_requests),
         "--threads", str(recipe.run.threads_per_process),
-        "--device", _device(recipe.rollout.device, index),
+        "--device", _device(recipe.rollout.device, index, recipe.rollout.gpus),
     ])
     server.serve(args)
 
@@ -105,13 +108,13 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
 
         # Megatron needs its NCCL group even for one rank; the engine makes it.
         engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
-                                     world, device=_device("cuda", rank), init_method=init_method)
+                                     world, device=_device("cuda", rank, recipe.train.gpus), init_method=init_method)
     else:
         if world > 1:
             backend = "nccl" if recipe.train.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
         engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
-                                  device=_device(recipe.train.device, rank))
+                                  device=_device(recipe.train.device, rank, recipe.train.gpus))
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
         web.run_app(TrainerService(engine, world).app(), host=role.listen, port=role.port, print=None, access_log=None)
