@@ -27,6 +27,40 @@ class TrainSample:
                    [float(x) for x in d["logprobs"]], int(d["weight_version"]))
 
 
+def split_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
+    """Micro-batches with little padding: sorted by length, each holds at most `budget` padded
+    tokens (one over-long sample goes alone)."""
+    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+    batches: list[list[TrainSample]] = []
+    current: list[TrainSample] = []
+    for s in ordered:
+        length = len(s.prompt_ids) + len(s.response_ids)
+        if current and (len(current) + 1) * length > budget:
+            batches.append(current)
+            current = []
+        current.append(s)
+    return batches + [current] if current else batches
+
+
+def padded_batch(samples: list[TrainSample], pad_id: int):
+    """Right-padded token ids [B, T], and per position t (predicting token t+1): the response
+    mask, the behaviour log-probs [B, T-1]; the advantages [B]; the true lengths [B]. CPU tensors."""
+    import torch
+
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    n, length = len(samples), max(lengths)
+    ids = torch.full((n, length), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, length - 1))
+    old = torch.zeros((n, length - 1))
+    for i, s in enumerate(samples):
+        ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
+        start = len(s.prompt_ids) - 1  # logits at position p predict token p+1
+        mask[i, start : start + len(s.response_ids)] = 1
+        old[i, start : start + len(s.response_ids)] = torch.tensor(s.logprobs[: len(s.response_ids)])
+    adv = torch.tensor([s.advantage for s in samples])
+    return ids, mask, old, adv, torch.tensor(lengths)
+
+
 class TrainEngine(Protocol):
     """One data-parallel rank of a trainer. Every rank gets every call, with the same arguments."""
 

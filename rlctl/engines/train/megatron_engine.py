@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss
-from rlctl.engines.train.base import TrainSample
+from rlctl.engines.train.base import TrainSample, padded_batch, split_by_tokens
 from rlctl.engines.train.megatron_convert import Layout, gather, hf_to_mcore, mcore_to_hf, shard
 from rlctl.recipe import TrainConfig
 
@@ -136,18 +136,7 @@ class MegatronTrainEngine:
     # -- compute ------------------------------------------------------------------------------
 
     def _batch(self, samples: list[TrainSample]):
-        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        n = len(samples)
-        ids = torch.full((n, length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, length - 1))
-        old = torch.zeros((n, length - 1))
-        for i, s in enumerate(samples):
-            seq = s.prompt_ids + s.response_ids
-            ids[i, : len(seq)] = torch.tensor(seq)
-            start = len(s.prompt_ids) - 1
-            mask[i, start : start + len(s.response_ids)] = 1
-            old[i, start : start + len(s.response_ids)] = torch.tensor(s.logprobs[: len(s.response_ids)])
-        adv = torch.tensor([s.advantage for s in samples])
+        ids, mask, old, adv, _ = padded_batch(samples, self.pad_id)  # right padding: the causal mask suffices
         return ids.cuda(), mask.cuda(), old.cuda(), adv.cuda()
 
     def _token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
@@ -170,17 +159,7 @@ class MegatronTrainEngine:
                 for i, s in enumerate(samples)]
 
     def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
-        budget = self.cfg.micro_batch_tokens
-        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
-        batches: list[list[TrainSample]] = []
-        current: list[TrainSample] = []
-        for s in ordered:
-            length = len(s.prompt_ids) + len(s.response_ids)
-            if current and (len(current) + 1) * length > budget:
-                batches.append(current)
-                current = []
-            current.append(s)
-        return batches + [current] if current else batches
+        return split_by_tokens(samples, self.cfg.micro_batch_tokens)
 
     def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func

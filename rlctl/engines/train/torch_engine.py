@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss, k3_kl, token_logprobs
-from rlctl.engines.train.base import TrainSample
+from rlctl.engines.train.base import TrainSample, padded_batch, split_by_tokens
 from rlctl.recipe import TrainConfig
 
 
@@ -46,21 +46,9 @@ class TorchTrainEngine:
         return self.ddp if self.ddp is not None else self.model
 
     def _batch_tensors(self, samples: list[TrainSample]):
-        """Right-padded ids, per-position targets, response mask, behaviour logprobs, advantages."""
-        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        n = len(samples)
-        ids = torch.full((n, length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, length - 1))
-        old = torch.zeros((n, length - 1))
-        for i, s in enumerate(samples):
-            seq = s.prompt_ids + s.response_ids
-            ids[i, : len(seq)] = torch.tensor(seq)
-            # logits at position p predict token p+1: the response starts at len(prompt)-1.
-            start = len(s.prompt_ids) - 1
-            mask[i, start : start + len(s.response_ids)] = 1
-            old[i, start : start + len(s.response_ids)] = torch.tensor(s.logprobs[: len(s.response_ids)])
-        attn = (torch.arange(length)[None, :] < torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])[:, None]).long()
-        adv = torch.tensor([s.advantage for s in samples])
+        """Right-padded ids, attention mask, response mask, behaviour logprobs, advantages."""
+        ids, mask, old, adv, lengths = padded_batch(samples, self.pad_id)
+        attn = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
         return ids.to(self.device), attn.to(self.device), mask.to(self.device), old.to(self.device), adv.to(self.device)
 
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
@@ -75,21 +63,7 @@ class TorchTrainEngine:
         return out
 
     def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
-        """Split by length so that padding stays small: sorted by length, each micro-batch holds at
-        most micro_batch_tokens padded tokens (one over-long sample goes alone)."""
-        budget = self.cfg.micro_batch_tokens
-        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
-        batches: list[list[TrainSample]] = []
-        current: list[TrainSample] = []
-        for s in ordered:
-            length = len(s.prompt_ids) + len(s.response_ids)
-            if current and (len(current) + 1) * length > budget:
-                batches.append(current)
-                current = []
-            current.append(s)
-        if current:
-            batches.append(current)
-        return batches
+        return split_by_tokens(samples, self.cfg.micro_batch_tokens)
 
     def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
         start = time.monotonic()
