@@ -39,6 +39,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     if rank == 0:
         grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
         torch.save({"weights": dict(engine.hf_weights()), "grads": grads, "stats": stats}, out)
+    # Both ranks leave together: a gloo peer torn down while the other still works can abort it
+    # ("terminate called without an active exception", seen once in CI).
+    dist.barrier()
     dist.destroy_process_group()
 
 
