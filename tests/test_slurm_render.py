@@ -24,6 +24,7 @@ CASES = {
     "quickstart-1x1": (QUICKSTART, ["launcher=slurm", "rollout.servers=1"]),
     "cluster-2x4": (GOLDEN / "cluster-2x4.yaml", []),
     "options": (GOLDEN / "options.yaml", []),
+    "example-qwen3-1.7b": (REPO / "recipes" / "slurm-qwen3-1.7b.yaml", []),  # the README's cluster example
 }
 
 
