@@ -154,3 +154,13 @@ def test_fields_exist_in_sglang_io_structs():
         names = {f.name for f in dataclasses.fields(cls)}
         used = FIELDS[path] - {"text", "stream"}
         assert used <= names, f"{path}: {used - names} not in {cls.__name__}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_local_sglang_run_without_sglang_is_a_one_line_error(tmp_path):
+    res = rlctl("launch", str(QUICKSTART), "rollout.engine=sglang", "rollout.device=cuda", f"run.output_dir={tmp_path}",
+                cwd=tmp_path)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rollout.engine=sglang needs sglang" in lines[0], res.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, no run directory

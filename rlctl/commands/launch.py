@@ -61,12 +61,24 @@ def _run_info(r, recipe: Path, overrides: list[str], plan: dict | None) -> dict:
     }
 
 
+def _check_engines_importable(r) -> None:
+    """A local run starts its engines here: say at once when one is not installed."""
+    import importlib.util
+
+    for key, engine, module, install in (("rollout.engine", r.rollout.engine, "sglang", "pip install 'sglang[all]>=0.5.15,<=0.5.23'"),
+                                         ("train.engine", r.train.engine, "megatron", "pip install 'rlctl[megatron]'")):
+        name = "megatron.core" if module == "megatron" else module
+        if engine == module and importlib.util.find_spec(name.split(".")[0]) is None:
+            raise RunError(f"{key}={engine} needs {name}, which is not installed here: {install}")
+
+
 def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
     from rlctl.launchers.local import start_supervisor
     from rlctl.plan import local_plan
     from rlctl.recipe import recipe_to_yaml
     from rlctl.rundir import create_run_dir
 
+    _check_engines_importable(r)
     info = _run_info(r, recipe, overrides, local_plan(r).to_json())
     rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), info)
     start_supervisor(rd)
