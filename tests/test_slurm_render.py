@@ -150,3 +150,35 @@ def test_job_states_in_words():
     running = JobInfo("7", "RUNNING", "None", "1:02", ["node1", "node[2-3]"])
     assert running.describe() == "RUNNING on node1 | node[2-3] for 1:02"
     assert JobInfo("7", "TIMEOUT", exit_code="0:15").describe() == "TIMEOUT (exit code 0:15)"
+
+
+def _slurm_run(tmp_path, state: str, last_state: str | None):
+    from rlctl.rundir import create_run_dir
+
+    rd = create_run_dir(tmp_path, "r", "run: {}\n", {"launcher": "slurm", "mode": "sync", "steps_total": 3, "plan": None})
+    last = None if last_state is None else JobInfo("7", last_state, "None", "0:05", ["node1", "node2"]).to_json()
+    rd.update(lambda d: d.update(state=state, slurm={"job_id": "7", "last": last}))
+    return rd
+
+
+@pytest.mark.parametrize("slurm_state, run_state", [("TIMEOUT", "failed"), ("FAILED", "failed"), ("NODE_FAIL", "failed"),
+                                                    ("CANCELLED", "cancelled")])
+def test_a_job_that_ended_under_a_running_run_ends_the_run(tmp_path, slurm_state, run_state):
+    from rlctl.launchers.slurm import needs_query, reconcile
+
+    rd = _slurm_run(tmp_path, "running", "RUNNING")
+    info = reconcile(rd, rd.read(), JobInfo("7", slurm_state, exit_code="0:15"), queried=True)
+    assert info["state"] == run_state and f"Slurm job 7 ended {slurm_state}" in info["exit_reason"]
+    assert info["slurm"]["last"]["state"] == slurm_state and not needs_query(info)
+
+
+def test_a_finished_run_whose_job_slurm_forgot_is_not_asked_about_again(tmp_path):
+    from rlctl.launchers.slurm import needs_query, reconcile
+
+    rd = _slurm_run(tmp_path, "completed", "RUNNING")
+    assert needs_query(rd.read())
+    info = reconcile(rd, rd.read(), None, queried=True)
+    assert info["state"] == "completed" and info["slurm"]["last"]["state"] == "ENDED" and not needs_query(info)
+    running = _slurm_run(tmp_path, "running", "RUNNING")  # still going, and Slurm does not know it: failed
+    info = reconcile(running, running.read(), None, queried=True)
+    assert info["state"] == "failed" and "no longer known to Slurm" in info["exit_reason"]

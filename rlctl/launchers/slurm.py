@@ -379,6 +379,11 @@ def reconcile(rd, info: dict[str, Any], job: JobInfo | None, queried: bool) -> d
     if job is not None:
         info = rd.update(lambda d: d["slurm"].update(last=job.to_json()))
     if RunState(info["state"]).finished:
+        last = (info.get("slurm") or {}).get("last")
+        if job is None and last is not None and last.get("state") in ACTIVE:
+            # The run ended and Slurm has forgotten the job since we last looked: stop asking.
+            ended = {**last, "state": "ENDED", "reason": "no longer listed by Slurm"}
+            info = rd.update(lambda d: d["slurm"].update(last=ended))
         return info
     if job is None:
         last = (info.get("slurm") or {}).get("last")
