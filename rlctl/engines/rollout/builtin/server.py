@@ -60,6 +60,8 @@ class BuiltinServer:
         torch.set_num_threads(self.args.threads)
         torch.manual_seed(self.args.seed)
         model = AutoModelForCausalLM.from_pretrained(self.args.model_path, dtype=getattr(torch, self.args.dtype))
+        if self.args.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.args.device))  # NCCL weight groups use the current device
         model.to(self.args.device).eval()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.args.model_path)
