@@ -48,6 +48,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(predicate, timeout: float, what: str):
+    """Poll predicate every 0.2 s; its first truthy value, or fail naming what was awaited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def wait_http(url: str, timeout: float = 120.0) -> None:
     import urllib.request
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
+from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, wait_for
 from rlctl.rundir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -27,16 +27,6 @@ def launch(tmp_path: Path, *overrides: str, detach: bool = False):
 def only_run(tmp_path: Path) -> RunDir:
     (path,) = (tmp_path / "runs").iterdir()
     return RunDir(path)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 def test_run_completes_and_fills_the_run_directory(tmp_path):

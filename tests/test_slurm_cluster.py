@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
+from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, wait_for
 from rlctl.rundir import RunDir
 
 if not os.environ.get("RLCTL_SLURM_TESTS"):
@@ -59,16 +59,6 @@ def status_json(tmp_path: Path, run_id: str) -> dict:
     res = rlctl("status", run_id, "--json", "--runs-dir", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_run_spans_three_nodes_and_learns(tmp_path):

@@ -139,7 +139,7 @@ class Supervisor:
             if failure:
                 return failure
             for name, url in list(pending.items()):
-                if _healthy(url):
+                if healthy(url):
                     self.rd.event("server_up", role=name, url=url)
                     del pending[name]
             if time.monotonic() > deadline:
@@ -202,7 +202,8 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """GET url/health answers 200 (a rollout server that is up)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
             return resp.status == 200

@@ -14,10 +14,9 @@ import argparse
 import os
 import re
 import socket
-import urllib.request
 from pathlib import Path
 
-from rlctl.launchers.local import last_log_line
+from rlctl.launchers.local import healthy, last_log_line
 from rlctl.plan import RunPlan, slurm_plan
 from rlctl.recipe import recipe_from_yaml
 from rlctl.rundir import RunDir, RunState
@@ -32,7 +31,7 @@ def main(args: argparse.Namespace) -> int:
         return write_plan(rd, args.trainer_nodes.split(), args.rollout_nodes.split(), args.port_base)
     if args.role == "health":
         plan = RunPlan.from_json(rd.read()["plan"])
-        return 0 if all(_healthy(url) for url in plan.server_urls) else 1
+        return 0 if all(healthy(url) for url in plan.server_urls) else 1
     return record_state(rd, RunState(args.state), args.reason, args.failed)
 
 
@@ -85,10 +84,3 @@ def failure_reason(rd: RunDir, component: str, what: str) -> str:
     said = last_log_line(logs / f"{component}.log") if component == "controller" else None
     return f"{component}: {what}" + (f"; it said: {said}" if said else "") + f"; see {logs}"
 
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False

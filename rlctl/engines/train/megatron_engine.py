@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss
 from rlctl.engines.train.base import TrainSample, padded_batch, split_by_tokens
-from rlctl.engines.train.megatron_convert import Layout, gather, hf_to_mcore, mcore_to_hf, shard
+from rlctl.engines.train.megatron_convert import Layout, gather, hf_to_mcore, mcore_to_hf, shard, tp_dim
 from rlctl.recipe import TrainConfig
 
 
@@ -123,7 +123,7 @@ class MegatronTrainEngine:
         out = {}
         for name, p in self.model.named_parameters():
             t = p.detach()
-            if self.tp_size > 1 and _is_split(name):
+            if self.tp_size > 1 and tp_dim(name) is not None:
                 parts = [torch.empty_like(t) for _ in range(self.tp_size)]
                 dist.all_gather(parts, t.contiguous(), group=self.tp_group)
                 t = gather(name, parts)
@@ -210,9 +210,3 @@ class MegatronTrainEngine:
             "micro_batches": float(len(micro)), "seconds": time.monotonic() - start, "version": float(self.version),
             "update_ok": float(bool(ok)),
         }
-
-
-def _is_split(name: str) -> bool:
-    from rlctl.engines.train.megatron_convert import tp_dim
-
-    return tp_dim(name) is not None
