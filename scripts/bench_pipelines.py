@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,37 +66,47 @@ def summarize(metrics: list[dict]) -> dict[str, float]:
 SWEEP = [(g, b, cap) for g in (8, 16) for b in (128, 512) for cap in (4096, 8192, 16384)]
 
 
+SWEEP_KEYS = ("rollout_to_train_end", "trainer_wait_ratio", "train_time", "rollout_time")
+PAIR = (("sync", MODES[0][1]), ("pipe", MODES[1][1]))  # sync vs rolloutpipe (frontier)
+
+
+def print_sweep(settings, measure, paper_note: str = "") -> None:
+    """One row per (G, B, cap): train/rollout time ratio and rolloutpipe's change of
+    rollout-to-train-end and waiting ratio against sync; then the ranges. `measure(g, b, cap,
+    mode_overrides)` returns that mode's per-step metrics."""
+    print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/rollout':>14} {'r2t sync s':>11} {'r2t pipe s':>11} "
+          f"{'r2t change':>11} {'wait sync':>10} {'wait pipe':>10} {'wait change':>12} {'wall s':>7}", flush=True)
+    changes = []
+    for g, b, cap in settings:
+        start = time.monotonic()
+        rows = {mode: {k: statistics.median(m[k] for m in measure(g, b, cap, extra)) for k in SWEEP_KEYS}
+                for mode, extra in PAIR}
+        s, p = rows["sync"], rows["pipe"]
+        r2t = p["rollout_to_train_end"] / s["rollout_to_train_end"] - 1
+        wait = p["trainer_wait_ratio"] / s["trainer_wait_ratio"] - 1 if s["trainer_wait_ratio"] else float("nan")
+        changes.append((r2t, wait))
+        print(f"{g:3d} {b:5d} {cap:6d} {s['train_time'] / s['rollout_time']:14.2f} {s['rollout_to_train_end']:11.2f} "
+              f"{p['rollout_to_train_end']:11.2f} {r2t:11.1%} {s['trainer_wait_ratio']:10.2f} "
+              f"{p['trainer_wait_ratio']:10.2f} {wait:12.1%} {time.monotonic() - start:7.2f}", flush=True)
+    print(f"range: rollout-to-train-end {min(c[0] for c in changes):.1%} .. {max(c[0] for c in changes):.1%}, "
+          f"trainer waiting ratio {min(c[1] for c in changes):.1%} .. {max(c[1] for c in changes):.1%} "
+          "(RolloutPipe paper, against Slime: -30.7..-42.3% and -37..-76%)")
+
+
 def sweep(overrides: list[str]) -> None:
     sys.path.insert(0, str(REPO))
     from rlctl.commands.simulate import simulate_run
     from rlctl.recipe import load_recipe
 
     base = ["run.steps=2", "sim.rollout_gpus=64", "sim.trainer_gpus=16", *overrides]
-    print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/rollout':>14} {'r2t sync s':>11} {'r2t pipe s':>11} "
-          f"{'r2t change':>11} {'wait sync':>10} {'wait pipe':>10} {'wait change':>12} {'wall s':>7}")
-    changes = []
-    for g, b, cap in SWEEP:
+
+    def measure(g, b, cap, mode_overrides):
         setting = [f"rollout.group_size={g}", f"rollout.batch_size={b}", f"train.groups_per_batch={b // 8}",
                    f"rollout.sampling.max_new_tokens={cap}"]
-        rows = {}
-        wall = 0.0
-        for mode, extra in (("sync", ["pipeline.mode=sync", "pipeline.admission=fifo"]),
-                            ("pipe", ["pipeline.mode=rolloutpipe", "pipeline.admission=frontier"])):
-            recipe = load_recipe(REPO / "recipes" / "sim-1024gpu.yaml", [*base, *setting, *extra], check_paths=False)
-            _, metrics, seconds = simulate_run(recipe)
-            wall += seconds
-            rows[mode] = {k: statistics.median(m[k] for m in metrics)
-                          for k in ("rollout_to_train_end", "trainer_wait_ratio", "train_time", "rollout_time")}
-        s, p = rows["sync"], rows["pipe"]
-        r2t = p["rollout_to_train_end"] / s["rollout_to_train_end"] - 1
-        wait = p["trainer_wait_ratio"] / s["trainer_wait_ratio"] - 1 if s["trainer_wait_ratio"] else float("nan")
-        changes.append((r2t, wait))
-        print(f"{g:3d} {b:5d} {cap:6d} {s['train_time'] / s['rollout_time']:14.2f} {s['rollout_to_train_end']:11.1f} "
-              f"{p['rollout_to_train_end']:11.1f} {r2t:11.1%} {s['trainer_wait_ratio']:10.2f} "
-              f"{p['trainer_wait_ratio']:10.2f} {wait:12.1%} {wall:7.2f}")
-    print(f"range: rollout-to-train-end {min(c[0] for c in changes):.1%} .. {max(c[0] for c in changes):.1%}, "
-          f"trainer waiting ratio {min(c[1] for c in changes):.1%} .. {max(c[1] for c in changes):.1%} "
-          "(RolloutPipe paper, against Slime: -30.7..-42.3% and -37..-76%)")
+        recipe = load_recipe(REPO / "recipes" / "sim-1024gpu.yaml", [*base, *setting, *mode_overrides], check_paths=False)
+        return simulate_run(recipe)[1]
+
+    print_sweep(SWEEP, measure)
 
 
 REAL_SWEEP = [(g, b, cap) for g in (4, 8) for b in (16, 32) for cap in (64, 128, 256)]
@@ -103,27 +114,13 @@ REAL_SWEEP = [(g, b, cap) for g in (4, 8) for b in (16, 32) for cap in (64, 128,
 
 def sweep_real(recipe: Path, overrides: list[str]) -> None:
     """The sweep for real on CPU: same table, smaller settings (G x B groups x length cap)."""
-    print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/rollout':>14} {'r2t sync s':>11} {'r2t pipe s':>11} "
-          f"{'r2t change':>11} {'wait sync':>10} {'wait pipe':>10} {'wait change':>12}", flush=True)
-    changes = []
     with tempfile.TemporaryDirectory() as tmp:
-        for g, b, cap in REAL_SWEEP:
+        def measure(g, b, cap, mode_overrides):
             setting = ["run.steps=3", f"rollout.group_size={g}", f"rollout.batch_size={b}",
                        f"train.groups_per_batch={b // 8}", f"rollout.sampling.max_new_tokens={cap}", *overrides]
-            rows = {}
-            for mode, extra in (("sync", MODES[0][1]), ("pipe", MODES[1][1])):
-                metrics = run_mode(recipe, [*setting, *extra], Path(tmp) / "runs")[1:]
-                rows[mode] = {k: statistics.median(m[k] for m in metrics)
-                              for k in ("rollout_to_train_end", "trainer_wait_ratio", "train_time", "rollout_time")}
-            s, p = rows["sync"], rows["pipe"]
-            r2t = p["rollout_to_train_end"] / s["rollout_to_train_end"] - 1
-            wait = p["trainer_wait_ratio"] / s["trainer_wait_ratio"] - 1 if s["trainer_wait_ratio"] else float("nan")
-            changes.append((r2t, wait))
-            print(f"{g:3d} {b:5d} {cap:6d} {s['train_time'] / s['rollout_time']:14.2f} {s['rollout_to_train_end']:11.2f} "
-                  f"{p['rollout_to_train_end']:11.2f} {r2t:11.1%} {s['trainer_wait_ratio']:10.2f} "
-                  f"{p['trainer_wait_ratio']:10.2f} {wait:12.1%}", flush=True)
-    print(f"range: rollout-to-train-end {min(c[0] for c in changes):.1%} .. {max(c[0] for c in changes):.1%}, "
-          f"trainer waiting ratio {min(c[1] for c in changes):.1%} .. {max(c[1] for c in changes):.1%}")
+            return run_mode(recipe, [*setting, *mode_overrides], Path(tmp) / "runs")[1:]  # step 0 has start-up
+
+        print_sweep(REAL_SWEEP, measure)
 
 
 def main() -> None:

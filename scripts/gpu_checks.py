@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rlctl.engines.train.base import TrainSample  # noqa: E402
+from rlctl.plan import free_ports  # noqa: E402
 from rlctl.recipe import MegatronConfig, TrainConfig  # noqa: E402
 
 RESULTS: dict[str, dict] = {}
@@ -48,9 +48,7 @@ def report(name: str, ok: bool | None, **numbers) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def build_model(path: Path, dtype: torch.dtype, **shape) -> Path:

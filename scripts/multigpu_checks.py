@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,22 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-RESULTS: dict[str, dict] = {}
-
-
-def report(name: str, ok: bool | None, **numbers) -> None:
-    RESULTS[name] = {"ok": ok, **numbers}
-    verdict = "PASS" if ok else "FAIL" if ok is not None else "INFO"
-    print(f"{verdict} {name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                           for k, v in numbers.items()), flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gpu_checks import REPO, RESULTS, build_model, free_port, report  # noqa: E402  (beside this script)
 
 
 def _plain_receiver(rank: int, world: int, port: int, nbytes: int, device: str, backend: str, reps: int) -> None:
@@ -87,16 +71,6 @@ def plain_broadcast(nbytes: int, receivers: int, device: str, backend: str, reps
     return best
 
 
-def build_model(path: Path, dtype: torch.dtype, **shape) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**shape)).to(dtype).save_pretrained(path)
-    return path
-
-
 def check_broadcast(work: Path, cpu: bool) -> None:
     import aiohttp
 
@@ -112,8 +86,9 @@ def check_broadcast(work: Path, cpu: bool) -> None:
         shape = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
         receivers, backend, device, buckets = torch.cuda.device_count() - 1, "nccl", "cuda", (256, 1024, 2048)
-    model_dir = build_model(work / ("tiny" if cpu else "qwen3-1.7b-shape"), torch.bfloat16, max_position_embeddings=4096,
-                            **shape)
+    model_dir = work / ("tiny" if cpu else "qwen3-1.7b-shape")
+    if not (model_dir / "config.json").exists():  # a 3.4 GB model is built once per machine
+        build_model(model_dir, torch.bfloat16, max_position_embeddings=4096, **shape)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda:0" if not cpu else "cpu")
     weights = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
