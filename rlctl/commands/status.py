@@ -69,8 +69,8 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def summary(rd: RunDir) -> dict[str, Any]:
-    info = rd.read()
+def summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    info = info if info is not None else rd.read()
     state, reason = effective_state(rd, info)
     last = last_jsonl_record(rd.metrics_path)
     return {
@@ -101,10 +101,10 @@ def _slurm_summary(info: dict[str, Any]) -> dict[str, Any] | None:
             "describe": JobInfo(**last).describe() if last else "submitted, not yet seen by squeue"}
 
 
-def _refresh_slurm(runs: list[RunDir]) -> None:
+def _refresh_slurm(runs: list[RunDir], infos: dict[str, dict[str, Any]] | None = None) -> None:
     from rlctl.launchers.slurm import refresh
 
-    refresh(runs)  # asks Slurm only if some run is a Slurm run that needs it
+    refresh(runs, infos)  # asks Slurm only if some run is a Slurm run that needs it
 
 
 def detail(rd: RunDir) -> dict[str, Any]:
@@ -218,8 +218,11 @@ def status(
             _refresh_slurm([rd])
             return detail(rd)
         runs = list_runs(runs_dir)
-        _refresh_slurm(runs)
-        return [summary(rd) for rd in runs]
+        infos = {rd.id: rd.read() for rd in runs}
+        _refresh_slurm(runs, infos)
+        # A run Slurm was asked about may have just been updated: read those again, no others.
+        stale = {rd.id for rd in runs if infos[rd.id].get("launcher") == "slurm"}
+        return [summary(rd, None if rd.id in stale else infos[rd.id]) for rd in runs]
 
     def render(data):
         return render_detail(data) if run else render_table(data)

@@ -401,10 +401,11 @@ def reconcile(rd, info: dict[str, Any], job: JobInfo | None, queried: bool) -> d
     return rd.read()
 
 
-def refresh(runs: list) -> dict[str, JobInfo | None]:
+def refresh(runs: list, infos: dict[str, dict[str, Any]] | None = None) -> dict[str, JobInfo | None]:
     """Query Slurm once for every run that needs it; update their run.json. Returns the job info
-    by run id (None: Slurm does not know the job) for the runs that were asked about."""
-    infos = {rd.id: rd.read() for rd in runs}
+    by run id (None: Slurm does not know the job) for the runs that were asked about. `infos`:
+    run.json by run id, when the caller has read them already."""
+    infos = infos if infos is not None else {rd.id: rd.read() for rd in runs}
     wanted = {rid: job_id_of(info) for rid, info in infos.items() if needs_query(info)}
     if not wanted:
         return {}
