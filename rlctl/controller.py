@@ -108,6 +108,9 @@ class TrainerClient:
                                                "master_port": master_port, "backend": backend,
                                                "bucket_mb": bucket_mb, "api_key": api_key})
 
+    async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        return await self._post("/accumulate", {"samples": samples})
+
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self._post("/train", {"samples": samples})
 

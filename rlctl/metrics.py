@@ -4,9 +4,13 @@ Definitions (DESIGN.md "Metrics"), all in seconds of the controller's monotonic 
 - rollout_to_train_end: first rollout request of the step -> end of its last optimizer step.
 - trainer_wait_ratio: time the trainer waits for data inside that window / the window.
 - wait_time_ratio (Slime's): wait / (wait + train), for like-for-like comparison with Slime.
-- critical-path bound: max(last group ready + last train batch's time,
+- critical-path bound: max(last group ready + the last train call's time,
                            first group ready + the step's total train time), from the first request;
   efficiency = bound / rollout_to_train_end (1.0 = no avoidable waiting).
+Training time counts every trainer call: a streamed train batch (rolloutpipe with stream_train)
+is accumulate calls on its early groups (accumulate_start/_end) and one final call that takes
+the optimizer step (train_start/_end). The last train call is all the work left once the last
+group is ready; without streaming it is the whole last train batch.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def step_metrics(events: Iterable[dict[str, Any]], step: int) -> dict[str, Any]:
     ev = [e for e in events if e.get("step") == step]
     by = {kind: [e for e in ev if e["event"] == kind] for kind in
           ("step_start", "step_end", "group_admitted", "group_completed", "group_dropped",
-           "train_start", "train_end", "sync_start", "sync_end")}
+           "train_start", "train_end", "accumulate_start", "accumulate_end", "sync_start", "sync_end")}
     if not by["step_start"]:
         raise ValueError(f"step {step}: no step_start in the events")
     ready_at = {e["group"]: e["t"] for e in events if e["event"] == "group_completed"}
@@ -54,7 +58,9 @@ def step_metrics(events: Iterable[dict[str, Any]], step: int) -> dict[str, Any]:
     starts = sorted(by["train_start"], key=lambda e: e["t"])
     ends = sorted(by["train_end"], key=lambda e: e["t"])
     train_times = [end["t"] - start["t"] for start, end in zip(starts, ends)]
-    train_time = sum(train_times)
+    accumulate_times = [end["t"] - start["t"] for start, end in zip(sorted(by["accumulate_start"], key=lambda e: e["t"]),
+                                                                   sorted(by["accumulate_end"], key=lambda e: e["t"]))]
+    train_time = sum(train_times) + sum(accumulate_times)
     completed_here = sorted(e["t"] for e in by["group_completed"])
     t_train_end = ends[-1]["t"] if ends else (completed_here[-1] if completed_here else t_step)
     window = t_train_end - t_first_request
@@ -157,9 +163,9 @@ def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[s
             for i, (server, a, b) in enumerate(zip(e.get("servers", []), e.get("starts", []), e.get("ends", []))):
                 span(f"g{e['group']}", 1, tid_of[server], a, b, group=e["group"], sample=i, step=e["step"],
                      tokens=e["lengths"][i], reward=e["rewards"][i], version=e["versions"][i])
-        elif kind in ("train_start", "sync_start", "step_start"):
+        elif kind in ("train_start", "accumulate_start", "sync_start", "step_start"):
             open_spans[(kind.split("_")[0], e.get("batch", e["step"]))] = e
-        elif kind in ("train_end", "sync_end", "step_end"):
+        elif kind in ("train_end", "accumulate_end", "sync_end", "step_end"):
             what = kind.split("_")[0]
             start = open_spans.pop((what, e.get("batch", e["step"])), None)
             if start is None:
@@ -167,7 +173,8 @@ def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[s
             if what == "step":
                 span(f"step {e['step']}", 3, 0, start["t"], e["t"], step=e["step"], version=e.get("version"))
                 continue
-            label = f"train batch {e['batch']}" if what == "train" else f"weight sync v{e.get('version', '?')}"
+            label = {"train": f"train batch {e.get('batch')}", "accumulate": f"accumulate batch {e.get('batch')}",
+                     "sync": f"weight sync v{e.get('version', '?')}"}[what]
             for rank in range(trainer_ranks):
                 span(label, 2, rank, start["t"], e["t"], step=e["step"], version=e.get("version"))
         elif kind in ("group_dropped", "server_up", "server_down"):

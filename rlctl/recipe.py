@@ -273,6 +273,10 @@ class PipelineConfig:
     """Order and amount of requests sent to the servers. fifo: the whole rollout batch at once,
     in group order (the servers queue what they cannot run). frontier: at most
     rollout.concurrency per server, groups needed for the next train batch first."""
+    stream_train: bool = True
+    """rolloutpipe: the trainer runs forward and backward on each complete group as soon as it
+    is free (gradient accumulation) and takes the optimizer step when the train batch is full,
+    instead of waiting for the whole train batch first. The step is the same either way."""
     max_staleness: int = 1
     """async: the most weight versions a trained sample may lag behind the trainer."""
     sync_every: int = 1

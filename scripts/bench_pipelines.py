@@ -1,5 +1,6 @@
-"""Pipeline modes side by side on one workload: sync, rolloutpipe (frontier), rolloutpipe (fifo)
-and async, run for real, interleaved, and compared in one table with ratios to sync.
+"""Pipeline modes side by side on one workload: sync, rolloutpipe (frontier), rolloutpipe (fifo),
+rolloutpipe (frontier, whole train batches: pipeline.stream_train=false) and async, run for real,
+interleaved, and compared in one table with ratios to sync.
 
     python scripts/bench_pipelines.py [--recipe recipes/bench-longtail.yaml] [--rounds 1] [KEY=VALUE ...]
     python scripts/bench_pipelines.py --sweep [KEY=VALUE ...]
@@ -34,6 +35,8 @@ MODES = [
     ("sync", ["pipeline.mode=sync", "pipeline.admission=fifo"]),
     ("rolloutpipe-frontier", ["pipeline.mode=rolloutpipe", "pipeline.admission=frontier"]),
     ("rolloutpipe-fifo", ["pipeline.mode=rolloutpipe", "pipeline.admission=fifo"]),
+    # The same, but the trainer waits for whole train batches: what streaming groups buys, alone.
+    ("rolloutpipe-batched", ["pipeline.mode=rolloutpipe", "pipeline.admission=frontier", "pipeline.stream_train=false"]),
     ("async", ["pipeline.mode=async", "pipeline.admission=frontier"]),
 ]
 COLUMNS = [

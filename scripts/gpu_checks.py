@@ -9,10 +9,12 @@
    batch of different lengths): fp32 max abs diff <= 1e-4; bf16 reported.
 3. One GRPO step of each engine from the same state and batch: losses within 1e-3 relative; how
    far the updated weights are apart is reported.
-4. A local run, train.engine=megatron (fp32) with 2 built-in rollout servers on the same GPU,
-   weight sync over gloo, pipeline.check_weights=true: after every sync each server's tensors hash
-   like the trainer's.
-5. Weight-broadcast throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU,
+4. A train batch given to the Megatron engine in 3 accumulate() calls, then step(), against the
+   same batch in one call: grad norm within 1e-4 relative, weights within 1e-3 of how far they moved.
+5. A local run, train.engine=megatron (fp32), rolloutpipe (frontier, streamed groups), 2 built-in
+   rollout servers on the same GPU, weight sync over gloo, pipeline.check_weights=true: after every
+   sync each server's tensors hash like the trainer's.
+6. Weight-broadcast throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU,
    gloo with CPU staging, for 3 bucket sizes.
 Prints one line per check and writes OUT_DIR/gpu_checks.json. Exit 1 if a check failed.
 """
@@ -140,12 +142,29 @@ def check_engines(work: Path) -> None:
                    grad_norm_torch=t_stats["grad_norm"])
         del me
 
+    # 4. a train batch accumulated in pieces (rolloutpipe's streaming) takes the one-piece step
+    after = {}
+    for pieces in (1, 3):
+        me = megatron_engine(model_dir, "float32", lr=1e-3)
+        for i in range(pieces):
+            me.accumulate(batch[i::pieces])
+        after[pieces] = (me.step(), {n: t.float().cpu() for n, t in me.hf_weights()})
+        del me
+    (one, w1), (three, w3) = after[1], after[3]
+    wdiff = max(float((w1[n] - w3[n]).abs().max()) for n in w1)
+    moved = max(float((w1[n] - on_disk[n].float()).abs().max()) for n in w1)
+    report("Megatron: batch in 3 accumulate calls vs 1 (float32)",
+           abs(one["grad_norm"] - three["grad_norm"]) <= 1e-4 * one["grad_norm"] and wdiff <= 1e-3 * moved,
+           grad_norm_1=one["grad_norm"], grad_norm_3=three["grad_norm"], loss_1=one["loss"], loss_3=three["loss"],
+           weights_max_abs_diff=wdiff, weights_max_move=moved)
+
 
 def check_local_run(out: Path) -> None:
     runs = out / "runs"
     cmd = [sys.executable, "-m", "rlctl", "launch", str(REPO / "recipes" / "quickstart.yaml"), "run.steps=8",
            "train.engine=megatron", "train.device=cuda", "rollout.device=cuda", "train.megatron.dtype=float32",
-           "pipeline.check_weights=true", f"run.output_dir={runs}"]
+           "pipeline.mode=rolloutpipe", "pipeline.admission=frontier", "pipeline.check_weights=true",
+           f"run.output_dir={runs}"]
     start = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=400)
     seconds = time.monotonic() - start
@@ -157,8 +176,9 @@ def check_local_run(out: Path) -> None:
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     checked = [e for e in events if e["event"] == "weights_checked"]
+    pieces = sum(e["event"] == "accumulate_end" for e in events)
     report("local run, megatron trainer + 2 built-in servers on one GPU", len(checked) == 8 and len(metrics) == 8,
-           steps=len(metrics), syncs_checked=len(checked), seconds=seconds,
+           steps=len(metrics), syncs_checked=len(checked), accumulate_calls=pieces, seconds=seconds,
            reward_first=metrics[0]["reward_mean"], reward_last=metrics[-1]["reward_mean"],
            step_time_median=sorted(m["step_time"] for m in metrics)[len(metrics) // 2])
 

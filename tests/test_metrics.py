@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlctl.metrics import step_metrics
+from rlctl.metrics import chrome_trace, step_metrics
 
 
 def timeline():
@@ -92,6 +92,28 @@ def test_overlapped_step_waits_less():
     assert m["rollout_to_train_end"] == 6.0
     assert m["efficiency"] == 1.0
     assert m["trainer_wait_ratio"] == pytest.approx(3 / 6)
+
+
+def test_streamed_batch_counts_its_accumulate_calls_as_training():
+    """One train batch of groups 0 and 1, streamed: group 0 is accumulated at 2..2.5 while group 1
+    is still generating; the final call (group 1 and the optimizer step) runs 4..5."""
+    e = [ev for ev in timeline() if ev["event"] not in ("train_start", "train_end")]
+    e += [
+        {"t": 2.0, "event": "accumulate_start", "step": 0, "batch": 0, "groups": [0]},
+        {"t": 2.5, "event": "accumulate_end", "step": 0, "batch": 0, "groups": [0], "tokens": 6, "samples": 2},
+        {"t": 4.0, "event": "train_start", "step": 0, "batch": 0, "groups": [0, 1], "staleness": [0, 0, 0, 0]},
+        {"t": 5.0, "event": "train_end", "step": 0, "batch": 0, "loss": 1.0},
+    ]
+    m = step_metrics(e, 0)
+    assert m["train_batches"] == 1
+    assert m["train_time"] == 1.5  # 0.5 accumulating + 1.0 in the final call
+    assert m["rollout_to_train_end"] == 5.0
+    assert m["wait_time"] == 3.5
+    # bound = max(last ready 4 + final call 1, first ready 2 + all training 1.5) = 5: no avoidable wait
+    assert m["critical_path_bound"] == 5.0 and m["efficiency"] == 1.0
+    trace = chrome_trace(e)["traceEvents"]
+    names = sorted(x["name"] for x in trace if x.get("pid") == 2 and x["ph"] == "X")
+    assert names == ["accumulate batch 0", "train batch 0", "weight sync v?"]
 
 
 def test_missing_step_is_an_error():

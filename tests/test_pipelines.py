@@ -38,9 +38,10 @@ def check_accounting(events: list[dict], groups_per_batch: int = 4) -> tuple[lis
     return trained, dropped
 
 
-@pytest.mark.parametrize("admission", ["frontier", "fifo"])
-def test_rolloutpipe_is_on_policy(tmp_path, admission):
-    events = run(tmp_path, "pipeline.mode=rolloutpipe", f"pipeline.admission={admission}", "rollout.concurrency=4")
+@pytest.mark.parametrize("admission,stream", [("frontier", True), ("fifo", True), ("frontier", False)])
+def test_rolloutpipe_is_on_policy(tmp_path, admission, stream):
+    events = run(tmp_path, "pipeline.mode=rolloutpipe", f"pipeline.admission={admission}", "rollout.concurrency=4",
+                 f"pipeline.stream_train={str(stream).lower()}")
     check_accounting(events)
     step_version = {e["step"]: e["version"] for e in events if e["event"] == "step_start"}
     assert step_version == {0: 0, 1: 2, 2: 4}
@@ -49,12 +50,19 @@ def test_rolloutpipe_is_on_policy(tmp_path, admission):
             assert set(e["versions"]) == {step_version[e["step"]]}
         if e["event"] == "train_start":
             assert e["versions"] == [step_version[e["step"]]]
+    # Streaming: groups accumulated early are part of their batch's step, never a step of their own.
+    accumulated = {g for e in events if e["event"] == "accumulate_end" for g in e["groups"]}
+    batch_of = {g: (e["step"], e["batch"]) for e in events if e["event"] == "train_start" for g in e["groups"]}
+    for e in events:
+        if e["event"] == "accumulate_end":
+            assert all(batch_of[g] == (e["step"], e["batch"]) for g in e["groups"])
+    assert bool(accumulated) == stream
     if admission == "fifo":
         return
     # Frontier admission (8 requests in flight = 2 groups) completes groups in waves, and complete-
-    # group pipelining starts the first train batch before the step's last group is ready.
+    # group pipelining starts training before the step's last group is ready.
     for step in step_version:
-        first_train = min(e["t"] for e in events if e["event"] == "train_start" and e["step"] == step)
+        first_train = min(e["t"] for e in events if e["event"] in ("train_start", "accumulate_start") and e["step"] == step)
         last_ready = max(e["t"] for e in events if e["event"] == "group_completed" and e["step"] == step)
         assert first_train < last_ready
 

@@ -1,4 +1,5 @@
-"""The torch trainer: data-parallel ranks over a real gloo group compute the same step as one rank."""
+"""The torch trainer: data-parallel ranks over a real gloo group, and a train batch accumulated in
+pieces, compute the same step as one rank given the whole batch at once."""
 
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     engine = TorchTrainEngine(model_dir, CONFIG, temperature=1.0, rank=rank, world_size=world)
-    stats = engine.train_batch(make_samples())
+    # The batch arrives in two pieces, as rolloutpipe streams groups; each piece is split over ranks.
+    samples = make_samples()
+    engine.accumulate(samples[:5])
+    engine.accumulate(samples[5:])
+    stats = engine.step()
     if rank == 0:
         grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
         torch.save({"weights": dict(engine.hf_weights()), "grads": grads, "stats": stats}, out)
@@ -45,7 +50,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
+def test_two_ranks_and_two_pieces_match_one_rank_in_one_piece(tiny_model_dir, tmp_path):
     single = TorchTrainEngine(str(tiny_model_dir), CONFIG, temperature=1.0, rank=0, world_size=1)
     before = {n: t.clone() for n, t in single.hf_weights()}
     s1 = single.train_batch(make_samples())
@@ -91,3 +96,25 @@ def test_micro_batches_give_the_same_gradient(tiny_model_dir):
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     for (name, p), (_, q) in zip(whole.model.named_parameters(), split.model.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-8, msg=name)
+
+
+def test_pieces_give_the_same_step_and_stats(tiny_model_dir):
+    """accumulate() per group then step() is the step train_batch() takes on the whole batch."""
+    whole = TorchTrainEngine(str(tiny_model_dir), CONFIG, temperature=1.0, rank=0, world_size=1)
+    pieces = TorchTrainEngine(str(tiny_model_dir), CONFIG, temperature=1.0, rank=0, world_size=1)
+    samples = make_samples()
+    a = whole.train_batch(samples)
+    for i in range(0, len(samples), 4):
+        piece = pieces.accumulate(samples[i : i + 4])
+        assert piece["samples"] == 4 and pieces.version == 0  # no optimizer step yet
+    b = pieces.step()
+    assert pieces.version == 1
+    for key in ("loss", "clip_frac", "logprob_diff", "grad_norm", "tokens", "samples"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5), key
+    for (name, p), (_, q) in zip(whole.model.named_parameters(), pieces.model.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-8, msg=name)
+        # Adam divides by sqrt(v): a near-zero gradient's rounding shows in its update, scaled by lr.
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-3 * CONFIG.lr, msg=name)
+    # The next batch starts from zero gradients, not from the pieces of the last one.
+    c, d = whole.train_batch(samples[:6]), pieces.train_batch(samples[:6])
+    assert d["grad_norm"] == pytest.approx(c["grad_norm"], rel=1e-4)

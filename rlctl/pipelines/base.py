@@ -33,17 +33,43 @@ class Pipeline:
     async def step(self, step: int) -> None:
         raise NotImplementedError
 
-    async def train(self, step: int, groups: list[Group]) -> None:
+    async def train(self, step: int, groups: list[Group], last_piece: list[Group] | None = None) -> None:
+        """One optimizer step on `groups`. The trainer is sent all of them, or only `last_piece`
+        when train_streamed() has already accumulated the rest there. train_start/train_end
+        bracket this call and list every group of the batch."""
         samples = [row for g in groups for row in g.train_samples()]
+        sent = samples if last_piece is None else [row for g in last_piece for row in g.train_samples()]
         batch = self.batches
         self.batches += 1
         self.emit("train_start", self.clock.now(), step=step, batch=batch, groups=[g.id for g in groups],
                   versions=sorted({s["weight_version"] for s in samples}),
                   staleness=[self.version - s["weight_version"] for s in samples])
-        stats = await self.trainer.train(samples)
+        stats = await self.trainer.train(sent)
         self.version = int(stats["version"])
         self.emit("train_end", self.clock.now(), step=step, batch=batch, groups=[g.id for g in groups],
                   **{k: v for k, v in stats.items() if k != "version"}, version=self.version)
+
+    async def train_streamed(self, step: int) -> None:
+        """One train batch built as its groups complete: whenever the trainer is free, every group
+        that is ready goes to it at once (forward and backward, gradients accumulated), and the
+        call that completes `groups_per_batch` groups takes the optimizer step. The trainer so
+        starts on the first complete group instead of waiting for a whole train batch; the step
+        itself is the one train() takes on the whole batch. Each earlier piece is recorded as
+        accumulate_start/accumulate_end (metrics count them as training time)."""
+        groups: list[Group] = []
+        while True:
+            piece = [await self.producer.get()]
+            piece += self.producer.take_ready(self.groups_per_batch - len(groups) - 1)
+            groups += piece
+            if len(groups) == self.groups_per_batch:
+                await self.train(step, groups, last_piece=piece)
+                return
+            ids = [g.id for g in piece]
+            self.emit("accumulate_start", self.clock.now(), step=step, batch=self.batches, groups=ids)
+            stats = await self.trainer.accumulate([row for g in piece for row in g.train_samples()])
+            self.emit("accumulate_end", self.clock.now(), step=step, batch=self.batches, groups=ids,
+                      tokens=sum(s.n_tokens for g in piece for s in g.samples),
+                      samples=sum(len(g.samples) for g in piece), seconds=stats.get("seconds", 0.0))
 
     async def sync_weights(self, step: int, pause_mode: str = "abort") -> None:
         self.emit("sync_start", self.clock.now(), step=step, version=self.version)

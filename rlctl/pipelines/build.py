@@ -45,5 +45,6 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
     if mode is PipelineMode.ASYNC:
         return AsyncPipeline(producer, trainer, admission=admission, max_staleness=p.max_staleness,
                              sync_every=p.sync_every, inflight_at_update=p.inflight_at_update, **common)
-    cls = SyncPipeline if mode is PipelineMode.SYNC else RolloutPipePipeline
-    return cls(producer, trainer, **common)
+    if mode is PipelineMode.SYNC:
+        return SyncPipeline(producer, trainer, **common)
+    return RolloutPipePipeline(producer, trainer, stream_train=p.stream_train, **common)

@@ -44,7 +44,11 @@ class Rollout(Protocol):
 
 
 class Trainer(Protocol):
-    async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]: ...
+    async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """Forward and backward on part of a train batch; no optimizer step."""
+
+    async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """One optimizer step on these samples plus all accumulated since the last step."""
 
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]: ...
 
@@ -326,6 +330,17 @@ class GroupProducer:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def take_ready(self, limit: int) -> list[Group]:
+        """Up to `limit` more complete trainable groups that are ready now, without waiting."""
+        out: list[Group] = []
+        while len(out) < limit and not self._ready.empty():
+            item = self._ready.get_nowait()
+            self._changed.set()
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item)
+        return out
 
     def drop_ready(self, reason: str) -> None:
         """Record the complete groups nobody will train (async, at the end of the run)."""

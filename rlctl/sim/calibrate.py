@@ -46,13 +46,27 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
         raise ValueError("the run has no completed groups to calibrate from")
     prompt_tokens = round(statistics.fmean(e.get("prompt_tokens", 0) for e in completed)) or 1
 
-    starts = {(e["step"], e["batch"]): e for e in events if e["event"] == "train_start"}
+    # One (tokens, seconds) point per trainer call. A streamed train batch is accumulate calls
+    # and a final call; train_end counts the whole batch, so the final call's share is the rest.
     xs, ys = [], []
-    for end in (e for e in events if e["event"] == "train_end"):
-        start = starts.get((end["step"], end["batch"]))
-        if start is not None:
-            xs.append(end["tokens"] + end["samples"] * prompt_tokens)
-            ys.append(end["t"] - start["t"])
+    pieces: dict[tuple[int, int], tuple[float, float]] = {}
+    open_calls: dict[tuple[str, int, int], dict] = {}
+    for e in sorted(events, key=lambda e: e["t"]):
+        if e["event"] in ("train_start", "accumulate_start"):
+            open_calls[(e["event"].split("_")[0], e["step"], e["batch"])] = e
+        elif e["event"] in ("train_end", "accumulate_end"):
+            what, key = e["event"].split("_")[0], (e["step"], e["batch"])
+            start = open_calls.pop((what, *key), None)
+            if start is None:
+                continue
+            tokens, samples = e["tokens"], e["samples"]
+            done_tokens, done_samples = pieces.get(key, (0.0, 0.0))
+            if what == "accumulate":
+                pieces[key] = (done_tokens + tokens, done_samples + samples)
+            else:
+                tokens, samples = tokens - done_tokens, samples - done_samples
+            xs.append(tokens + samples * prompt_tokens)
+            ys.append(e["t"] - start["t"])
     if statistics.pstdev(xs) < 0.1 * statistics.fmean(xs):
         # Every batch about the same size: overhead and per-token cost cannot be told apart, and
         # need not be for batches of that size; charge it all per token.

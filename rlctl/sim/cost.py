@@ -147,11 +147,13 @@ class CostModel:
         compute-bound (the attention term is small next to the matmuls at RL prompt lengths)."""
         return 2 * self.model.params * tokens / (self.hardware.bf16_flops * self.mfu_prefill * self.gpus_per_server)
 
-    def train_seconds(self, tokens: int) -> float:
-        """One optimizer step over `tokens` tokens: 6 FLOPs per parameter per token (2 forward,
-        4 backward), spread over the trainer GPUs, plus the fixed per-step overhead."""
+    def train_seconds(self, tokens: int, step: bool = True) -> float:
+        """Forward and backward over `tokens` tokens: 6 FLOPs per parameter per token (2 forward,
+        4 backward), spread over the trainer GPUs, plus the fixed per-step overhead when the call
+        ends in an optimizer step (step=False: one piece of a train batch that arrives in pieces)."""
         flops = 6 * self.model.params * tokens
-        return flops / (self.hardware.bf16_flops * self.mfu_train * self.trainer_gpus) + self.train_step_overhead_s
+        compute = flops / (self.hardware.bf16_flops * self.mfu_train * self.trainer_gpus)
+        return compute + (self.train_step_overhead_s if step else 0.0)
 
     def broadcast_seconds(self) -> float:
         """Pushing the new weights from the trainer to the rollout servers. A pipelined NCCL

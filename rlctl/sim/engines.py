@@ -42,15 +42,26 @@ class SimTrainer:
         self.cost = cost
         self.servers = servers
         self.version = 0
+        self.pending = {"tokens": 0.0, "samples": 0.0}
+
+    async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        return await self._compute(samples, step=False)
 
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        response = sum(s["response_tokens"] for s in samples)
-        seconds = self.cost.train_seconds(response + sum(len(s["prompt_ids"]) for s in samples))
-        await asyncio.sleep(seconds)
+        stats = await self._compute(samples, step=True)
         self.version += 1
+        stats.update(self.pending)  # the whole batch's counts, pieces included
+        self.pending = {"tokens": 0.0, "samples": 0.0}
+        return {**stats, "version": float(self.version)}
+
+    async def _compute(self, samples: list[dict[str, Any]], step: bool) -> dict[str, float]:
+        response = sum(s["response_tokens"] for s in samples)
+        seconds = self.cost.train_seconds(response + sum(len(s["prompt_ids"]) for s in samples), step=step)
+        await asyncio.sleep(seconds)
         # "tokens" means response tokens, as the real trainer reports it.
-        return {"version": float(self.version), "seconds": seconds, "tokens": float(response),
-                "samples": float(len(samples))}
+        self.pending["tokens"] += response
+        self.pending["samples"] += len(samples)
+        return {"seconds": seconds, "tokens": float(response), "samples": float(len(samples))}
 
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
         for s in self.servers:

@@ -61,14 +61,29 @@ def padded_batch(samples: list[TrainSample], pad_id: int):
     return ids, mask, old, adv, torch.tensor(lengths)
 
 
+def new_accumulator() -> dict[str, float]:
+    """Running sums over the accumulate() calls of one train batch, for step()'s statistics:
+    loss and kl are token sums; batch_tokens counts every rank's response tokens, tokens this rank's."""
+    keys = ("loss", "kl", "clip_tokens", "logprob_diff", "tokens", "batch_tokens", "samples", "micro_batches", "seconds")
+    return dict.fromkeys(keys, 0.0)
+
+
 class TrainEngine(Protocol):
     """One data-parallel rank of a trainer. Every rank gets every call, with the same arguments."""
 
     version: int
     """Weight version of the trainer's working copy: 0 at start, +1 per optimizer step."""
 
+    def accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
+        """Forward and backward on part of a train batch (this rank uses its share of the
+        samples), adding to the gradients; no optimizer step."""
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step on everything accumulated since the last step: the token-mean
+        gradient of that train batch, however it was split into accumulate() calls."""
+
     def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimizer step on one train batch (this rank uses its share of the samples)."""
+        """accumulate(samples) then step(): one optimizer step on one whole train batch."""
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full weights with Hugging Face names, in a fixed order (meaningful on rank 0)."""

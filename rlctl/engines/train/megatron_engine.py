@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss
-from rlctl.engines.train.base import TrainSample, padded_batch, split_by_tokens
+from rlctl.engines.train.base import TrainSample, new_accumulator, padded_batch, split_by_tokens
 from rlctl.engines.train.megatron_convert import Layout, gather, hf_to_mcore, mcore_to_hf, shard, tp_dim
 from rlctl.recipe import TrainConfig
 
@@ -41,7 +41,7 @@ class MegatronTrainEngine:
     def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
                  device: str = "cuda", init_method: str | None = None) -> None:
         from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -96,12 +96,16 @@ class MegatronTrainEngine:
                             params_dtype=self.dtype, use_distributed_optimizer=True, clip_grad=cfg.grad_clip,
                             adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8),
             [self.ddp])
-        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        # Gradients are reduced once per optimizer step, in step(), not at the end of every
+        # forward-backward call: a train batch may arrive in several accumulate() calls.
+        self.tconfig.finalize_model_grads_func = None
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
         self.pad_id = hf_cfg.pad_token_id or 0
         self.collective_export = self.tp_size > 1  # hf_weights() all-gathers over the TP group
         self.version = 0
+        self._acc = new_accumulator()
+        self.ddp.zero_grad_buffer()
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -162,51 +166,74 @@ class MegatronTrainEngine:
         return split_by_tokens(samples, self.cfg.micro_batch_tokens)
 
     def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
+        self.accumulate(samples)
+        return self.step()
+
+    def accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
+        """Forward and backward through Megatron's schedule on this DP rank's share of the samples.
+        The loss is the token sum; gradients stay in the DDP grad buffers until step(). A DP rank
+        with no share skips the call: without overlapped reduction, DP ranks do not talk in
+        backward, and TP peers hold the same share, so they skip together."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         start = time.monotonic()
-        total_tokens = sum(len(s.response_ids) for s in samples)
-        normalizer = total_tokens / self.dp_size  # Megatron's DDP averages over DP ranks, as torch's does
-        micro = self.micro_batches(samples[self.dp_rank :: self.dp_size]) or [[samples[0]]]
-        empty = not samples[self.dp_rank :: self.dp_size]
-        stats = {"loss": 0.0, "clip_tokens": 0.0, "logprob_diff": 0.0, "tokens": 0.0}
+        mine = samples[self.dp_rank :: self.dp_size]
+        micro = self.micro_batches(mine)
+        acc = self._acc
 
         def forward_step(data_iterator, model):
             ids, mask, old, adv = self._batch(next(data_iterator))
-            if empty:
-                mask = mask * 0  # a DP rank with no samples still joins the gradient reduction
             lp = self._token_logprobs(ids)
 
             def loss_func(_output):
-                loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, normalizer)
+                loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, 1.0)
                 n = float(mask.sum())
-                stats["loss"] += float(loss.detach()) / self.dp_size
-                stats["clip_tokens"] += pstats["clip_frac"] * n
-                stats["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
-                stats["tokens"] += n
-                # The schedule divides by the number of micro-batches; the loss is already a sum
-                # over the batch's tokens divided by the normalizer.
+                acc["loss"] += float(loss.detach())
+                acc["clip_tokens"] += pstats["clip_frac"] * n
+                acc["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
+                acc["tokens"] += n
+                # The schedule divides by the number of micro-batches; undo it, the loss is a sum.
                 return loss * len(micro), {"loss": loss.detach()}
 
             return lp, loss_func
 
+        if micro:
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
+                num_microbatches=len(micro), seq_length=max(len(s.prompt_ids) + len(s.response_ids) for s in mine),
+                micro_batch_size=max(len(m) for m in micro), forward_only=False)
+        seconds = time.monotonic() - start
+        acc["batch_tokens"] += sum(len(s.response_ids) for s in samples)
+        acc["samples"] += len(samples)
+        acc["micro_batches"] += len(micro)
+        acc["seconds"] += seconds
+        return {"seconds": seconds, "samples": float(len(samples)), "micro_batches": float(len(micro))}
+
+    def step(self) -> dict[str, float]:
+        """Reduce the accumulated gradients over DP ranks (Megatron's finalize: reduce-scatter for
+        the distributed optimizer, scaled by 1/dp), rescale them to the token mean of the whole
+        batch, and take the optimizer step."""
+        from megatron.core.distributed import finalize_model_grads
+
+        start = time.monotonic()
+        acc, self._acc = self._acc, new_accumulator()
+        total_tokens = max(acc["batch_tokens"], 1.0)
+        finalize_model_grads([self.ddp])
+        self.ddp.scale_gradients(self.dp_size / total_tokens)
+        ok, grad_norm, _ = self.optimizer.step()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
-            num_microbatches=len(micro), seq_length=max(len(s.prompt_ids) + len(s.response_ids) for s in samples),
-            micro_batch_size=max(len(m) for m in micro), forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
         self.version += 1
-        packed = torch.tensor([stats["loss"], stats["clip_tokens"], stats["logprob_diff"], stats["tokens"]], device="cuda")
+        packed = torch.tensor([acc["loss"], acc["clip_tokens"], acc["logprob_diff"], acc["tokens"]], device="cuda")
         if self.dp_size > 1:
             from megatron.core import parallel_state
 
             dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
         loss, clip_tokens, diff, tokens = packed.tolist()
         return {
-            "loss": loss, "kl": 0.0, "clip_frac": clip_tokens / max(tokens, 1.0), "logprob_diff": diff / max(tokens, 1.0),
-            "grad_norm": float(grad_norm or 0.0), "tokens": float(total_tokens), "samples": float(len(samples)),
-            "micro_batches": float(len(micro)), "seconds": time.monotonic() - start, "version": float(self.version),
+            "loss": loss / total_tokens, "kl": 0.0, "clip_frac": clip_tokens / max(tokens, 1.0),
+            "logprob_diff": diff / max(tokens, 1.0), "grad_norm": float(grad_norm or 0.0), "tokens": acc["batch_tokens"],
+            "samples": acc["samples"], "micro_batches": acc["micro_batches"],
+            "seconds": acc["seconds"] + time.monotonic() - start, "version": float(self.version),
             "update_ok": float(bool(ok)),
         }

@@ -1,6 +1,8 @@
 """The trainer as a service: rank 0 answers the controller over HTTP and leads the other ranks.
 
-    POST /train          {"samples": [...]}   one optimizer step on one train batch
+    POST /accumulate     {"samples": [...]}   forward and backward on part of a train batch
+    POST /train          {"samples": [...]}   these samples plus all accumulated since the last
+                                              step: one optimizer step on that train batch
     POST /init_weight_sync {servers, master_address, master_port, backend, bucket_mb}
     POST /sync_weights   {"version": "3"}     broadcast the working copy to every rollout server
     GET  /health, /info, /weight_checksums;  POST /shutdown
@@ -38,6 +40,8 @@ def follower_loop(engine: TrainEngine) -> None:
             return
         if command == "train":
             engine.train_batch(payload)
+        elif command == "accumulate":
+            engine.accumulate(payload)
         elif command == "weights":
             list(engine.hf_weights())  # take part in the all-gathers that rebuild full tensors
 
@@ -57,6 +61,11 @@ class TrainerService:
         if self.world_size > 1:
             dist.broadcast_object_list([("train", samples)], src=0)
         return self.engine.train_batch(samples)
+
+    def _accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
+        if self.world_size > 1:
+            dist.broadcast_object_list([("accumulate", samples)], src=0)
+        return self.engine.accumulate(samples)
 
     def _weights(self) -> list:
         """Full HF-named weights. An engine whose weights are sharded across ranks (Megatron with
@@ -81,6 +90,11 @@ class TrainerService:
         samples = [TrainSample.from_json(s) for s in body["samples"]]
         stats = await self._run(self._train, samples)
         return web.json_response(stats)
+
+    async def accumulate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        samples = [TrainSample.from_json(s) for s in body["samples"]]
+        return web.json_response(await self._run(self._accumulate, samples))
 
     async def init_weight_sync(self, request: web.Request) -> web.Response:
         import aiohttp
@@ -131,6 +145,7 @@ class TrainerService:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.info)
+        app.router.add_post("/accumulate", self.accumulate)
         app.router.add_post("/train", self.train)
         app.router.add_post("/init_weight_sync", self.init_weight_sync)
         app.router.add_post("/sync_weights", self.sync_weights)

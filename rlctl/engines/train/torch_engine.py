@@ -1,13 +1,15 @@
 """`train.engine: torch`: a transformers causal LM trained with GRPO, data parallel over ranks.
 
-Each rank holds the whole model (DDP over gloo on CPU, NCCL on GPUs). A train batch is split
-across ranks sample by sample; every rank normalizes its loss by the token count of the whole
-train batch, so the averaged gradient is the token-mean gradient of the batch whatever the split.
+Each rank holds the whole model. A train batch may arrive in pieces (rolloutpipe streams each
+complete group to the trainer as it is ready): accumulate() runs forward and backward on a
+piece, this rank taking every world_size-th sample, with the loss summed over tokens; step()
+sums the gradients over ranks in one all-reduce (gloo on CPU, NCCL on GPUs), divides them by
+the whole batch's response-token count and takes the optimizer step. However the batch was cut
+into pieces and ranks, the step is the token-mean GRPO step of the batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from collections.abc import Iterable
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss, k3_kl, token_logprobs
-from rlctl.engines.train.base import TrainSample, padded_batch, split_by_tokens
+from rlctl.engines.train.base import TrainSample, new_accumulator, padded_batch, split_by_tokens
 from rlctl.recipe import TrainConfig
 
 
@@ -35,15 +37,9 @@ class TorchTrainEngine:
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.pad_id = self.model.config.pad_token_id or 0
-        self.ddp = None
-        if world_size > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0
-
-    def _forward_model(self):
-        return self.ddp if self.ddp is not None else self.model
+        self._acc = new_accumulator()
 
     def _batch_tensors(self, samples: list[TrainSample]):
         """Right-padded ids, attention mask, response mask, behaviour logprobs, advantages."""
@@ -66,50 +62,77 @@ class TorchTrainEngine:
         return split_by_tokens(samples, self.cfg.micro_batch_tokens)
 
     def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step on one train batch: accumulate() then step()."""
+        self.accumulate(samples)
+        return self.step()
+
+    def accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
+        """Forward and backward on these samples (this rank's share), adding to the gradients of
+        the train batch being built. The loss is summed over tokens here; step() divides the
+        gradients by the train batch's token count, which is only known once it is complete, so
+        a batch built from several calls takes exactly the step one call would."""
         start = time.monotonic()
-        total_tokens = sum(len(s.response_ids) for s in samples)
-        # DDP averages gradients over ranks; scale back up so the result is the batch's token mean.
-        normalizer = total_tokens / self.world_size
         micro = self.micro_batches(samples[self.rank :: self.world_size])
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "clip_tokens": 0.0, "kl": 0.0, "logprob_diff": 0.0, "tokens": 0.0}
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            # Gradients are all-reduced once, after the last micro-batch.
-            sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
-            with sync:
-                ids, attn, mask, old, adv = self._batch_tensors(mb)
-                logits = self._forward_model()(input_ids=ids, attention_mask=attn).logits[:, :-1]
-                lp = token_logprobs(logits, ids[:, 1:], self.temperature)
-                loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, normalizer)
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-                        ref_lp = token_logprobs(ref_logits, ids[:, 1:], self.temperature)
-                    kl = (k3_kl(lp, ref_lp) * mask).sum() / normalizer
-                    loss = loss + self.cfg.kl_coef * kl
-                    sums["kl"] += kl.item() / self.world_size
-                loss.backward()
+        acc = self._acc
+        if not acc["samples"]:  # the first piece of a new train batch (the last step's grads stay readable until now)
+            self.optimizer.zero_grad(set_to_none=True)
+        for mb in micro:
+            ids, attn, mask, old, adv = self._batch_tensors(mb)
+            logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            lp = token_logprobs(logits, ids[:, 1:], self.temperature)
+            loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, 1.0)
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                    ref_lp = token_logprobs(ref_logits, ids[:, 1:], self.temperature)
+                kl = (k3_kl(lp, ref_lp) * mask).sum()
+                loss = loss + self.cfg.kl_coef * kl
+                acc["kl"] += kl.item()
+            loss.backward()
             n = float(mask.sum())
-            sums["loss"] += loss.item() / self.world_size  # per-rank share; the all-reduce sums them
-            sums["clip_tokens"] += pstats["clip_frac"] * n
-            sums["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
-            sums["tokens"] += n
-        if not micro and self.ddp is not None:
-            # A rank with no samples must still join DDP's gradient all-reduce.
-            (sum(p.sum() for p in self.model.parameters()) * 0.0).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            acc["loss"] += loss.item()
+            acc["clip_tokens"] += pstats["clip_frac"] * n
+            acc["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
+            acc["tokens"] += n
+        seconds = time.monotonic() - start
+        acc["batch_tokens"] += sum(len(s.response_ids) for s in samples)
+        acc["samples"] += len(samples)
+        acc["micro_batches"] += len(micro)
+        acc["seconds"] += seconds
+        return {"seconds": seconds, "samples": float(len(samples)), "micro_batches": float(len(micro))}
+
+    def step(self) -> dict[str, float]:
+        """The optimizer step over everything accumulated since the last one: gradients summed
+        over ranks (one all-reduce) and divided by the batch's response tokens (a token mean)."""
+        start = time.monotonic()
+        acc, self._acc = self._acc, new_accumulator()
+        if not acc["samples"]:
+            self.optimizer.zero_grad(set_to_none=True)  # nothing accumulated: no stale gradients
+        params = list(self.model.parameters())
+        if self.world_size > 1:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        total_tokens = max(acc["batch_tokens"], 1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(total_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         self.optimizer.step()
         self.version += 1
-        packed = torch.tensor([sums["loss"], sums["kl"], sums["clip_tokens"], sums["logprob_diff"], sums["tokens"]],
+        packed = torch.tensor([acc["loss"], acc["kl"], acc["clip_tokens"], acc["logprob_diff"], acc["tokens"]],
                               device=self.device)
         if self.world_size > 1:
             dist.all_reduce(packed)
         loss, kl, clip_tokens, diff, tokens = packed.tolist()
         return {
-            "loss": loss, "kl": kl, "clip_frac": clip_tokens / max(tokens, 1.0), "logprob_diff": diff / max(tokens, 1.0),
-            "grad_norm": float(grad_norm), "tokens": float(total_tokens), "samples": float(len(samples)),
-            "micro_batches": float(len(micro)), "seconds": time.monotonic() - start, "version": float(self.version),
+            "loss": loss / total_tokens, "kl": kl / total_tokens, "clip_frac": clip_tokens / max(tokens, 1.0),
+            "logprob_diff": diff / max(tokens, 1.0), "grad_norm": float(grad_norm), "tokens": acc["batch_tokens"],
+            "samples": acc["samples"], "micro_batches": acc["micro_batches"],
+            "seconds": acc["seconds"] + time.monotonic() - start, "version": float(self.version),
         }
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
