@@ -61,6 +61,9 @@ class CheckedTrainer:
     def __init__(self, trainer: TrainerClient, clients: list[RolloutClient], emit, clock) -> None:
         self.trainer, self.clients, self.emit, self.clock = trainer, clients, emit, clock
 
+    async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        return await self.trainer.accumulate(samples)
+
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self.trainer.train(samples)
 

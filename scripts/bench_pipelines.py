@@ -6,8 +6,9 @@ interleaved, and compared in one table with ratios to sync.
     python scripts/bench_pipelines.py --sweep [KEY=VALUE ...]
 
 --sweep runs 12 settings (group size x rollout batch x length cap) of rolloutpipe (frontier)
-against sync in `rlctl simulate` (recipes/sim-1024gpu.yaml, scaled down to 64 rollout + 16 trainer GPUs unless
-overridden) and prints each setting's train/rollout time ratio and both reductions.
+against sync in `rlctl simulate` (recipes/sim-1024gpu.yaml on two cluster splits, 64 rollout + 16
+trainer GPUs and 4 + 2; see SPLITS) and prints each setting's train/rollout time ratio and both
+reductions.
 --sweep --real runs 12 smaller settings for real on this machine (bench-longtail.yaml, 3 steps each).
 
 Each round runs every mode once with the same recipe and seed (rounds use seeds 0, 1, ...), so
@@ -73,10 +74,10 @@ SWEEP_KEYS = ("rollout_to_train_end", "trainer_wait_ratio", "train_time", "rollo
 PAIR = (("sync", MODES[0][1]), ("pipe", MODES[1][1]))  # sync vs rolloutpipe (frontier)
 
 
-def print_sweep(settings, measure, paper_note: str = "") -> None:
+def print_sweep(settings, measure) -> list[tuple[float, float]]:
     """One row per (G, B, cap): train/rollout time ratio and rolloutpipe's change of
     rollout-to-train-end and waiting ratio against sync; then the ranges. `measure(g, b, cap,
-    mode_overrides)` returns that mode's per-step metrics."""
+    mode_overrides)` returns that mode's per-step metrics. Returns the (r2t, wait) changes."""
     print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/rollout':>14} {'r2t sync s':>11} {'r2t pipe s':>11} "
           f"{'r2t change':>11} {'wait sync':>10} {'wait pipe':>10} {'wait change':>12} {'wall s':>7}", flush=True)
     changes = []
@@ -91,9 +92,21 @@ def print_sweep(settings, measure, paper_note: str = "") -> None:
         print(f"{g:3d} {b:5d} {cap:6d} {s['train_time'] / s['rollout_time']:14.2f} {s['rollout_to_train_end']:11.2f} "
               f"{p['rollout_to_train_end']:11.2f} {r2t:11.1%} {s['trainer_wait_ratio']:10.2f} "
               f"{p['trainer_wait_ratio']:10.2f} {wait:12.1%} {time.monotonic() - start:7.2f}", flush=True)
-    print(f"range: rollout-to-train-end {min(c[0] for c in changes):.1%} .. {max(c[0] for c in changes):.1%}, "
+    print_range(changes)
+    return changes
+
+
+def print_range(changes: list[tuple[float, float]], label: str = "range") -> None:
+    print(f"{label}: rollout-to-train-end {min(c[0] for c in changes):.1%} .. {max(c[0] for c in changes):.1%}, "
           f"trainer waiting ratio {min(c[1] for c in changes):.1%} .. {max(c[1] for c in changes):.1%} "
-          "(RolloutPipe paper, against Slime: -30.7..-42.3% and -37..-76%)")
+          "(RolloutPipe paper, against Slime: -30.7..-42.3% and -37..-76%)", flush=True)
+
+
+# Cluster splits (rollout GPUs, trainer GPUs) the simulated sweep runs. How much pipelining
+# gains depends on how many waves of requests a server runs per step: on 64 rollout GPUs most
+# settings are one wave (every sample starts at once, and the groups with a long sample all
+# complete at the end); on 4, a rollout batch is 4-16 waves and complete groups arrive steadily.
+SPLITS = [(64, 16), (4, 2)]
 
 
 def sweep(overrides: list[str]) -> None:
@@ -101,15 +114,20 @@ def sweep(overrides: list[str]) -> None:
     from rlctl.commands.simulate import simulate_run
     from rlctl.recipe import load_recipe
 
-    base = ["run.steps=2", "sim.rollout_gpus=64", "sim.trainer_gpus=16", *overrides]
+    every = []
+    for rollout_gpus, trainer_gpus in SPLITS:
+        base = ["run.steps=2", f"sim.rollout_gpus={rollout_gpus}", f"sim.trainer_gpus={trainer_gpus}", *overrides]
+        print(f"\n{rollout_gpus} rollout + {trainer_gpus} trainer GPUs ({' '.join(base)})", flush=True)
 
-    def measure(g, b, cap, mode_overrides):
-        setting = [f"rollout.group_size={g}", f"rollout.batch_size={b}", f"train.groups_per_batch={b // 8}",
-                   f"rollout.sampling.max_new_tokens={cap}"]
-        recipe = load_recipe(REPO / "recipes" / "sim-1024gpu.yaml", [*base, *setting, *mode_overrides], check_paths=False)
-        return simulate_run(recipe)[1]
+        def measure(g, b, cap, mode_overrides, base=base):
+            setting = [f"rollout.group_size={g}", f"rollout.batch_size={b}", f"train.groups_per_batch={b // 8}",
+                       f"rollout.sampling.max_new_tokens={cap}"]
+            recipe = load_recipe(REPO / "recipes" / "sim-1024gpu.yaml", [*base, *setting, *mode_overrides],
+                                 check_paths=False)
+            return simulate_run(recipe)[1]
 
-    print_sweep(SWEEP, measure)
+        every += print_sweep(SWEEP, measure)
+    print_range(every, "\nrange over both splits")
 
 
 REAL_SWEEP = [(g, b, cap) for g in (4, 8) for b in (16, 32) for cap in (64, 128, 256)]

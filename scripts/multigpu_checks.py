@@ -6,10 +6,12 @@
 1. broadcast: a Qwen3-1.7B-shaped bf16 model sent by rlctl's WeightSender (HTTP announce + NCCL
    buckets) from GPU 0 to a built-in rollout server on each other GPU, for 3 bucket sizes, next to
    a plain NCCL broadcast of the same bytes from GPU 0 to the same GPUs, measured in the same run.
-2. pipelines: scripts/bench_pipelines.py on the long-tail GPU workload with the trainer on GPU 0
+2. pipelines: scripts/bench_pipelines.py on the long-tail GPU workload (16 groups per step, to fit
+   one device call) with the trainer on GPU 0
    and built-in servers on the other GPUs, weight sync over NCCL: sync vs rolloutpipe.
-3. megatron-tp2 (4+ GPUs): Megatron with TP=2 on GPUs 0-1, two servers on GPUs 2-3, NCCL sync,
-   pipeline.check_weights=true (each server's tensors hash like the trainer's after every sync).
+3. megatron-tp2: Megatron with TP=2 on GPUs 0-1, two servers on GPUs 2-3 (one server on GPU 1 when
+   the host has 2 GPUs), NCCL sync, pipeline.check_weights=true (each server's tensors hash like
+   the trainer's after every sync).
 `--cpu` runs check 1 on CPU with gloo and a tiny model: a smoke test of this script.
 Prints one line per check and writes OUT_DIR/multigpu_checks.json.
 """
@@ -131,7 +133,7 @@ def check_pipelines(out: Path) -> None:
     servers = list(range(1, n))
     cmd = [sys.executable, str(REPO / "scripts" / "bench_pipelines.py"), "--recipe", str(REPO / "recipes" / "bench-longtail-gpu.yaml"),
            "--modes", "sync,rolloutpipe-frontier,rolloutpipe-fifo", "--json", str(out / "pipelines.json"),
-           "train.gpus=[0]", f"rollout.gpus={servers}", f"rollout.servers={len(servers)}", "train.sync_backend=nccl"]
+           "rollout.batch_size=16", "train.gpus=[0]", f"rollout.gpus={servers}", f"rollout.servers={len(servers)}", "train.sync_backend=nccl"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1500)
     print(res.stdout, flush=True)
     ok = res.returncode == 0
@@ -140,20 +142,21 @@ def check_pipelines(out: Path) -> None:
 
 
 def check_megatron_tp2(out: Path) -> None:
-    if torch.cuda.device_count() < 4:
-        report("megatron TP=2 + 2 servers", None, skipped="needs 4 GPUs")
-        return
+    # With 4+ GPUs the servers get their own; with 2 one server shares GPU 1 with trainer rank 1
+    # (every NCCL group still has one rank per GPU: TP over 0-1, weight sync over 0 and 1).
+    servers = [2, 3] if torch.cuda.device_count() >= 4 else [1]
     runs = out / "runs-tp2"
     cmd = [sys.executable, "-m", "rlctl", "launch", str(REPO / "recipes" / "quickstart.yaml"), "run.steps=6",
            "train.engine=megatron", "train.device=cuda", "rollout.device=cuda", "train.ranks=2", "train.megatron.tp=2",
-           "train.megatron.dtype=float32", "train.gpus=[0,1]", "rollout.gpus=[2,3]", "train.sync_backend=nccl",
+           "train.megatron.dtype=float32", "train.gpus=[0,1]", f"rollout.gpus={servers}", f"rollout.servers={len(servers)}",
+           "train.sync_backend=nccl",
            "pipeline.check_weights=true", f"run.output_dir={runs}"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
     checked = 0
     if res.returncode == 0:
         events = [json.loads(x) for x in next(runs.iterdir()).joinpath("events.jsonl").read_text().splitlines()]
         checked = sum(e["event"] == "weights_checked" for e in events)
-    report("megatron TP=2 on GPUs 0-1, servers on 2-3, weights equal after every sync", res.returncode == 0 and checked == 6,
+    report(f"megatron TP=2 on GPUs 0-1, servers on GPUs {servers}, weights equal after every sync", res.returncode == 0 and checked == 6,
            syncs_checked=checked, error=res.stderr.strip().splitlines()[-1][:300] if res.returncode else "-")
 
 

@@ -78,11 +78,15 @@ def test_sync_invariant_every_trained_sample_has_the_step_version(tmp_path):
 
 
 def test_two_trainer_ranks_and_checked_weights(tmp_path):
-    # check_weights: after every sync each server's tensors must hash like the trainer's
-    res = launch(tmp_path, "train.ranks=2", "pipeline.check_weights=true")
+    # check_weights: after every sync each server's tensors must hash like the trainer's. In
+    # rolloutpipe the batches arrive in pieces, which rank 1 must follow (accumulate, then train).
+    res = launch(tmp_path, "train.ranks=2", "pipeline.check_weights=true", "pipeline.mode=rolloutpipe",
+                 "pipeline.admission=frontier", "rollout.concurrency=4")
     assert res.returncode == 0, res.stderr
-    checked = [e for e in only_run(tmp_path).events() if e["event"] == "weights_checked"]
+    events = only_run(tmp_path).events()
+    checked = [e for e in events if e["event"] == "weights_checked"]
     assert len(checked) == 3 and all(e["servers"] == 2 and e["tensors"] > 10 for e in checked)
+    assert any(e["event"] == "accumulate_end" for e in events)
     info = only_run(tmp_path).read()
     assert {"trainer-0", "trainer-1"} <= set(info["processes"])
     assert "trainer rank 1/2 ready" in (only_run(tmp_path).log_path("trainer-1").read_text())
