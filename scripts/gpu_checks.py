@@ -232,6 +232,21 @@ def check_broadcast(work: Path) -> None:
         server.wait()
 
 
+def run_checks(steps: dict, names: list[str], out_file: Path) -> None:
+    """Run the named checks (a crash is reported as a failed check, not hiding the others),
+    write RESULTS to out_file, and exit 1 if any check failed."""
+    for name in names:
+        try:
+            steps[name]()
+        except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            report(f"{name} (crashed)", False, error=f"{type(e).__name__}: {e}"[:300])
+    out_file.write_text(json.dumps(RESULTS, indent=2))
+    sys.exit(0 if all(r["ok"] is not False for r in RESULTS.values()) else 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-checks-out")))
@@ -243,16 +258,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
     steps = {"engines": lambda: check_engines(work), "run": lambda: check_local_run(a.out),
              "broadcast": lambda: check_broadcast(work)}
-    for name in a.only.split(","):
-        try:
-            steps[name]()
-        except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
-            import traceback
-
-            traceback.print_exc()
-            report(f"{name} (crashed)", False, error=f"{type(e).__name__}: {e}"[:300])
-    (a.out / "gpu_checks.json").write_text(json.dumps(RESULTS, indent=2))
-    sys.exit(0 if all(r["ok"] is not False for r in RESULTS.values()) else 1)
+    run_checks(steps, a.only.split(","), a.out / "gpu_checks.json")
 
 
 if __name__ == "__main__":

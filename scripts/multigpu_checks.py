@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpu_checks import REPO, RESULTS, build_model, free_port, report  # noqa: E402  (beside this script)
+from gpu_checks import REPO, build_model, free_port, report, run_checks  # noqa: E402  (beside this script)
 
 
 def _plain_receiver(rank: int, world: int, port: int, nbytes: int, device: str, backend: str, reps: int) -> None:
@@ -173,16 +173,7 @@ def main() -> None:
         raise SystemExit(f"needs 2+ GPUs, this host has {torch.cuda.device_count()} (--cpu for a smoke test)")
     steps = {"broadcast": lambda: check_broadcast(work, a.cpu), "pipelines": lambda: check_pipelines(a.out),
              "megatron-tp2": lambda: check_megatron_tp2(a.out)}
-    for name in (["broadcast"] if a.cpu else a.only.split(",")):
-        try:
-            steps[name]()
-        except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
-            import traceback
-
-            traceback.print_exc()
-            report(f"{name} (crashed)", False, error=f"{type(e).__name__}: {e}"[:300])
-    (a.out / "multigpu_checks.json").write_text(json.dumps(RESULTS, indent=2))
-    sys.exit(0 if all(r["ok"] is not False for r in RESULTS.values()) else 1)
+    run_checks(steps, ["broadcast"] if a.cpu else a.only.split(","), a.out / "multigpu_checks.json")
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ class RolloutPipePipeline(Pipeline):
                     await self.train_streamed(step)
                 else:
                     await self.train(step, [await self.producer.get() for _ in range(self.groups_per_batch)])
-        finally:
-            if not producing.done():
-                producing.cancel()
+        except BaseException:
+            producing.cancel()
             await asyncio.gather(producing, return_exceptions=True)
-        producing.result()
+            raise
+        # Every train batch is full, so the producer is ending by itself: it aborts the groups
+        # still open (over-provisioning). Cancelling it here could cut those aborts short.
+        await producing
         await self.sync_weights(step)

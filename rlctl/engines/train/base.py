@@ -68,6 +68,34 @@ def new_accumulator() -> dict[str, float]:
     return dict.fromkeys(keys, 0.0)
 
 
+class PieceTraining:
+    """What both engines share about a train batch that arrives in pieces: micro-batching, the
+    running sums of new_accumulator() in self._acc, and train_batch() as accumulate() + step()."""
+
+    cfg: Any
+    _acc: dict[str, float]
+
+    def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
+        return split_by_tokens(samples, self.cfg.micro_batch_tokens)
+
+    def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step on one whole train batch: accumulate() then step()."""
+        self.accumulate(samples)
+        return self.step()
+
+    def _piece_done(self, samples: list[TrainSample], micro: list[list[TrainSample]], start: float) -> dict[str, float]:
+        """Count one accumulate() call (all ranks' samples, this rank's micro-batches) in self._acc."""
+        import time
+
+        seconds = time.monotonic() - start
+        acc = self._acc
+        acc["batch_tokens"] += sum(len(s.response_ids) for s in samples)
+        acc["samples"] += len(samples)
+        acc["micro_batches"] += len(micro)
+        acc["seconds"] += seconds
+        return {"seconds": seconds, "samples": float(len(samples)), "micro_batches": float(len(micro))}
+
+
 class TrainEngine(Protocol):
     """One data-parallel rank of a trainer. Every rank gets every call, with the same arguments."""
 

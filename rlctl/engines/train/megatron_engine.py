@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss
-from rlctl.engines.train.base import TrainSample, new_accumulator, padded_batch, split_by_tokens
+from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.engines.train.megatron_convert import Layout, gather, hf_to_mcore, mcore_to_hf, shard, tp_dim
 from rlctl.recipe import TrainConfig
 
@@ -37,7 +37,7 @@ def load_hf_state(model_path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-class MegatronTrainEngine:
+class MegatronTrainEngine(PieceTraining):
     def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
                  device: str = "cuda", init_method: str | None = None) -> None:
         from megatron.core import parallel_state, tensor_parallel
@@ -162,13 +162,6 @@ class MegatronTrainEngine:
         return [lp[i, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.response_ids)].tolist()
                 for i, s in enumerate(samples)]
 
-    def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
-        return split_by_tokens(samples, self.cfg.micro_batch_tokens)
-
-    def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
-        self.accumulate(samples)
-        return self.step()
-
     def accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
         """Forward and backward through Megatron's schedule on this DP rank's share of the samples.
         The loss is the token sum; gradients stay in the DDP grad buffers until step(). A DP rank
@@ -202,12 +195,7 @@ class MegatronTrainEngine:
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
                 num_microbatches=len(micro), seq_length=max(len(s.prompt_ids) + len(s.response_ids) for s in mine),
                 micro_batch_size=max(len(m) for m in micro), forward_only=False)
-        seconds = time.monotonic() - start
-        acc["batch_tokens"] += sum(len(s.response_ids) for s in samples)
-        acc["samples"] += len(samples)
-        acc["micro_batches"] += len(micro)
-        acc["seconds"] += seconds
-        return {"seconds": seconds, "samples": float(len(samples)), "micro_batches": float(len(micro))}
+        return self._piece_done(samples, micro, start)
 
     def step(self) -> dict[str, float]:
         """Reduce the accumulated gradients over DP ranks (Megatron's finalize: reduce-scatter for

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss, k3_kl, token_logprobs
-from rlctl.engines.train.base import TrainSample, new_accumulator, padded_batch, split_by_tokens
+from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.recipe import TrainConfig
 
 
-class TorchTrainEngine:
+class TorchTrainEngine(PieceTraining):
     def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
                  device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
@@ -58,14 +58,6 @@ class TorchTrainEngine:
             out.append(lp[i, start : start + len(s.response_ids)].tolist())
         return out
 
-    def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
-        return split_by_tokens(samples, self.cfg.micro_batch_tokens)
-
-    def train_batch(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimizer step on one train batch: accumulate() then step()."""
-        self.accumulate(samples)
-        return self.step()
-
     def accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
         """Forward and backward on these samples (this rank's share), adding to the gradients of
         the train batch being built. The loss is summed over tokens here; step() divides the
@@ -94,12 +86,7 @@ class TorchTrainEngine:
             acc["clip_tokens"] += pstats["clip_frac"] * n
             acc["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
             acc["tokens"] += n
-        seconds = time.monotonic() - start
-        acc["batch_tokens"] += sum(len(s.response_ids) for s in samples)
-        acc["samples"] += len(samples)
-        acc["micro_batches"] += len(micro)
-        acc["seconds"] += seconds
-        return {"seconds": seconds, "samples": float(len(samples)), "micro_batches": float(len(micro))}
+        return self._piece_done(samples, micro, start)
 
     def step(self) -> dict[str, float]:
         """The optimizer step over everything accumulated since the last one: gradients summed
