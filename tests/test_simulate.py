@@ -66,9 +66,11 @@ def test_every_group_accounted_for(admission):
     assert admitted == set(trained) | dropped and not set(trained) & dropped
 
 
-def test_calibration_recovers_the_knobs_that_made_the_events(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["sync", "rolloutpipe"])
+def test_calibration_recovers_the_knobs_that_made_the_events(tiny_model_dir, mode):
     """Events from a simulation with known costs -> calibrate -> the same costs come back, and the
-    calibrated model predicts a run with twice the batch."""
+    calibrated model predicts a run with twice the batch. In rolloutpipe a train batch reaches
+    the trainer in several calls (streamed groups), each a data point of its own."""
     import json as _json
 
     from rlctl.sim.calibrate import calibrate, model_parameters
@@ -78,17 +80,20 @@ def test_calibration_recovers_the_knobs_that_made_the_events(tiny_model_dir):
              "sim.trainer_gpus=1", "sim.prompt_tokens=12", "sim.context_tokens=16",
              f"sim.layers={config['num_hidden_layers']}", f"sim.kv_dim={config['num_key_value_heads'] * config['head_dim']}",
              "sim.decode_step_overhead_s=0.01", "sim.mfu_train=0.3", "rollout.sampling.max_new_tokens=4"]
+    pipeline = [f"pipeline.mode={mode}", "pipeline.admission=frontier", "rollout.concurrency=4"]
     quick = REPO / "recipes" / "quickstart.yaml"
-    recipe = load_recipe(quick, ["run.steps=3", *truth], check_paths=False)
+    recipe = load_recipe(quick, ["run.steps=3", *truth, *pipeline], check_paths=False)
     events, measured, _ = simulate_run(recipe)
+    if mode == "rolloutpipe":
+        assert any(e["event"] == "accumulate_end" for e in events)
     knobs = calibrate(events, str(tiny_model_dir), servers=2, trainer_ranks=1, long_tail=False)
     assert knobs["sim.decode_step_overhead_s"] == pytest.approx(0.01, rel=0.1)
     assert knobs["sim.mfu_train"] == pytest.approx(0.3, rel=0.1)
     assert knobs["rollout.sampling.max_new_tokens"] == 4
 
     fitted = [f"{k}={v}" for k, v in knobs.items()]
-    big_truth = load_recipe(quick, ["run.steps=3", *truth, "rollout.batch_size=64"], check_paths=False)
-    big_pred = load_recipe(quick, ["run.steps=3", *fitted, "rollout.batch_size=64"], check_paths=False)
+    big_truth = load_recipe(quick, ["run.steps=3", *truth, *pipeline, "rollout.batch_size=64"], check_paths=False)
+    big_pred = load_recipe(quick, ["run.steps=3", *fitted, *pipeline, "rollout.batch_size=64"], check_paths=False)
     want = [m["step_time"] for m in simulate_run(big_truth)[1]]
     got = [m["step_time"] for m in simulate_run(big_pred)[1]]
     assert got == pytest.approx(want, rel=0.05)
