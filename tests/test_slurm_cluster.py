@@ -62,7 +62,9 @@ def status_json(tmp_path: Path, run_id: str) -> dict:
 
 
 def test_run_spans_three_nodes_and_learns(tmp_path):
-    rd = launch(tmp_path, "run.steps=12", detach=False)
+    # 20 steps: the quickstart's reward barely moves in its first dozen steps (about 0.25 to 0.3,
+    # within step-to-step noise) and climbs after that.
+    rd = launch(tmp_path, "run.steps=20", detach=False)
     info = rd.read()
     assert info["state"] == "completed", info.get("exit_reason")
     hosts = {role: p["host"] for role, p in info["processes"].items()}
@@ -76,14 +78,14 @@ def test_run_spans_three_nodes_and_learns(tmp_path):
     # Weights crossed hosts after every step: the servers generated step k with the version the
     # trainer had after all optimizer steps before it.
     metrics = rd.metrics()
-    assert len(metrics) == 12
-    optimizer_steps = [sum(m["train_batches"] for m in metrics[:k]) for k in range(12)]
+    assert len(metrics) == 20
+    optimizer_steps = [sum(m["train_batches"] for m in metrics[:k]) for k in range(20)]
     assert [m["weight_version_min"] for m in metrics] == optimizer_steps
     assert [m["weight_version_max"] for m in metrics] == optimizer_steps
     assert all(m["sync_bytes"] > 0 for m in metrics)
-    first = sum(m["reward_mean"] for m in metrics[:3]) / 3
-    last = sum(m["reward_mean"] for m in metrics[-3:]) / 3
-    assert last > first + 0.05, (first, last)
+    first = sum(m["reward_mean"] for m in metrics[:5]) / 5
+    last = sum(m["reward_mean"] for m in metrics[-5:]) / 5
+    assert last > first + 0.08, (first, last)
 
     # status agrees with Slurm after the end
     job_id = info["slurm"]["job_id"]
