@@ -3,6 +3,8 @@ pieces, compute the same step as one rank given the whole batch at once."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 
 import pytest
@@ -11,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import free_port
-from rlctl.engines.train.base import TrainSample
+from rlctl.engines.train.base import TrainSample, split_by_tokens
 from rlctl.engines.train.torch_engine import TorchTrainEngine
 from rlctl.recipe import TrainConfig
 
@@ -96,6 +98,46 @@ def test_micro_batches_give_the_same_gradient(tiny_model_dir):
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     for (name, p), (_, q) in zip(whole.model.named_parameters(), split.model.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-8, msg=name)
+
+
+def _sample_of_length(n: int) -> TrainSample:
+    return TrainSample([1, 2], [3] * (n - 2), advantage=0.0, logprobs=[0.0] * (n - 2), weight_version=0)
+
+
+def test_micro_batches_cut_where_padding_costs_least():
+    """One GRPO group with one long-tail sample: the long sample goes alone instead of padding
+    the seven short ones to its length; and on random lengths the cut matches an exhaustive
+    search over every split of the sorted samples."""
+    group = [_sample_of_length(n) for n in (30, 25, 28, 260, 31, 22, 27, 29)]
+    batches = split_by_tokens(group, 8192)
+    assert [len(b) for b in batches] == [7, 1] and len(batches[1][0].response_ids) == 258
+
+    def cost(batch_lengths, budget):
+        return sum(len(b) * max(b) + budget / 64 for b in batch_lengths)
+
+    def best(lengths, budget):  # every way to cut the sorted lengths into contiguous runs
+        n, found = len(lengths), math.inf
+        for cuts in itertools.product((False, True), repeat=n - 1):
+            runs, cur = [], [lengths[0]]
+            for length, cut in zip(lengths[1:], cuts):
+                if cut:
+                    runs.append(cur)
+                    cur = []
+                cur.append(length)
+            runs.append(cur)
+            if all(len(r) * max(r) <= budget or len(r) == 1 for r in runs):
+                found = min(found, cost(runs, budget))
+        return found
+
+    rng = random.Random(1)
+    for budget in (64, 256, 1024):
+        for _ in range(20):
+            lengths = sorted(rng.choice((4, 6, 9, 20, 40, 90)) for _ in range(rng.randint(1, 9)))
+            batches = split_by_tokens([_sample_of_length(n) for n in lengths], budget)
+            got = [[len(s.prompt_ids) + len(s.response_ids) for s in b] for b in batches]
+            assert sorted(x for b in got for x in b) == lengths  # nothing lost or repeated
+            assert all(len(b) * max(b) <= budget or len(b) == 1 for b in got)
+            assert cost(got, budget) == pytest.approx(best(lengths, budget)), (budget, lengths, got)
 
 
 def test_pieces_give_the_same_step_and_stats(tiny_model_dir):
