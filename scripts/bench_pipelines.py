@@ -6,8 +6,8 @@ interleaved, and compared in one table with ratios to sync.
     python scripts/bench_pipelines.py --sweep [KEY=VALUE ...]
 
 --sweep runs 12 settings (group size x rollout batch x length cap) of rolloutpipe (frontier)
-against sync in `rlctl simulate` (recipes/sim-1024gpu.yaml on two cluster splits, 64 rollout + 16
-trainer GPUs and 4 + 2; see SPLITS) and prints each setting's train/rollout time ratio and both
+against sync in `rlctl simulate` (recipes/sim-1024gpu.yaml on three cluster splits, 64 rollout + 16
+trainer GPUs, 4 + 2 and 2 + 1; see SPLITS) and prints each setting's train/rollout time ratio and both
 reductions.
 --sweep --real runs 12 smaller settings for real on this machine (bench-longtail.yaml, 3 steps each).
 
@@ -105,8 +105,9 @@ def print_range(changes: list[tuple[float, float]], label: str = "range") -> Non
 # Cluster splits (rollout GPUs, trainer GPUs) the simulated sweep runs. How much pipelining
 # gains depends on how many waves of requests a server runs per step: on 64 rollout GPUs most
 # settings are one wave (every sample starts at once, and the groups with a long sample all
-# complete at the end); on 4, a rollout batch is 4-16 waves and complete groups arrive steadily.
-SPLITS = [(64, 16), (4, 2)]
+# complete at the end); on 4, a rollout batch is 4-16 waves and complete groups arrive steadily;
+# on 2, 8-32 waves, and with one trainer GPU train/rollout stays near 1 at B=512.
+SPLITS = [(64, 16), (4, 2), (2, 1)]
 
 
 def sweep(overrides: list[str]) -> None:
@@ -127,7 +128,7 @@ def sweep(overrides: list[str]) -> None:
             return simulate_run(recipe)[1]
 
         every += print_sweep(SWEEP, measure)
-    print_range(every, "\nrange over both splits")
+    print_range(every, "\nrange over all splits")
 
 
 REAL_SWEEP = [(g, b, cap) for g in (4, 8) for b in (16, 32) for cap in (64, 128, 256)]
