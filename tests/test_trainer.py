@@ -134,7 +134,7 @@ def test_micro_batches_cut_where_padding_costs_least():
         for _ in range(20):
             lengths = sorted(rng.choice((4, 6, 9, 20, 40, 90)) for _ in range(rng.randint(1, 9)))
             batches = split_by_tokens([_sample_of_length(n) for n in lengths], budget)
-            got = [[len(s.prompt_ids) + len(s.response_ids) for s in b] for b in batches]
+            got = [[s.length for s in b] for b in batches]
             assert sorted(x for b in got for x in b) == lengths  # nothing lost or repeated
             assert all(len(b) * max(b) <= budget or len(b) == 1 for b in got)
             assert cost(got, budget) == pytest.approx(best(lengths, budget)), (budget, lengths, got)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Iterable
@@ -22,6 +23,11 @@ class TrainSample:
     """Per response token, from the rollout server: the behaviour policy in the PPO ratio."""
     weight_version: int
 
+    @property
+    def length(self) -> int:
+        """Prompt plus response tokens: the sequence the trainer runs."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainSample:
         return cls(list(d["prompt_ids"]), list(d["response_ids"]), float(d["advantage"]),
@@ -38,8 +44,8 @@ def split_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainS
     exactly what a single GRPO group with one long-tail sample looks like; cutting at the best
     places instead is a small dynamic program over the sorted lengths. The cut does not change
     the step: the loss is a token sum."""
-    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in ordered]
+    ordered = sorted(samples, key=lambda s: s.length)
+    lengths = [s.length for s in ordered]
     overhead = budget / 64
     # cost[j]: cheapest split of the first j samples; start[j]: where its last micro-batch begins.
     cost = [0.0] + [math.inf] * len(ordered)
@@ -65,7 +71,7 @@ def padded_batch(samples: list[TrainSample], pad_id: int):
     mask, the behaviour log-probs [B, T-1]; the advantages [B]; the true lengths [B]. CPU tensors."""
     import torch
 
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    lengths = [s.length for s in samples]
     n, length = len(samples), max(lengths)
     ids = torch.full((n, length), pad_id, dtype=torch.long)
     mask = torch.zeros((n, length - 1))
@@ -103,8 +109,6 @@ class PieceTraining:
 
     def _piece_done(self, samples: list[TrainSample], micro: list[list[TrainSample]], start: float) -> dict[str, float]:
         """Count one accumulate() call (all ranks' samples, this rank's micro-batches) in self._acc."""
-        import time
-
         seconds = time.monotonic() - start
         acc = self._acc
         acc["batch_tokens"] += sum(len(s.response_ids) for s in samples)

@@ -193,7 +193,7 @@ class MegatronTrainEngine(PieceTraining):
         if micro:
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[self.ddp],
-                num_microbatches=len(micro), seq_length=max(len(s.prompt_ids) + len(s.response_ids) for s in mine),
+                num_microbatches=len(micro), seq_length=max(s.length for s in mine),
                 micro_batch_size=max(len(m) for m in micro), forward_only=False)
         return self._piece_done(samples, micro, start)
 
