@@ -166,3 +166,35 @@ def test_served_logprobs_match_a_full_forward_pass(start_server, tiny_model_dir)
             lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
         want = lp[torch.arange(len(p) - 1, ids.shape[1] - 1), ids[0, len(p):]]
         torch.testing.assert_close(torch.tensor(out.logprobs), want, rtol=0, atol=1e-4)
+
+
+def test_requests_joining_and_leaving_a_running_batch_score_exactly(start_server, tiny_model_dir):
+    """Rows join the shared batch cache while others are mid-decode, leave at different steps,
+    and wait in the queue when the batch is full (max 3 running): every token's log-prob must
+    still be the one a full forward pass over the whole sequence gives."""
+    from transformers import AutoModelForCausalLM
+
+    url = start_server(0, "--max-running-requests", "3")
+    prompts = [[1, 80, 68, 91, 11, 22, 5, 6, 7, 8, 9], [1, 23], [1, 40, 41, 42], [1, 60, 61, 62, 63, 64, 65],
+               [1, 12], [1, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [1, 70, 71]]
+    lengths = [30, 4, 17, 9, 25, 3, 12]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            c = RolloutClient(url, s)
+
+            async def one(i):
+                await asyncio.sleep(0.02 * i)  # staggered: later prompts join a batch already decoding
+                return await c.generate(prompts[i], SamplingRequest(max_new_tokens=lengths[i], ignore_eos=True), f"j{i}")
+
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    outs = asyncio.run(scenario())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for p, n, out in zip(prompts, lengths, outs):
+        assert len(out.output_ids) == n
+        ids = torch.tensor([p + out.output_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        want = lp[torch.arange(len(p) - 1, ids.shape[1] - 1), ids[0, len(p):]]
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, rtol=0, atol=1e-4)

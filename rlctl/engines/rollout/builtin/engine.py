@@ -6,10 +6,13 @@ samples a token per request with that request's own sampling parameters, and han
 requests back to the event loop. Requests join and leave the batch between steps, so a short
 answer returns as soon as it is done, not when the longest one in its batch is.
 
-Each request keeps its own KV cache. A decode step left-pads the caches to a common length,
-runs the batch, and cuts each cache back; the attention mask hides the padding, and positions
-count real tokens only, so a token gets the same position (and log-prob) as in the trainer's
-right-padded forward pass.
+The running requests share one left-padded KV cache, a row per request. A decode step runs
+every row at once and the cache grows by one column; rows of finished requests are dropped and
+newly prefilled requests are appended as rows between steps, by a few whole-tensor operations per
+layer, so a step's bookkeeping does not grow with the number of requests (on a GPU, per-request
+copies made the step launch-bound long before the model was). The attention mask hides the
+padding, and positions count real tokens only, so a token gets the same position (and log-prob)
+as in the trainer's right-padded forward pass.
 """
 
 from __future__ import annotations
@@ -80,8 +83,50 @@ class Request:
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     created: float = field(default_factory=time.monotonic)
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    """Per layer (keys, values) of every token but the last, [kv_heads, tokens, head_dim]."""
+
+
+class BatchCache:
+    """The KV cache of the running requests: per layer (keys, values) [rows, kv_heads, columns,
+    head_dim], left-padded, holding each request's tokens but the last one sampled. `lengths[i]`
+    is row i's real token count; its tokens are the last lengths[i] columns."""
+
+    def __init__(self) -> None:
+        self.rows: list[Request] = []
+        self.lengths: list[int] = []
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def columns(self) -> int:
+        return self.layers[0][0].shape[2] if self.layers else 0
+
+    def keep(self, alive: set[int]) -> None:
+        """Drop the rows whose request is not in `alive` (ids), then the columns no row uses."""
+        idx = [i for i, r in enumerate(self.rows) if id(r) in alive]
+        if len(idx) == len(self.rows):
+            return
+        if not idx:
+            self.rows, self.lengths, self.layers = [], [], []
+            return
+        self.rows = [self.rows[i] for i in idx]
+        self.lengths = [self.lengths[i] for i in idx]
+        sel = torch.tensor(idx, device=self.layers[0][0].device)
+        cut = self.columns - max(self.lengths)
+        self.layers = [(k.index_select(0, sel)[:, :, cut:], v.index_select(0, sel)[:, :, cut:]) for k, v in self.layers]
+
+    def append(self, rows: list[Request], lengths: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add rows (a prefilled batch, left-padded the same way) below the existing ones."""
+        if not self.rows:
+            self.rows, self.lengths, self.layers = list(rows), list(lengths), layers
+            return
+        width = max(self.columns, layers[0][0].shape[2])
+
+        def left_pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
+
+        self.layers = [(torch.cat([left_pad(k0), left_pad(k1)]), torch.cat([left_pad(v0), left_pad(v1)]))
+                       for (k0, v0), (k1, v1) in zip(self.layers, layers)]
+        self.rows += rows
+        self.lengths += lengths
 
 
 class Engine:
@@ -106,6 +151,7 @@ class Engine:
         # transformers 5.2x renamed the forward argument past_key_values to cache.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokens_generated = 0
+        self.cache = BatchCache()  # only the scheduler thread touches it
 
     def start(self) -> None:
         self.thread.start()
@@ -187,22 +233,23 @@ class Engine:
                 self._finish(r, {"type": "length", "length": len(r.output_ids)}, finished)
             else:
                 active.append(r)
-        new = [r for r in active if r.kv is None]
-        running = [r for r in active if r.kv is not None]
+        self.cache.keep({id(r) for r in active})  # finished and aborted requests leave the cache
+        cached = {id(r) for r in self.cache.rows}
+        new = [r for r in active if id(r) not in cached]
         stepped: list[Request] = []
         logits = []
+        if self.cache.rows:
+            stepped += self.cache.rows
+            logits.append(self._decode())
         if new:
             logits.append(self._prefill(new))
             stepped += new
-        if running:
-            logits.append(self._decode(running))
-            stepped += running
         if not stepped:
             return finished
         tokens, logprobs = self._sample(torch.cat(logits), stepped)
         for r, tok, lp in zip(stepped, tokens.tolist(), logprobs.tolist()):
             if r.finish_reason is not None:
-                continue
+                continue  # aborted during the step
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             r.weight_version = self.weight_version
@@ -214,12 +261,12 @@ class Engine:
                 self._finish(r, {"type": "stop", "matched": tok}, finished)
             elif len(r.output_ids) >= r.params.max_new_tokens or total >= self.max_context:
                 self._finish(r, {"type": "length", "length": len(r.output_ids)}, finished)
-        for r in finished:
-            r.kv = None  # free the cache at once
+        if finished:  # free their cache rows at once
+            self.cache.keep({id(r) for r in self.cache.rows if r.finish_reason is None})
         return finished
 
     def _prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """Run whole prompts (left-padded), keep each request's KV cache, return last logits."""
+        """Run whole sequences (left-padded), add them to the batch cache, return last logits."""
         seqs = [r.input_ids + r.output_ids for r in reqs]
         length = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), length), self.pad_token_id, dtype=torch.long)
@@ -232,41 +279,24 @@ class Engine:
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        self._keep_cache(reqs, _cache_of(out), length, [len(s) for s in seqs])
+        self.cache.append(reqs, [len(s) for s in seqs], _layers_of(out))
         return out.logits[:, -1].float()
 
-    def _decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One token for each running request: its last token against its own cache, the caches
-        left-padded to a common length for the batch and cut back to size afterwards."""
+    def _decode(self) -> torch.Tensor:
+        """One token for every row of the batch cache: each row's last sampled token at position
+        = its cached length, attending to its own columns only."""
         from transformers import DynamicCache
 
-        lengths = [r.kv[0][0].shape[1] for r in reqs]
-        longest = max(lengths)
-        layers = []
-        for layer in range(len(reqs[0].kv)):
-            keys, values = [], []
-            for r, n in zip(reqs, lengths):
-                k, v = r.kv[layer]
-                pad = longest - n
-                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            layers.append((torch.stack(keys), torch.stack(values)))
-        mask = torch.zeros((len(reqs), longest + 1), dtype=torch.long)
-        for i, n in enumerate(lengths):
-            mask[i, longest - n:] = 1
-        ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]] for r in reqs], device=self.device)
-        positions = torch.tensor([[n] for n in lengths], device=self.device)
-        mask = mask.to(self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_arg: DynamicCache(layers)})
-        self._keep_cache(reqs, _cache_of(out), longest + 1, [n + 1 for n in lengths])
+        cache = self.cache
+        columns = cache.columns
+        lengths = torch.tensor(cache.lengths, device=self.device)
+        mask = (torch.arange(columns + 1, device=self.device)[None, :] >= (columns - lengths)[:, None]).long()
+        ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]] for r in cache.rows], device=self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=lengths[:, None], use_cache=True,
+                         logits_to_keep=1, **{self._cache_arg: DynamicCache(cache.layers)})
+        cache.layers = _layers_of(out)
+        cache.lengths = [n + 1 for n in cache.lengths]
         return out.logits[:, -1].float()
-
-    @staticmethod
-    def _keep_cache(reqs: list[Request], cache, padded: int, lengths: list[int]) -> None:
-        per_layer = [(layer.keys, layer.values) for layer in cache.layers]
-        for i, (r, n) in enumerate(zip(reqs, lengths)):
-            r.kv = [(k[i, :, padded - n:].clone(), v[i, :, padded - n:].clone()) for k, v in per_layer]
 
     @staticmethod
     def _finish(r: Request, reason: dict[str, Any], finished: list[Request]) -> None:
@@ -297,9 +327,10 @@ class Engine:
         return tokens, logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
-def _cache_of(out):
+def _layers_of(out) -> list[tuple[torch.Tensor, torch.Tensor]]:
     cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+    cache = cache if cache is not None else out.past_key_values
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def future_callback(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Request], None]:
