@@ -64,6 +64,8 @@ def summarize(metrics: list[dict]) -> dict[str, float]:
     steps = metrics[1:] if len(metrics) > 1 else metrics
     out = {key: statistics.median(m[key] for m in steps) for key, _ in COLUMNS}
     out["final_reward"] = statistics.fmean(m["reward_mean"] for m in metrics[-5:])
+    # The workload's balance: how long the step's training takes against its generation.
+    out["train_over_rollout"] = statistics.median(m["train_time"] / m["rollout_time"] for m in steps if m["rollout_time"])
     return out
 
 
@@ -151,6 +153,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--modes", default=",".join(name for name, _ in MODES))
     p.add_argument("--json", type=Path, help="also write the per-run summaries here")
+    p.add_argument("--runs-dir", type=Path, help="keep the run directories here (for rlctl status/trace/compare)")
     p.add_argument("--sweep", action="store_true", help="12 simulated settings instead of real runs")
     p.add_argument("--real", action="store_true", help="with --sweep: 12 smaller settings run for real")
     p.add_argument("overrides", nargs="*")
@@ -162,9 +165,10 @@ def main() -> None:
 
     results: dict[str, list[dict[str, float]]] = {n: [] for n, _ in chosen}
     with tempfile.TemporaryDirectory() as tmp:
+        runs_dir = a.runs_dir or Path(tmp) / "runs"
         for rnd in range(a.rounds):
             for name, mode_overrides in chosen:
-                metrics = run_mode(a.recipe, [*a.overrides, f"run.seed={rnd}", *mode_overrides], Path(tmp) / "runs")
+                metrics = run_mode(a.recipe, [*a.overrides, f"run.seed={rnd}", *mode_overrides], runs_dir)
                 results[name].append(summarize(metrics))
                 print(f"round {rnd} {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in results[name][-1].items()),
                       file=sys.stderr, flush=True)
