@@ -6,9 +6,9 @@
 1. broadcast: a Qwen3-1.7B-shaped bf16 model sent by rlctl's WeightSender (HTTP announce + NCCL
    buckets) from GPU 0 to a built-in rollout server on each other GPU, for 3 bucket sizes, next to
    a plain NCCL broadcast of the same bytes from GPU 0 to the same GPUs, measured in the same run.
-2. pipelines: scripts/bench_pipelines.py on the long-tail GPU workload (16 groups per step, to fit
-   one device call) with the trainer on GPU 0
-   and built-in servers on the other GPUs, weight sync over NCCL: sync vs rolloutpipe.
+2. pipelines: scripts/bench_pipelines.py on the long-tail GPU workload (recipes/bench-longtail-gpu.yaml)
+   with the trainer on GPU 0 and one built-in server on each other GPU, weight sync over NCCL:
+   sync vs rolloutpipe (frontier and fifo admission).
 3. megatron-tp2: Megatron with TP=2 on GPUs 0-1, two servers on GPUs 2-3 (one server on GPU 1 when
    the host has 2 GPUs), NCCL sync, pipeline.check_weights=true (each server's tensors hash like
    the trainer's after every sync).
@@ -133,7 +133,7 @@ def check_pipelines(out: Path) -> None:
     servers = list(range(1, n))
     cmd = [sys.executable, str(REPO / "scripts" / "bench_pipelines.py"), "--recipe", str(REPO / "recipes" / "bench-longtail-gpu.yaml"),
            "--modes", "sync,rolloutpipe-frontier,rolloutpipe-fifo", "--json", str(out / "pipelines.json"),
-           "rollout.batch_size=16", "train.gpus=[0]", f"rollout.gpus={servers}", f"rollout.servers={len(servers)}", "train.sync_backend=nccl"]
+           "train.gpus=[0]", f"rollout.gpus={servers}", f"rollout.servers={len(servers)}", "train.sync_backend=nccl"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1500)
     print(res.stdout, flush=True)
     ok = res.returncode == 0
