@@ -227,7 +227,7 @@ class BuiltinServer:
         return ok("continued")
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # Caches live with their requests (see engine.py); like SGLang, refuse while requests run.
+        # The cache holds only running requests (see engine.py); like SGLang, refuse while requests run.
         if self.engine is not None and not self.engine.idle:
             return web.Response(status=400, text="cannot flush while requests are running")
         return web.Response(status=200, text="Cache flushed.")
