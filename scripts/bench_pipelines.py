@@ -65,7 +65,8 @@ def summarize(metrics: list[dict]) -> dict[str, float]:
     out = {key: statistics.median(m[key] for m in steps) for key, _ in COLUMNS}
     out["final_reward"] = statistics.fmean(m["reward_mean"] for m in metrics[-5:])
     # The workload's balance: how long the step's training takes against its generation.
-    out["train_over_rollout"] = statistics.median(m["train_time"] / m["rollout_time"] for m in steps if m["rollout_time"])
+    ratios = [m["train_time"] / m["rollout_time"] for m in steps if m.get("rollout_time")]
+    out["train_over_rollout"] = statistics.median(ratios) if ratios else float("nan")
     return out
 
 
