@@ -23,7 +23,7 @@ class Prompt:
 def prompt_stream(cfg: DataConfig, seed: int) -> Iterator[Prompt]:
     """An endless, seeded stream of prompts: a built-in task, or a JSONL file reshuffled each epoch."""
     rng = random.Random(seed)
-    if DataSource(cfg.source) is DataSource.TASK:
+    if cfg.source is DataSource.TASK:
         from rlctl.rewards.tasks import TASKS
 
         task = TASKS[cfg.task]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlctl.errors import RlctlError
 from rlctl.plan import RunPlan
-from rlctl.recipe import Recipe, recipe_from_yaml
+from rlctl.recipe import Device, Recipe, RolloutEngine, TrainEngine, recipe_from_yaml
 from rlctl.rundir import RunDir
 
 log = logging.getLogger("rlctl.worker")
@@ -44,11 +44,11 @@ def _threads(recipe: Recipe, cpus: list[int] | None = None) -> None:
     torch.set_num_interop_threads(1)
 
 
-def _device(kind: str, index: int, gpus: list[int] | None = None) -> str:
+def _device(kind: Device, index: int, gpus: list[int] | None = None) -> str:
     """cuda -> the index-th of the recipe's GPU list (round-robin), or cuda:index when that GPU
     exists, else the GPUs are shared round-robin."""
-    if kind != "cuda":
-        return kind
+    if kind is not Device.CUDA:
+        return kind.value
     if gpus:
         return f"cuda:{gpus[index % len(gpus)]}"
     import torch
@@ -72,7 +72,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     if recipe.rollout.cpus:
         os.sched_setaffinity(0, recipe.rollout.cpus)
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
-    if recipe.rollout.engine == "sglang":
+    if recipe.rollout.engine is RolloutEngine.SGLANG:
         from rlctl.engines.rollout import sglang
 
         sglang.require_sglang()
@@ -103,15 +103,15 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
     world = len(plan.trainers)
     init_method = f"tcp://{plan.trainers[0].host}:{plan.trainer_dist_port}"
-    if recipe.train.engine == "megatron":
+    if recipe.train.engine is TrainEngine.MEGATRON:
         from rlctl.engines.train.megatron_engine import MegatronTrainEngine
 
         # Megatron needs its NCCL group even for one rank; the engine makes it.
         engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
-                                     world, device=_device("cuda", rank, recipe.train.gpus), init_method=init_method)
+                                     world, device=_device(Device.CUDA, rank, recipe.train.gpus), init_method=init_method)
     else:
         if world > 1:
-            backend = "nccl" if recipe.train.device == "cuda" else "gloo"
+            backend = "nccl" if recipe.train.device is Device.CUDA else "gloo"
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
         engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
                                   device=_device(recipe.train.device, rank, recipe.train.gpus))

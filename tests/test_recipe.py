@@ -96,3 +96,55 @@ def test_relative_paths_resolve_against_the_recipe(tmp_path):
     recipe.write_text("model:\n  init:\n    warmup_steps: 0\ndata:\n  source: jsonl\n  path: data.jsonl\n")
     r = load_recipe(recipe)
     assert r.data.path == str(tmp_path / "data.jsonl")
+
+
+@pytest.mark.parametrize("overrides,key,message", [
+    (["rollout.sampling.top_p=0"], "rollout.sampling.top_p", "must be in (0, 1], got 0.0"),
+    (["rollout.sglang.extra_args=[--port=1]"], "rollout.sglang.extra_args[0]",
+     "'--port=1' is set by rlctl; use the rollout.sglang keys or the plan"),
+    (["slurm.rollout.mem=1 G"], "slurm.rollout.mem", "'1 G' has characters Slurm names do not use; letters, digits and _.,:+- only"),
+    (["model.path=/x"], "model", "set exactly one of model.path (a local HF directory) or model.init (build a tiny model)"),
+    (["rollout.batch_size=10", "train.groups_per_batch=4"], "train.groups_per_batch",
+     "4 does not divide rollout.batch_size (10); pick a divisor so every train batch is full"),
+    (["train.sync_backend=mpi"], "train.sync_backend", "'mpi' is not one of auto, gloo, nccl"),
+    (["sim.gpu=tpu"], "sim.gpu", "'tpu' is not one of h200, h100, a100, cpu"),
+])
+def test_value_errors_name_the_dotted_key_and_the_fix(overrides, key, message):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(QUICKSTART, overrides)
+    assert (info.value.file, info.value.key, info.value.message) == (str(QUICKSTART), key, message)
+
+
+def test_choices_load_as_enum_members():
+    from rlctl.recipe import Admission, Launcher, PipelineMode, TaskName
+
+    r = load_recipe(QUICKSTART, ["pipeline.mode=rolloutpipe", "pipeline.admission=frontier"])
+    assert r.pipeline.mode is PipelineMode.ROLLOUTPIPE and r.pipeline.admission is Admission.FRONTIER
+    assert r.launcher is Launcher.LOCAL and r.data.task is TaskName.MAX_DIGIT
+
+
+def test_the_layers_that_implement_a_choice_cover_it_exactly():
+    from rlctl.recipe import GpuKind, TaskName
+    from rlctl.rewards.tasks import TASKS
+    from rlctl.sim.cost import HARDWARE
+
+    assert set(TASKS) == set(TaskName)
+    assert set(HARDWARE) == set(GpuKind)
+
+
+def test_every_section_is_a_checked_section():
+    """A section that is a plain dataclass would load but never be checked."""
+    import typing
+    from dataclasses import fields, is_dataclass
+
+    from rlctl.recipe import Recipe, Section
+
+    def walk(cls, key):
+        assert issubclass(cls, Section), f"{key or 'Recipe'} is not a rlctl.recipe.Section"
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            t = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+            if is_dataclass(t):
+                walk(t, f"{key}.{f.name}" if key else f.name)
+
+    walk(Recipe, "")

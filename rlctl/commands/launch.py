@@ -20,10 +20,10 @@ def launch(
     dry_run: bool = typer.Option(False, "--dry-run", help="launcher=slurm: write and print the batch script, submit nothing."),
 ) -> None:
     """Start a run from a recipe."""
-    from rlctl.recipe import load_recipe
+    from rlctl.recipe import Launcher, load_recipe
 
-    r = load_recipe(recipe, overrides or [])  # validation admits only the launchers this version has
-    if r.launcher == "slurm":
+    r = load_recipe(recipe, overrides or [])
+    if r.launcher is Launcher.SLURM:
         code = launch_slurm(r, recipe, overrides or [], detach=detach, dry_run=dry_run)
         raise typer.Exit(code)
     if dry_run:
@@ -65,11 +65,14 @@ def _check_engines_importable(r) -> None:
     """A local run starts its engines here: say at once when one is not installed."""
     import importlib.util
 
-    for key, engine, module, install in (("rollout.engine", r.rollout.engine, "sglang", "pip install 'sglang[all]>=0.5.15,<=0.5.23'"),
-                                         ("train.engine", r.train.engine, "megatron", "pip install 'rlctl[megatron]'")):
-        name = "megatron.core" if module == "megatron" else module
-        if engine == module and importlib.util.find_spec(name.split(".")[0]) is None:
-            raise RunError(f"{key}={engine} needs {name}, which is not installed here: {install}")
+    from rlctl.recipe import RolloutEngine, TrainEngine
+
+    for key, chosen, needed, module, install in (
+        ("rollout.engine", r.rollout.engine, RolloutEngine.SGLANG, "sglang", "pip install 'sglang[all]>=0.5.15,<=0.5.23'"),
+        ("train.engine", r.train.engine, TrainEngine.MEGATRON, "megatron.core", "pip install 'rlctl[megatron]'"),
+    ):
+        if chosen is needed and importlib.util.find_spec(module.split(".")[0]) is None:
+            raise RunError(f"{key}={chosen} needs {module}, which is not installed here: {install}")
 
 
 def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:

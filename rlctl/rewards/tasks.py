@@ -11,12 +11,14 @@ import random
 from dataclasses import dataclass
 from collections.abc import Callable
 
+from rlctl.recipe.choices import TaskName
+
 Pair = tuple[str, str]
 
 
 @dataclass(frozen=True)
 class Task:
-    name: str
+    name: TaskName
     description: str
     sample: Callable[[random.Random], Pair]
     random_answer: Callable[[random.Random], str]
@@ -34,12 +36,12 @@ def _add(rng: random.Random) -> Pair:
     return f"{a}+{b}=", str(a + b)
 
 
-TASKS: dict[str, Task] = {
+TASKS: dict[TaskName, Task] = {
     t.name: t
     for t in (
-        Task("max-digit", "the largest of three digits: max(3,9,2)= -> 9", _max_digit,
+        Task(TaskName.MAX_DIGIT, "the largest of three digits: max(3,9,2)= -> 9", _max_digit,
              lambda rng: str(rng.randint(0, 9)), "0123456789max(),="),
-        Task("add", "the sum of two digits: 3+4= -> 7", _add,
+        Task(TaskName.ADD, "the sum of two digits: 3+4= -> 7", _add,
              lambda rng: str(rng.randint(0, 18)), "0123456789+="),
     )
 }

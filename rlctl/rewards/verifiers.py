@@ -54,12 +54,11 @@ def load_user_function(path: str) -> VerifyFn:
 
 
 def make_verifier(cfg: RewardConfig) -> VerifyFn:
-    kind = Verifier(cfg.verifier)
-    if kind is Verifier.EXACT:
+    if cfg.verifier is Verifier.EXACT:
         return exact_match
-    if kind is Verifier.NUMERIC:
+    if cfg.verifier is Verifier.NUMERIC:
         return numeric_match
-    if kind is Verifier.MATH:
+    if cfg.verifier is Verifier.MATH:
         return math_equivalent
     assert cfg.function is not None
     user = load_user_function(cfg.function)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlctl.recipe.choices import GpuKind
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -22,7 +24,7 @@ class Hardware:
     broadcast crosses (the trainer and the rollout servers sit on different nodes), not NVLink.
     """
 
-    name: str
+    name: GpuKind
     bf16_flops: float
     hbm_bytes_per_s: float
     hbm_bytes: float
@@ -33,18 +35,18 @@ class Hardware:
 # for every GPU entry so that results compare hardware, not networks.
 _NODE_NETWORK = 50e9
 
-HARDWARE: dict[str, Hardware] = {
+HARDWARE: dict[GpuKind, Hardware] = {
     # NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16 (1979 is with 2:4 sparsity), 4.8 TB/s
     # HBM3e, 141 GB.
-    "h200": Hardware("h200", 989e12, 4.8e12, 141e9, _NODE_NETWORK),
+    GpuKind.H200: Hardware(GpuKind.H200, 989e12, 4.8e12, 141e9, _NODE_NETWORK),
     # NVIDIA H100 SXM datasheet: same compute die as H200, 3.35 TB/s HBM3, 80 GB.
-    "h100": Hardware("h100", 989e12, 3.35e12, 80e9, _NODE_NETWORK),
+    GpuKind.H100: Hardware(GpuKind.H100, 989e12, 3.35e12, 80e9, _NODE_NETWORK),
     # NVIDIA A100 SXM 80GB datasheet: 312 TFLOP/s dense BF16, ~2.0 TB/s HBM2e, 80 GB.
-    "a100": Hardware("a100", 312e12, 2.0e12, 80e9, _NODE_NETWORK),
+    GpuKind.A100: Hardware(GpuKind.A100, 312e12, 2.0e12, 80e9, _NODE_NETWORK),
     # One CPU host running the built-in engines in local tests: ~50 GFLOP/s achieved by torch
     # bf16/fp32 matmuls on a few cores, ~20 GB/s of DRAM bandwidth for one process, 64 GB of RAM,
     # and weight sync by a gloo broadcast over loopback TCP (a few GB/s). Meant to be calibrated.
-    "cpu": Hardware("cpu", 5e10, 2e10, 64e9, 2e9),
+    GpuKind.CPU: Hardware(GpuKind.CPU, 5e10, 2e10, 64e9, 2e9),
 }
 
 

@@ -1,0 +1,51 @@
+"""The recipe: a strict, typed schema for one RL run, loaded from YAML plus `key=value` overrides.
+
+One dataclass per section, each checking its own fields next to where they are declared:
+
+    choices.py   every closed set of choices, as enums
+    checks.py    FieldError and the Section base: how a section says a value is impossible
+    inputs.py    run, model, data, reward
+    rollout.py   rollout (sampling, long tail, sglang)
+    train.py     train (megatron), pipeline
+    cluster.py   slurm, sim, tracking
+    schema.py    Recipe: the sections, and the checks that span several
+    load.py      YAML + overrides -> checked Recipe; Recipe -> YAML
+
+A new section is one dataclass with its `check()`, added as a field of Recipe. The schema
+imports nothing from the rest of rlctl but rlctl.errors.
+"""
+
+from rlctl.recipe.checks import FieldError, Section
+from rlctl.recipe.choices import (
+    Admission,
+    DataSource,
+    Device,
+    GpuKind,
+    InflightAtUpdate,
+    Launcher,
+    MegatronDtype,
+    PipelineMode,
+    RolloutEngine,
+    SGLangDtype,
+    SyncBackend,
+    TaskName,
+    TrainEngine,
+    Verifier,
+    WandbMode,
+)
+from rlctl.recipe.cluster import SimConfig, SlurmConfig, SlurmRolloutConfig, SlurmTrainerConfig, TrackingConfig, WandbConfig
+from rlctl.recipe.inputs import DataConfig, ModelConfig, ModelInit, RewardConfig, RunConfig
+from rlctl.recipe.load import check_recipe, load_recipe, recipe_from_yaml, recipe_to_yaml
+from rlctl.recipe.rollout import SGLANG_MANAGED_FLAGS, LongTailConfig, RolloutConfig, SamplingConfig, SGLangConfig
+from rlctl.recipe.schema import Recipe, slurm_rollout_nodes
+from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
+
+__all__ = [
+    "SGLANG_MANAGED_FLAGS", "Admission", "DataConfig", "DataSource", "Device", "FieldError", "GpuKind",
+    "InflightAtUpdate", "Launcher", "LongTailConfig", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit",
+    "PipelineConfig", "PipelineMode", "Recipe", "RewardConfig", "RolloutConfig", "RolloutEngine", "RunConfig",
+    "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",
+    "SlurmTrainerConfig", "SyncBackend", "TaskName", "TrackingConfig", "TrainConfig", "TrainEngine", "Verifier",
+    "WandbConfig", "WandbMode", "check_recipe", "load_recipe", "recipe_from_yaml", "recipe_to_yaml",
+    "slurm_rollout_nodes",
+]

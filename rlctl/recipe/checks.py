@@ -1,0 +1,71 @@
+"""How a recipe section says a value is impossible.
+
+A section's `check()` raises `FieldError` with the field's name relative to the section
+(`"servers"`, `"sampling.top_p"`, `"extra_args[2]"`); the loader (rlctl/recipe/load.py) walks
+the sections, prefixes the section's dotted path and names the file, so every message reaches
+the user as `FILE: rollout.servers: must be > 0, got 0`. Sections stay plain dataclasses that
+code can build directly (tests, engines) without any of this running.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import typing
+
+
+class FieldError(ValueError):
+    """A well-typed value that cannot work. `key` is relative to the section that raised it
+    ("" for the section as a whole)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key, self.message = key, message
+
+
+class Section:
+    """A recipe section: dataclass fields, plus the checks of those fields' values.
+
+    `check()` looks at the section's own fields (nested sections are checked on their own);
+    `check_files()` at the local files it names, which the loader skips when the recipe is only
+    simulated (rlctl simulate plans a cluster run whose files are not here).
+
+    A choice given as its string when a section is built in code (`RewardConfig(verifier="math")`)
+    becomes its enum member, so `is` comparisons hold however the section was made."""
+
+    def __post_init__(self) -> None:
+        for name, choices in _enum_fields(type(self)):
+            value = getattr(self, name)
+            if not isinstance(value, choices):
+                setattr(self, name, choices(value))
+
+    def check(self) -> None:
+        """Raise FieldError for the first impossible value."""
+
+    def check_files(self) -> None:
+        """Raise FieldError if a local file the section names is missing."""
+
+
+@functools.cache
+def _enum_fields(cls: type) -> tuple[tuple[str, type[enum.Enum]], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((name, t) for name, t in hints.items() if isinstance(t, type) and issubclass(t, enum.Enum))
+
+
+def positive(key: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise FieldError(key, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def within(key: str, value: float, low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> None:
+    """low <= value <= high, with either end open; the message writes the interval as math does."""
+    above = value > low if open_low else value >= low
+    below = value < high if open_high else value <= high
+    if not (above and below):
+        interval = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+        raise FieldError(key, f"must be in {interval}, got {value}")
+
+
+def divides(key: str, divisor: int, what: str, total: int, fix: str) -> None:
+    if total % divisor:
+        raise FieldError(key, f"{divisor} does not divide {what} ({total}); {fix}")

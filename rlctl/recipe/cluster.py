@@ -1,0 +1,160 @@
+"""The sections about where a run goes and who watches it: slurm, sim (the simulated cluster),
+tracking."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass, field
+
+from rlctl.recipe.checks import FieldError, Section, divides, positive, within
+from rlctl.recipe.choices import GpuKind, WandbMode
+
+_SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$")
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:+-]*$")
+# sbatch flags the batch script sets itself: a recipe may not override them.
+_SBATCH_MANAGED_FLAGS = ("--job-name", "-J", "--output", "-o", "--error", "-e", "--nodes", "-N", "--het-group")
+
+
+def _slurm_name(key: str, value: str) -> None:
+    if not _SLURM_NAME.match(value):
+        raise FieldError(key, f"'{value}' has characters Slurm names do not use; letters, digits and _.,:+- only")
+
+
+@dataclass(kw_only=True)
+class SlurmTrainerConfig(Section):
+    """Heterogeneous-job component 0: the trainer ranks (and the controller, on the first node)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    """GPUs to request per node (--gpus-per-node); 0 = none."""
+    cpus_per_task: int = 0
+    """--cpus-per-task for each trainer rank; 0 = the cluster's default."""
+    mem: str = ""
+    """--mem per node, e.g. 200G; empty = the cluster's default."""
+
+    def check(self) -> None:
+        positive("nodes", self.nodes)
+        positive("gpus_per_node", self.gpus_per_node, zero_ok=True)
+        positive("cpus_per_task", self.cpus_per_task, zero_ok=True)
+        _slurm_name("mem", self.mem)
+
+
+@dataclass(kw_only=True)
+class SlurmRolloutConfig(Section):
+    """Heterogeneous-job component 1: the rollout servers."""
+
+    nodes: int = 0
+    """0 = rollout.servers / servers_per_node."""
+    servers_per_node: int = 1
+    """Rollout servers per node (one per TP group of the node's GPUs)."""
+    gpus_per_node: int = 0
+    cpus_per_task: int = 0
+    mem: str = ""
+
+    def check(self) -> None:
+        positive("servers_per_node", self.servers_per_node)
+        for name in ("nodes", "gpus_per_node", "cpus_per_task"):
+            positive(name, getattr(self, name), zero_ok=True)
+        _slurm_name("mem", self.mem)
+
+
+@dataclass(kw_only=True)
+class SlurmConfig(Section):
+    """launcher=slurm: the run is one heterogeneous Slurm job (trainers | rollout servers).
+
+    It is checked whatever the launcher, so a typo shows before a cluster run; how it fits the
+    rollout and train sections is checked only for launcher=slurm (rlctl/recipe/schema.py)."""
+
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = "01:00:00"
+    """Time limit, in any of Slurm's forms (MM, HH:MM:SS, D-HH:MM ...)."""
+    trainer: SlurmTrainerConfig = field(default_factory=SlurmTrainerConfig)
+    rollout: SlurmRolloutConfig = field(default_factory=SlurmRolloutConfig)
+    sbatch_args: list[str] = field(default_factory=list)
+    """Extra sbatch flags for both components, e.g. ["--exclusive", "--constraint=h200"]."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run at the start of the job, e.g. "module load cuda/12.4", "source venv/bin/activate"."""
+    python: str = ""
+    """The Python on the compute nodes; empty = the one that runs `rlctl launch` (shared filesystem)."""
+    port_base: int = 0
+    """First port the run's servers listen on; 0 = 20000 + job id % 20000, so jobs sharing a node differ."""
+    health_timeout_s: int = 600
+    """How long the job waits for every rollout server's /health before it gives up."""
+
+    def check(self) -> None:
+        for name in ("partition", "account", "qos"):
+            _slurm_name(name, getattr(self, name))
+        if not _SLURM_TIME.match(self.time):
+            raise FieldError("time", f"'{self.time}' is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS")
+        positive("health_timeout_s", self.health_timeout_s)
+        positive("port_base", self.port_base, zero_ok=True)
+        if self.port_base and not 1024 <= self.port_base <= 65000:
+            raise FieldError("port_base", f"{self.port_base} is outside 1024..65000; use 0 to derive it from the job id")
+        for i, arg in enumerate(self.sbatch_args):
+            if not arg.startswith("-") or "\n" in arg:
+                raise FieldError(f"sbatch_args[{i}]", f"'{arg}' is not an sbatch flag; write flags like --exclusive or --constraint=h200")
+            if arg.split("=")[0] in _SBATCH_MANAGED_FLAGS:
+                raise FieldError(f"sbatch_args[{i}]", f"'{arg}' is set by rlctl; use the slurm section's own keys")
+        for i, line in enumerate(self.setup):
+            if "\n" in line:
+                raise FieldError(f"setup[{i}]", "one shell line per list item")
+
+
+@dataclass(kw_only=True)
+class SimConfig(Section):
+    """`rlctl simulate`: the cluster and model the cost model prices (rlctl/sim/cost.py)."""
+
+    gpu: GpuKind = GpuKind.H200
+    """h200 | h100 | a100 | cpu"""
+    params_b: float = 1.7
+    """Model size in billions of parameters (bf16)."""
+    rollout_gpus: int = 8
+    trainer_gpus: int = 8
+    tp: int = 1
+    """GPUs per rollout server; the simulation has rollout_gpus / tp servers."""
+    prompt_tokens: int = 256
+    context_tokens: int = 2048
+    """Mean tokens of context a decoding request holds (its KV cache read per step)."""
+    layers: int = 0
+    """Transformer layers, for the KV-cache size (0 = estimate from params_b)."""
+    kv_dim: int = 0
+    """KV heads x head dim, for the KV-cache size (0 = estimate)."""
+    reward_rate: float = 0.5
+    """Chance that a simulated sample is right (drives dynamic sampling's drop rate)."""
+    mfu_train: float = 0.4
+    mfu_prefill: float = 0.5
+    decode_bw_efficiency: float = 0.7
+    decode_step_overhead_s: float = 0.0
+    train_step_overhead_s: float = 0.0
+
+    def check(self) -> None:
+        for name in ("params_b", "rollout_gpus", "trainer_gpus", "tp", "prompt_tokens", "mfu_train", "mfu_prefill",
+                     "decode_bw_efficiency"):
+            positive(name, getattr(self, name))
+        divides("tp", self.tp, "sim.rollout_gpus", self.rollout_gpus, "pick a tp that divides it")
+        within("reward_rate", self.reward_rate, 0.0, 1.0)
+
+
+@dataclass(kw_only=True)
+class WandbConfig(Section):
+    """Weights & Biases: the resolved recipe as config, every step's metrics (the names of
+    metrics.jsonl), and a summary at the end. `offline` writes into the run directory."""
+
+    mode: WandbMode = WandbMode.DISABLED
+    """disabled | offline | online"""
+    project: str = "rlctl"
+    entity: str = ""
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.mode is not WandbMode.DISABLED and importlib.util.find_spec("wandb") is None:
+            raise FieldError("mode", "wandb is not installed: pip install 'rlctl[wandb]', or set it to disabled")
+
+
+@dataclass(kw_only=True)
+class TrackingConfig(Section):
+    wandb: WandbConfig = field(default_factory=WandbConfig)

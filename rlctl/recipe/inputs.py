@@ -1,0 +1,122 @@
+"""The sections that say what a run trains and on what: run, model, data, reward."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlctl.recipe.checks import FieldError, Section, positive, within
+from rlctl.recipe.choices import DataSource, TaskName, Verifier
+
+
+@dataclass(kw_only=True)
+class RunConfig(Section):
+    name: str = "run"
+    """Human name of the run; the run id is `<name>-<date>-<time>-<suffix>`."""
+    seed: int = 0
+    """Seeds data order, sampling on the rollout servers and model init."""
+    steps: int = 20
+    """Number of rollout batches (each followed by its optimizer steps and a weight sync)."""
+    output_dir: str = "runs"
+    """Where run directories are created (relative to the current directory)."""
+    threads_per_process: int = 1
+    """torch threads per worker process; keep low when several processes share a few cores."""
+
+    def check(self) -> None:
+        positive("steps", self.steps)
+        positive("threads_per_process", self.threads_per_process)
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise FieldError("name", f"'{self.name}' is not a usable name; use letters, digits, - and _")
+
+
+@dataclass(kw_only=True)
+class ModelInit(Section):
+    """A tiny Qwen3-architecture model that rlctl builds itself, with a character tokenizer.
+
+    It is given a short supervised warm-up on the run's task with noisy answers, so that it knows
+    the answer format and is right only some of the time: the starting point RL then improves.
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    max_position_embeddings: int = 64
+    seed: int = 0
+    """Seeds the weights and the warm-up data; the model is cached by its init block."""
+    warmup_steps: int = 25
+    """Supervised steps on the task before RL (0 = random init): few enough to leave it half-trained."""
+    warmup_correct_prob: float = 1.0
+    """Fraction of warm-up answers that are correct; the rest are random answers of the right form."""
+    warmup_lr: float = 3e-3
+    warmup_batch_size: int = 64
+
+    def check(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "max_position_embeddings"):
+            positive(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise FieldError("num_kv_heads", f"must divide num_heads ({self.num_heads})")
+        positive("warmup_steps", self.warmup_steps, zero_ok=True)
+        within("warmup_correct_prob", self.warmup_correct_prob, 0.0, 1.0)
+
+
+@dataclass(kw_only=True)
+class ModelConfig(Section):
+    path: str | None = None
+    """A local Hugging Face causal-LM directory (config.json, safetensors, tokenizer)."""
+    init: ModelInit | None = None
+    """Build a tiny model instead of loading one (exactly one of path / init)."""
+
+    def check(self) -> None:
+        if (self.path is None) == (self.init is None):
+            raise FieldError("", "set exactly one of model.path (a local HF directory) or model.init (build a tiny model)")
+
+    def check_files(self) -> None:
+        if self.path is not None and not (Path(os.path.expanduser(self.path)) / "config.json").is_file():
+            raise FieldError("path", f"'{self.path}' is not a Hugging Face model directory (no config.json); "
+                                     "give a local model directory")
+
+
+@dataclass(kw_only=True)
+class DataConfig(Section):
+    source: DataSource = DataSource.TASK
+    """`task` (a built-in verifiable task generator) or `jsonl` (a file of prompt/answer rows)."""
+    task: TaskName = TaskName.MAX_DIGIT
+    """Built-in task: `max-digit` or `add` (rlctl/rewards/tasks.py)."""
+    path: str | None = None
+    """JSONL file for source=jsonl."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+
+    def check(self) -> None:
+        if self.source is DataSource.JSONL and not self.path:
+            raise FieldError("path", "data.source=jsonl needs data.path, a JSONL file of prompt/answer rows")
+
+    def check_files(self) -> None:
+        if self.source is DataSource.JSONL and not Path(os.path.expanduser(self.path or "")).is_file():
+            raise FieldError("path", f"'{self.path}' does not exist; give a JSONL file of prompt/answer rows")
+
+
+@dataclass(kw_only=True)
+class RewardConfig(Section):
+    verifier: Verifier = Verifier.EXACT
+    """exact | numeric | math (math-verify) | function (user code, see `function`)."""
+    function: str | None = None
+    """`package.module:callable` taking (response, answer) and returning a float in [0, 1]."""
+
+    def check(self) -> None:
+        if self.verifier is not Verifier.FUNCTION:
+            if self.function is not None:
+                raise FieldError("function", "only used with reward.verifier=function; remove it or set the verifier")
+            return
+        fn = self.function or ""
+        module, _, attr = fn.partition(":")
+        if not module or not attr:
+            raise FieldError("function", f"'{fn}' is not of the form package.module:callable")
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            raise FieldError("function", f"module '{module}' cannot be imported; install it or fix PYTHONPATH")

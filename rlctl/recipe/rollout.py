@@ -1,0 +1,122 @@
+"""The rollout section: the servers that generate, and how each request samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlctl.recipe.checks import FieldError, Section, positive, within
+from rlctl.recipe.choices import Device, RolloutEngine, SGLangDtype
+
+# Flags the sglang engine sets itself (rlctl/engines/rollout/sglang.py).
+SGLANG_MANAGED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--random-seed", "--api-key",
+                        "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp")
+
+
+@dataclass(kw_only=True)
+class LongTailConfig(Section):
+    """Per-request response lengths drawn from a long-tailed distribution (a benchmark workload).
+
+    Each request gets its own max_new_tokens, and ignore_eos so that it generates exactly that
+    many tokens; SGLang supports both per request, so the same workload runs on real SGLang.
+    The defaults are shaped like RLVR math: median about 1/10 of the p99, and about 5% of the
+    samples producing a third of the tokens (rlctl.workloads.LengthDistribution says how). The
+    cap is rollout.sampling.max_new_tokens.
+    """
+
+    enabled: bool = False
+    median_fraction: float = 0.095
+    """Median of the lognormal body as a fraction of max_new_tokens."""
+    sigma: float = 0.5
+    """Log-standard-deviation of the body."""
+    truncated_fraction: float = 0.05
+    """Share of requests that run to max_new_tokens (the runs that hit the length cap)."""
+    min_tokens: int = 1
+
+    def check(self) -> None:
+        if not self.enabled:
+            return
+        within("median_fraction", self.median_fraction, 0.0, 1.0, open_low=True, open_high=True)
+        positive("sigma", self.sigma, zero_ok=True)
+        within("truncated_fraction", self.truncated_fraction, 0.0, 1.0, open_high=True)
+        positive("min_tokens", self.min_tokens)
+
+
+@dataclass(kw_only=True)
+class SamplingConfig(Section):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 8
+    stop_token_ids: list[int] = field(default_factory=list)
+    long_tail: LongTailConfig = field(default_factory=LongTailConfig)
+
+    def check(self) -> None:
+        positive("temperature", self.temperature, zero_ok=True)
+        within("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        if self.top_k == 0 or self.top_k < -1:
+            raise FieldError("top_k", f"must be -1 (all) or >= 1, got {self.top_k}")
+        positive("max_new_tokens", self.max_new_tokens)
+
+
+@dataclass(kw_only=True)
+class SGLangConfig(Section):
+    """rollout.engine=sglang: how each server is started (python -m sglang.launch_server)."""
+
+    tp_size: int = 1
+    """GPUs per server (tensor parallel); data parallel = rollout.servers."""
+    mem_fraction_static: float = 0.85
+    dtype: SGLangDtype = SGLangDtype.BFLOAT16
+    api_key: str = ""
+    """Sent as a Bearer token on every request when set (--api-key)."""
+    skip_tokenizer_init: bool = True
+    """rlctl sends token ids and reads output_ids, so the server needs no tokenizer."""
+    extra_args: list[str] = field(default_factory=list)
+    """Passed through to sglang.launch_server, e.g. ["--attention-backend", "fa3"]."""
+
+    def check(self) -> None:
+        positive("tp_size", self.tp_size)
+        within("mem_fraction_static", self.mem_fraction_static, 0.0, 1.0, open_low=True, open_high=True)
+        for i, arg in enumerate(self.extra_args):
+            if arg.split("=")[0] in SGLANG_MANAGED_FLAGS:
+                raise FieldError(f"extra_args[{i}]", f"'{arg}' is set by rlctl; use the rollout.sglang keys or the plan")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(Section):
+    engine: RolloutEngine = RolloutEngine.BUILTIN
+    """builtin (rlctl's own server, CPU or GPU) or sglang."""
+    servers: int = 2
+    """Rollout servers (data parallel: one per TP group)."""
+    group_size: int = 8
+    """Samples per prompt (G in GRPO)."""
+    batch_size: int = 32
+    """Groups per rollout batch (B): all generated with one weight version."""
+    concurrency: int = 32
+    """Requests in flight per server under frontier admission (fifo admission sends everything)."""
+    max_running_requests: int = 128
+    """Largest decode batch a built-in server runs."""
+    dynamic_sampling: bool = False
+    """Drop complete groups whose rewards are all equal (they carry no GRPO signal)."""
+    over_provision: float = 0.0
+    """With dynamic sampling: open this fraction more groups than still needed, so that drops do
+    not leave the rollout batch waiting for late replacements. Leftovers are aborted."""
+    cpus: list[int] = field(default_factory=list)
+    """Pin rollout servers to these CPU cores (empty = no pinning)."""
+    device: Device = Device.CPU
+    """Where built-in servers run: cpu or cuda (server i uses cuda:i when there are enough GPUs)."""
+    gpus: list[int] = field(default_factory=list)
+    """Local launcher, device cuda: the GPUs the servers use (server i on gpus[i % len]); empty = cuda:i."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+    def check(self) -> None:
+        positive("servers", self.servers)
+        if self.group_size < 2:
+            raise FieldError("group_size", f"GRPO needs at least 2 samples per group, got {self.group_size}")
+        for name in ("batch_size", "concurrency", "max_running_requests"):
+            positive(name, getattr(self, name))
+        positive("over_provision", self.over_provision, zero_ok=True)
+        if self.engine is RolloutEngine.SGLANG and self.device is not Device.CUDA:
+            raise FieldError("device", "SGLang runs on GPUs only; set rollout.device=cuda (or rollout.engine=builtin on CPU)")
+        if any(g < 0 for g in self.gpus):
+            raise FieldError("gpus", f"GPU indices are >= 0, got {self.gpus}")

@@ -1,0 +1,66 @@
+"""The whole recipe: its sections, and the checks that span more than one of them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from rlctl.recipe.checks import FieldError, Section, divides
+from rlctl.recipe.choices import DataSource, Launcher
+from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
+from rlctl.recipe.inputs import DataConfig, ModelConfig, RewardConfig, RunConfig
+from rlctl.recipe.rollout import RolloutConfig
+from rlctl.recipe.train import PipelineConfig, TrainConfig
+
+
+@dataclass(kw_only=True)
+class Recipe(Section):
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    launcher: Launcher = Launcher.LOCAL
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    def check(self) -> None:
+        """What no single section can see; keys here are dotted from the top."""
+        init = self.model.init
+        if init is not None and init.warmup_steps > 0 and self.data.source is not DataSource.TASK:
+            raise FieldError("model.init.warmup_steps",
+                             "the warm-up trains on a built-in task; set data.source=task or warmup_steps=0")
+        divides("train.groups_per_batch", self.train.groups_per_batch, "rollout.batch_size", self.rollout.batch_size,
+                "pick a divisor so every train batch is full")
+        if self.launcher is Launcher.LOCAL:
+            self._check_pinning()
+        else:
+            self._check_slurm_layout()
+
+    def _check_pinning(self) -> None:
+        ncpu = len(os.sched_getaffinity(0))
+        for key, cpus in (("rollout.cpus", self.rollout.cpus), ("train.cpus", self.train.cpus)):
+            bad = [c for c in cpus if not 0 <= c < ncpu]
+            if bad:
+                raise FieldError(key, f"cores {bad} do not exist here (0..{ncpu - 1}); leave it empty to not pin")
+
+    def _check_slurm_layout(self) -> None:
+        sl, servers = self.slurm, self.rollout.servers
+        if sl.rollout.nodes and sl.rollout.nodes * sl.rollout.servers_per_node != servers:
+            raise FieldError("slurm.rollout.nodes", f"{sl.rollout.nodes} nodes x {sl.rollout.servers_per_node} servers "
+                             f"per node != rollout.servers ({servers}); set nodes to 0 to derive it")
+        divides("slurm.rollout.servers_per_node", sl.rollout.servers_per_node, "rollout.servers", servers,
+                "every node runs the same number of servers")
+        divides("slurm.trainer.nodes", sl.trainer.nodes, "train.ranks", self.train.ranks,
+                "every node runs the same number of ranks")
+        if self.rollout.cpus or self.train.cpus:
+            key = "rollout.cpus" if self.rollout.cpus else "train.cpus"
+            raise FieldError(key, "core pinning is for the local launcher; with launcher=slurm use slurm.*.cpus_per_task")
+
+
+def slurm_rollout_nodes(recipe: Recipe) -> int:
+    sl = recipe.slurm.rollout
+    return sl.nodes or -(-recipe.rollout.servers // sl.servers_per_node)

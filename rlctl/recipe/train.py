@@ -1,0 +1,105 @@
+"""The train and pipeline sections: the trainer, and how training and rollout interleave."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlctl.recipe.checks import FieldError, Section, divides, positive
+from rlctl.recipe.choices import Admission, Device, InflightAtUpdate, MegatronDtype, PipelineMode, SyncBackend, TrainEngine
+
+
+@dataclass(kw_only=True)
+class MegatronConfig(Section):
+    """train.engine=megatron: how the Megatron-core model is parallelized."""
+
+    tp: int = 1
+    """Tensor-parallel size; train.ranks = tp x data-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size (only 1 for now)."""
+    dtype: MegatronDtype = MegatronDtype.BFLOAT16
+    """Parameter dtype: bfloat16 (fp32 master weights in the optimizer) or float32."""
+
+    def check(self) -> None:
+        positive("tp", self.tp)
+        if self.pp != 1:
+            raise FieldError("pp", "pipeline parallelism is not supported yet; use pp=1 (and tp for large models)")
+
+
+@dataclass(kw_only=True)
+class TrainConfig(Section):
+    engine: TrainEngine = TrainEngine.TORCH
+    """torch (transformers model; gradients all-reduced across ranks) or megatron (Megatron-core
+    GPTModel; CUDA only)."""
+    ranks: int = 1
+    """Data-parallel trainer processes (torch.distributed, gloo on CPU)."""
+    cpus: list[int] = field(default_factory=list)
+    """Pin trainer ranks to these CPU cores (empty = no pinning)."""
+    device: Device = Device.CPU
+    """cpu or cuda (rank r uses cuda:r when there are enough GPUs)."""
+    gpus: list[int] = field(default_factory=list)
+    """Local launcher, device cuda: the GPUs the ranks use (rank r on gpus[r % len]); empty = cuda:r.
+    Give trainers and servers different GPUs for a disaggregated run on one multi-GPU host."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    groups_per_batch: int = 8
+    """Groups per train batch (one optimizer step); must divide rollout.batch_size."""
+    clip_eps: float = 0.2
+    """PPO/GRPO ratio clip."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty against the initial model (0 = off, no reference copy kept)."""
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 8192
+    """Most padded tokens per forward/backward; a train batch is split by length to fit."""
+    sync_bucket_mb: float = 64.0
+    """Size of one weight-broadcast bucket in MiB."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    sync_backend: SyncBackend = SyncBackend.AUTO
+    """Weight-sync group: gloo (CPU staging), nccl (GPU to GPU, one GPU per rank), or auto: nccl
+    when trainers and servers are on GPUs of different nodes (launcher=slurm), else gloo."""
+
+    def check(self) -> None:
+        for name in ("ranks", "lr", "groups_per_batch", "clip_eps", "grad_clip", "micro_batch_tokens", "sync_bucket_mb"):
+            positive(name, getattr(self, name))
+        for name in ("weight_decay", "kl_coef"):
+            positive(name, getattr(self, name), zero_ok=True)
+        if any(g < 0 for g in self.gpus):
+            raise FieldError("gpus", f"GPU indices are >= 0, got {self.gpus}")
+        if self.engine is not TrainEngine.MEGATRON:
+            return
+        divides("megatron.tp", self.megatron.tp, "train.ranks", self.ranks, "ranks = tp x data parallel")
+        if self.device is not Device.CUDA:
+            raise FieldError("device", "Megatron trains on GPUs only; set train.device=cuda (or train.engine=torch on CPU)")
+        if self.kl_coef > 0:
+            raise FieldError("kl_coef", "the KL penalty is not in the megatron engine yet; set it to 0 or use train.engine=torch")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig(Section):
+    mode: PipelineMode = PipelineMode.SYNC
+    """sync: generate the rollout batch, then train, then broadcast weights.
+    rolloutpipe: weights fixed per rollout batch, but each complete group goes to the trainer at
+    once and a train batch starts as soon as it is full. async: rollout never stops; samples carry
+    their weight version and at most max_staleness versions of lag are trained."""
+    admission: Admission = Admission.FIFO
+    """Order and amount of requests sent to the servers. fifo: the whole rollout batch at once,
+    in group order (the servers queue what they cannot run). frontier: at most
+    rollout.concurrency per server, groups needed for the next train batch first."""
+    stream_train: bool = True
+    """rolloutpipe: the trainer runs forward and backward on each complete group as soon as it
+    is free (gradient accumulation) and takes the optimizer step when the train batch is full,
+    instead of waiting for the whole train batch first. The step is the same either way."""
+    max_staleness: int = 1
+    """async: the most weight versions a trained sample may lag behind the trainer."""
+    sync_every: int = 1
+    """async: optimizer steps between weight broadcasts."""
+    check_weights: bool = False
+    """After every weight sync, compare the sha256 of every tensor on each server with the
+    trainer's, and fail the run on a difference (built-in servers; slow: for tests)."""
+    inflight_at_update: InflightAtUpdate = InflightAtUpdate.FINISH
+    """async: what happens to requests in flight at a weight update. finish: they complete on the
+    old weights (tagged with that version). abort_resume: they are aborted and resumed on the new
+    weights from where they stopped (partial rollout; a sample then spans versions)."""
+
+    def check(self) -> None:
+        positive("max_staleness", self.max_staleness, zero_ok=True)
+        positive("sync_every", self.sync_every)
