@@ -47,6 +47,29 @@ def test_clipping_caps_the_gain_of_a_positive_advantage():
     assert lp.grad.abs().sum().item() == 0.0
 
 
+def test_clip_frac_counts_tokens_where_the_clip_binds_not_tokens_outside_the_band():
+    # Per sample, one token: ratio 3 and 0.5 with a positive advantage, then with a negative one.
+    # Outside the band, the clip binds only where the advantage pushes the ratio further out
+    # (3 with A > 0, 0.5 with A < 0); the other two keep their unclipped term and its gradient.
+    ratio = torch.tensor([[3.0], [0.5], [3.0], [0.5]])
+    lp = torch.log(ratio).requires_grad_(True)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, stats = clipped_policy_loss(lp, torch.zeros(4, 1), adv, torch.ones(4, 1), 0.2, 4.0)
+    assert stats["clip_frac"] == 0.5
+    assert loss.item() == pytest.approx(-(1.2 + 0.5 - 3.0 - 0.8) / 4)
+    loss.backward()
+    assert [g != 0 for g in lp.grad[:, 0].tolist()] == [False, True, True, False]
+
+
+def test_clip_frac_ignores_masked_tokens():
+    lp = torch.log(torch.tensor([[3.0, 3.0]]))
+    stats = clipped_policy_loss(lp, torch.zeros(1, 2), torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), 0.2, 1.0)[1]
+    assert stats["clip_frac"] == 1.0
+    lp = torch.log(torch.tensor([[3.0, 1.0]]))
+    stats = clipped_policy_loss(lp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), 0.2, 1.0)[1]
+    assert stats["clip_frac"] == 0.5
+
+
 def test_k3_kl_is_zero_on_equal_policies_and_positive_otherwise():
     lp = torch.tensor([-1.0, -2.0])
     assert torch.all(k3_kl(lp, lp) == 0)

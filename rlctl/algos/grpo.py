@@ -47,6 +47,11 @@ def clipped_policy_loss(
     logprobs, old_logprobs, mask: [B, T]; advantages: [B] (one per sample, broadcast over its
     tokens). The caller picks the normalizer (the train batch's total response tokens) so that
     data-parallel ranks holding different token counts still compute one token-mean loss.
+
+    stats["clip_frac"] is PPO's clipfrac: the share of masked tokens where the clipped term is
+    the one the min picks (ratio above 1 + eps with a positive advantage, or below 1 - eps with
+    a negative one), so the token gives no gradient. A token outside the clip band whose
+    advantage pushes the ratio back towards 1 keeps its unclipped term and is not counted.
     """
     import torch
 
@@ -59,7 +64,7 @@ def clipped_policy_loss(
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         stats = {
-            "clip_frac": float(((unclipped != clipped).float() * mask).sum() / n),
+            "clip_frac": float(((clipped < unclipped).float() * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
         }
     return loss, stats
