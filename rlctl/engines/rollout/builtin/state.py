@@ -1,0 +1,41 @@
+"""What the built-in server's routes share: its flags, the engine once loaded, and SGLang's reply shape."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from rlctl.engines.rollout.builtin.engine import Engine
+from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, parse_version
+
+
+@dataclass
+class ServerState:
+    args: argparse.Namespace
+    """The command-line flags (server.parser())."""
+    engine: Engine | None = None
+    """None until the model is loaded: routes that need it answer 503 or do nothing until then."""
+    tokenizer: Any = None
+    """None when the model directory has no tokenizer: token ids only, like --skip-tokenizer-init."""
+    loading_error: str | None = None
+
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def sessions_required(self) -> bool:
+        """SGLang >= 0.5.21 refuses weight updates outside a session; older versions have none."""
+        if not self.args.emulate_sglang:
+            return True
+        v = parse_version(self.args.emulate_sglang)
+        return v is not None and v >= UPDATE_SESSION_SINCE
+
+
+def ok(message: str = "") -> web.Response:
+    return web.json_response({"success": True, "message": message})
+
+
+def fail(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=status)
