@@ -98,14 +98,20 @@ def torch_engine(model_dir: Path, lr: float = 1e-5):
 
 
 def check_engines(work: Path) -> None:
-    from safetensors.torch import load_file
-
+    """Checks 1 to 4, on one small model whose norms are away from 1."""
     shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
     model_dir = build_model(work / "small", torch.float32, **shape)
-    on_disk = load_file(str(model_dir / "model.safetensors"))
+    check_round_trip(model_dir)
+    batch = check_against_torch(model_dir, samples(shape["vocab_size"]))
+    check_accumulation(model_dir, batch)
 
-    # 1. round trip
+
+def check_round_trip(model_dir: Path) -> None:
+    """1. HF -> Megatron -> HF, in fp32 and bf16: every tensor back exactly."""
+    from safetensors.torch import load_file
+
+    on_disk = load_file(str(model_dir / "model.safetensors"))
     for dtype in ("float32", "bfloat16"):
         eng = megatron_engine(model_dir, dtype)
         exported = dict(eng.hf_weights())
@@ -118,8 +124,10 @@ def check_engines(work: Path) -> None:
                differ=len(differ), first_differ=differ[0] if differ else "-", exported_dtypes="/".join(dtypes))
         del eng
 
-    # 2. log-probs, 3. one GRPO step
-    batch = samples(shape["vocab_size"])
+
+def check_against_torch(model_dir: Path, batch: list[TrainSample]) -> list[TrainSample]:
+    """2. log-probs and 3. one GRPO step of each engine. Returns the batch with the torch engine's
+    log-probs as the behaviour policy (ratio 1 at the start), for the checks after it."""
     te = torch_engine(model_dir)
     ref = te.logprobs(batch)
     batch = [TrainSample(s.prompt_ids, s.response_ids, s.advantage, lp, 0) for s, lp in zip(batch, ref)]
@@ -141,10 +149,14 @@ def check_engines(work: Path) -> None:
                    logprobs_max_abs_diff_after=lp_after, grad_norm_megatron=m_stats["grad_norm"],
                    grad_norm_torch=t_stats["grad_norm"])
         del me
+    return batch
 
-    # 4. a train batch accumulated in pieces (rolloutpipe's streaming) gives the one-piece gradient.
-    # Gradients, not weights after the step, are compared: Adam's first update, g / (|g| + eps),
-    # turns the last-bit rounding of a near-zero gradient into a change of order lr.
+
+def check_accumulation(model_dir: Path, batch: list[TrainSample]) -> None:
+    """4. A train batch accumulated in pieces (rolloutpipe's streaming) gives the one-piece gradient.
+
+    Gradients, not weights after the step, are compared: Adam's first update, g / (|g| + eps),
+    turns the last-bit rounding of a near-zero gradient into a change of order lr."""
     from megatron.core.distributed import finalize_model_grads
 
     grads, stats = {}, {}

@@ -15,10 +15,18 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rlctl.recipe import ModelInit
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import Qwen3Config
+
+    from rlctl.rewards.tasks import Task
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Printable ASCII: any prompt a user writes in a JSONL file can be encoded.
@@ -48,16 +56,29 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log=print) -> Path:
+def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log: Callable[[str], Any] = print) -> Path:
     """Create, warm up and save the tiny model into out_dir (written atomically)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from rlctl.rewards.tasks import TASKS
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(init.seed)
     tokenizer = build_tokenizer()
-    config = Qwen3Config(
+    model = Qwen3ForCausalLM(qwen3_config(init, tokenizer))
+    n_params = sum(p.numel() for p in model.parameters())
+    # Warm up on a GPU when there is one (the larger benchmark models); the result is saved on CPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    log(f"tiny model: {n_params:,} parameters, vocab {model.config.vocab_size}")
+    warm_up(model, tokenizer, init, task_name, device, log)
+    return save_atomically(model.cpu(), tokenizer, out_dir,
+                           {"init": asdict(init), "task": task_name, "parameters": n_params})
+
+
+def qwen3_config(init: ModelInit, tokenizer: Any) -> Qwen3Config:
+    """The Qwen3 architecture at the init block's size, with the character tokenizer's ids."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=init.hidden_size,
         intermediate_size=init.intermediate_size,
@@ -71,31 +92,20 @@ def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log=print) 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen3ForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    # Warm up on a GPU when there is one (the larger benchmark models); the result is saved on CPU.
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(device)
-    log(f"tiny model: {n_params:,} parameters, vocab {config.vocab_size}")
+
+
+def warm_up(model: torch.nn.Module, tokenizer: Any, init: ModelInit, task_name: str, device: str,
+            log: Callable[[str], Any]) -> None:
+    """init.warmup_steps supervised steps on the task's prompts, a share of them with wrong answers."""
+    import torch
+
+    from rlctl.rewards.tasks import TASKS
 
     task = TASKS[task_name]
     rng = random.Random(init.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=init.warmup_lr)
-    loss = None
     for step in range(init.warmup_steps):
-        rows = []
-        for _ in range(init.warmup_batch_size):
-            prompt, answer = task.sample(rng)
-            target = answer if rng.random() < init.warmup_correct_prob else task.random_answer(rng)
-            p_ids = tokenizer(prompt)["input_ids"]
-            t_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            rows.append((p_ids, t_ids))
-        length = max(len(p) + len(t) for p, t in rows)
-        ids = torch.full((len(rows), length), tokenizer.pad_token_id)
-        labels = torch.full((len(rows), length), -100)
-        for i, (p, t) in enumerate(rows):
-            ids[i, : len(p) + len(t)] = torch.tensor(p + t)
-            labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)  # loss on the answer only
+        ids, labels = warmup_batch(task, tokenizer, init, rng)
         loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
         opt.zero_grad()
         loss.backward()
@@ -103,13 +113,35 @@ def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log=print) 
         if (step + 1) % 100 == 0:
             log(f"warm-up step {step + 1}/{init.warmup_steps}: loss {loss.item():.3f}")
 
+
+def warmup_batch(task: Task, tokenizer: Any, init: ModelInit, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + target ids and their labels; the loss falls on the target only."""
+    import torch
+
+    rows = []
+    for _ in range(init.warmup_batch_size):
+        prompt, answer = task.sample(rng)
+        target = answer if rng.random() < init.warmup_correct_prob else task.random_answer(rng)
+        p_ids = tokenizer(prompt)["input_ids"]
+        t_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((p_ids, t_ids))
+    length = max(len(p) + len(t) for p, t in rows)
+    ids = torch.full((len(rows), length), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), length), -100)
+    for i, (p, t) in enumerate(rows):
+        ids[i, : len(p) + len(t)] = torch.tensor(p + t)
+        labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)
+    return ids, labels
+
+
+def save_atomically(model: torch.nn.Module, tokenizer: Any, out_dir: Path, description: dict[str, Any]) -> Path:
+    """Write the model directory under a temporary name and rename it into place, so that a run
+    never sees a half-written model; description goes to rlctl_model.json."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
-    model.cpu().save_pretrained(tmp)
+    model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "rlctl_model.json").write_text(
-        json.dumps({"init": asdict(init), "task": task_name, "parameters": n_params}, indent=2)
-    )
+    (tmp / "rlctl_model.json").write_text(json.dumps(description, indent=2))
     try:
         os.rename(tmp, out_dir)
     except OSError:  # another run built the same model first; theirs is identical
@@ -117,7 +149,7 @@ def build_tiny_model(init: ModelInit, task_name: str, out_dir: Path, log=print) 
     return out_dir
 
 
-def ensure_tiny_model(init: ModelInit, task_name: str, log=print) -> Path:
+def ensure_tiny_model(init: ModelInit, task_name: str, log: Callable[[str], Any] = print) -> Path:
     """The cached model directory for this init block, building it if needed."""
     out = cache_root() / model_key(init, task_name)
     if (out / "config.json").is_file():

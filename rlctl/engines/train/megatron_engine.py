@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,17 @@ import torch.distributed as dist
 from rlctl.algos.grpo import clipped_policy_loss
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.engines.train.megatron_convert import Layout, gather, hf_to_mcore, mcore_to_hf, shard, tp_dim
-from rlctl.recipe import TrainConfig
+from rlctl.errors import RunError
+from rlctl.recipe import MegatronDtype, TrainConfig
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+    from transformers import PretrainedConfig
 
 
 def load_hf_state(model_path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the model directory's safetensors files, by HF name (on the CPU)."""
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -33,52 +41,77 @@ def load_hf_state(model_path: str) -> dict[str, torch.Tensor]:
     for f in sorted(Path(model_path).glob("*.safetensors")):
         state.update(load_file(str(f)))
     if not state:
-        raise FileNotFoundError(f"{model_path}: no *.safetensors files")
+        raise RunError(f"{model_path}: no *.safetensors files; train.engine=megatron loads the weights from them")
     return state
 
 
 class MegatronTrainEngine(PieceTraining):
     def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
                  device: str = "cuda", init_method: str | None = None) -> None:
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.transformer import TransformerConfig
         from transformers import AutoConfig
 
         self.cfg, self.temperature = cfg, temperature
-        mcfg = cfg.megatron
         self.rank, self.world_size = rank, world_size
+        self._init_parallel(device, init_method)
+        hf_cfg = AutoConfig.from_pretrained(model_path)
+        self.layout = Layout.from_hf_config(hf_cfg)
+        if self.layout.vocab_size % self.tp_size:
+            raise RunError(f"vocab size {self.layout.vocab_size} does not split over {self.tp_size} TP ranks; "
+                           "set train.megatron.tp to a divisor of it")
+        self.dtype = torch.bfloat16 if cfg.megatron.dtype is MegatronDtype.BFLOAT16 else torch.float32
+        self.tconfig = self._transformer_config(hf_cfg)
+        model = self._build_model(hf_cfg)
+        self._load_hf(model, load_hf_state(model_path))
+        self._wrap_for_training(model)
+        self.pad_id = hf_cfg.pad_token_id or 0
+        self.collective_export = self.tp_size > 1  # hf_weights() all-gathers over the TP group
+        self.version = 0
+        self._acc = new_accumulator()
+        self.ddp.zero_grad_buffer()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _init_parallel(self, device: str, init_method: str | None) -> None:
+        """The NCCL default group (unless the caller made one) and Megatron's TP x DP groups."""
+        from megatron.core import parallel_state, tensor_parallel
+
         torch.cuda.set_device(torch.device(device).index or 0)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", init_method=init_method or "env://", rank=rank, world_size=world_size)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=mcfg.tp, pipeline_model_parallel_size=1)
+            dist.init_process_group("nccl", init_method=init_method or "env://", rank=self.rank,
+                                    world_size=self.world_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.cfg.megatron.tp,
+                                                 pipeline_model_parallel_size=1)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.tp_size = mcfg.tp
+        self.tp_size = self.cfg.megatron.tp
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
 
-        hf_cfg = AutoConfig.from_pretrained(model_path)
-        self.layout = L = Layout.from_hf_config(hf_cfg)
-        if L.vocab_size % self.tp_size:
-            raise ValueError(f"vocab size {L.vocab_size} does not split over {self.tp_size} TP ranks")
-        self.dtype = torch.bfloat16 if mcfg.dtype == "bfloat16" else torch.float32
-        bf16 = self.dtype == torch.bfloat16
-        self.tconfig = TransformerConfig(
+    def _transformer_config(self, hf_cfg: PretrainedConfig) -> TransformerConfig:
+        """The HF architecture in Megatron's terms; fusions and dropout off, so that the forward
+        pass computes what the HF model (and the rollout server) computes."""
+        from megatron.core.transformer import TransformerConfig
+
+        L = self.layout
+        return TransformerConfig(
             num_layers=L.num_layers, hidden_size=L.hidden_size, num_attention_heads=L.num_heads,
             num_query_groups=L.num_kv_heads, kv_channels=L.head_dim, ffn_hidden_size=L.ffn_hidden_size,
             normalization="RMSNorm", layernorm_epsilon=hf_cfg.rms_norm_eps, gated_linear_unit=True,
             activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
-            qk_layernorm=L.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
+            qk_layernorm=L.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, bf16=self.dtype == torch.bfloat16,
             params_dtype=self.dtype, pipeline_dtype=self.dtype, tensor_model_parallel_size=self.tp_size,
             attention_softmax_in_fp32=True, apply_rope_fusion=False, bias_dropout_fusion=False,
             masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         )
-        model = GPTModel(
+
+    def _build_model(self, hf_cfg: PretrainedConfig) -> GPTModel:
+        """An uninitialized GPTModel on this GPU with the local layer spec (no Transformer Engine)."""
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        L = self.layout
+        return GPTModel(
             config=self.tconfig,
             transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=L.qk_norm, normalization="RMSNorm"),
             vocab_size=L.vocab_size, max_sequence_length=hf_cfg.max_position_embeddings,
@@ -86,7 +119,13 @@ class MegatronTrainEngine(PieceTraining):
             share_embeddings_and_output_weights=L.tied, position_embedding_type="rope",
             rotary_base=int(getattr(hf_cfg, "rope_theta", None) or hf_cfg.rope_parameters["rope_theta"]),
         ).cuda()
-        self._load_hf(model, load_hf_state(model_path))
+
+    def _wrap_for_training(self, model: GPTModel) -> None:
+        """Megatron's DDP with the distributed optimizer around the loaded model."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg, bf16 = self.cfg, self.dtype == torch.bfloat16
         self.ddp = DistributedDataParallel(
             self.tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
                                                         overlap_grad_reduce=False), module=model)
@@ -101,11 +140,6 @@ class MegatronTrainEngine(PieceTraining):
         self.tconfig.finalize_model_grads_func = None
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
-        self.pad_id = hf_cfg.pad_token_id or 0
-        self.collective_export = self.tp_size > 1  # hf_weights() all-gathers over the TP group
-        self.version = 0
-        self._acc = new_accumulator()
-        self.ddp.zero_grad_buffer()
 
     # -- weights ------------------------------------------------------------------------------
 

@@ -8,8 +8,11 @@
     GET  /health, /info, /weight_checksums;  POST /shutdown
 
 Rank 0 forwards each train command to the other ranks with broadcast_object_list, then every
-rank runs it. Weight sync is rank 0's alone: DDP keeps every rank's copy identical. One worker
-thread runs all engine work, so a train batch and a weight sync never overlap.
+rank runs it. Weight sync is rank 0's alone: every data-parallel replica takes the same optimizer
+step on the same reduced gradients (the torch engine's one gradient all-reduce per step,
+Megatron's DDP), so the replicas stay identical; with Megatron TP, the other ranks of rank 0's
+TP group join the gathers that rebuild full tensors. One worker thread runs all engine work, so
+a train batch and a weight sync never overlap.
 """
 
 from __future__ import annotations

@@ -3,9 +3,14 @@
 Each rank holds the whole model. A train batch may arrive in pieces (rolloutpipe streams each
 complete group to the trainer as it is ready): accumulate() runs forward and backward on a
 piece, this rank taking every world_size-th sample, with the loss summed over tokens; step()
-sums the gradients over ranks in one all-reduce (gloo on CPU, NCCL on GPUs), divides them by
-the whole batch's response-token count and takes the optimizer step. However the batch was cut
-into pieces and ranks, the step is the token-mean GRPO step of the batch.
+flattens every gradient into one tensor, sums it over ranks in a single all-reduce (gloo on CPU,
+NCCL on GPUs), divides the gradients by the whole batch's response-token count and takes the
+optimizer step. However the batch was cut into pieces and ranks, the step is the token-mean GRPO
+step of the batch.
+
+The model is not wrapped in torch's DistributedDataParallel, which all-reduces in every
+backward pass: here ranks run different numbers of micro-batches (their shares are cut by
+tokens), and one reduction per optimizer step is all a step needs.
 """
 
 from __future__ import annotations
