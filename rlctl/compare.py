@@ -43,7 +43,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def step_metrics(rd: RunDir) -> list[dict[str, Any]]:
+def metrics_by_step(rd: RunDir) -> list[dict[str, Any]]:
     """metrics.jsonl with one record per step, the last written winning, in step order."""
     by_step: dict[int, dict[str, Any]] = {}
     for m in read_jsonl(rd.metrics_path):
@@ -81,7 +81,7 @@ def load_run(rd: RunDir) -> dict[str, Any]:
         recipe = yaml.safe_load(rd.recipe_path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         recipe = {}
-    return {"rd": rd, "info": info, "config": flatten(recipe), "metrics": step_metrics(rd)}
+    return {"rd": rd, "info": info, "config": flatten(recipe), "metrics": metrics_by_step(rd)}
 
 
 def comparison(runs: list[RunDir], last: int = 5, group_by: str | None = None) -> dict[str, Any]:

@@ -12,8 +12,10 @@ import time
 from rich.console import Console
 
 from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
-from rlctl.commands.status import render_table, summary
+from rlctl.commands.status import render_detail, render_table
 from rlctl.rundir import RunDir, list_runs
+from rlctl.status import detail, summary
+from rlctl.tail import last_jsonl_record, last_log_line, tail_lines
 
 
 def fake_run(root, run_id: str, state: str, steps: int, rewards: list[float], mode: str = "sync") -> RunDir:
@@ -51,6 +53,32 @@ def test_json_and_logs(tmp_path):
     assert res.returncode == 0 and res.stdout == "hello from the controller\n"
     res = rlctl("logs", "quickstart", "trainer-9", "--runs-dir", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 2 and "logs: controller" in res.stderr
+
+
+def test_tails_read_only_the_end_of_a_file(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("x" * 1_000_000 + "\nfirst words\nlast words " + "y" * 400 + "\n\n  \n")
+    assert last_log_line(log) == ("last words " + "y" * 400)[:300]
+    assert last_log_line(tmp_path / "missing.log") is None and last_jsonl_record(tmp_path / "missing.jsonl") is None
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "pad": "z" * 100}) + "\n" for i in range(5000)) + '{"step": 50')
+    assert last_jsonl_record(metrics)["step"] == 4999  # the line being written is skipped
+    assert tail_lines(metrics, 14) == ['"}', '{"step": 50']  # the first line of the window may be cut
+
+
+def test_detail_shows_events_whatever_clock_wrote_them(tmp_path):
+    rd = fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 100, [])
+    rd.events_path.write_text("".join(json.dumps(e) + "\n" for e in (
+        {"t": 12.5, "event": "server_up", "role": "rollout-0"},
+        {"t": 1790000000.25, "event": "run_end", "state": "completed", "host": "node1"},
+        {"event": "submitted", "job_id": "7"},
+    )))
+    console = Console(width=200, record=True, color_system=None)
+    console.print(render_detail(detail(rd)))
+    text = console.export_text()
+    assert "  12.500 server_up {'role': 'rollout-0'}" in text
+    assert "  1790000000.250 run_end {'state': 'completed', 'host': 'node1'}" in text
+    assert "  None submitted {'job_id': '7'}" in text
 
 
 def test_ctrl_c_in_launch_cancels_the_run(tmp_path):

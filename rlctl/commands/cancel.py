@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from rlctl.errors import RunError
-from rlctl.rundir import RunState, find_run, pid_alive
+from rlctl.rundir import RunDir, RunState, find_run, pid_alive
 
 WAIT_S = 30.0
 
@@ -49,7 +49,7 @@ def cancel(
     print(f"{rd.id} {rd.read()['state']}")
 
 
-def _cancel_slurm(rd, info: dict) -> None:
+def _cancel_slurm(rd: RunDir, info: dict) -> None:
     """scancel the run's job and wait until Slurm says it ended: then no process of the run is
     left on any node (Slurm kills every step of the job)."""
     from rlctl.launchers import slurm

@@ -4,13 +4,19 @@ time. Runs are ids, names or run directories, local and Slurm alike; the first i
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from rlctl.errors import RunError, UsageError
-from rlctl.rundir import find_run
+from rlctl.rundir import RunDir, find_run
+
+if TYPE_CHECKING:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
 
 TIME_LABELS = {
     "step_time": "step time s", "rollout_time": "rollout s", "train_time": "train s", "sync_time": "weight sync s",
@@ -27,19 +33,15 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def render(comp: dict[str, Any], width: int = 80):
-    """The three parts (config diff, learning, time) and, with --group-by, the groups."""
-    from rich.console import Group
+def _table(title: str, **options: Any) -> Table:
+    """A borderless table under a bold title, the look every part shares."""
     from rich.table import Table
-    from rich.text import Text
 
-    from rlctl.compare import sparkline
+    return Table(box=None, pad_edge=False, title=title, title_justify="left", title_style="bold", **options)
 
-    runs = comp["runs"]
-    labels = [r["label"] for r in runs]
-    parts: list[Any] = []
 
-    t = Table(box=None, pad_edge=False, show_header=False, title="runs", title_justify="left", title_style="bold")
+def _runs_table(runs: list[dict[str, Any]]) -> Table:
+    t = _table("runs", show_header=False)
     t.add_column("")
     t.add_column("", no_wrap=True)  # a run id stays whole: it is what the user copies
     t.add_column("", overflow="fold")
@@ -47,21 +49,24 @@ def render(comp: dict[str, Any], width: int = 80):
     for r in runs:
         code = r["code"].get("commit", "")[:8] + ("+dirty" if r["code"].get("dirty") else "") if r["code"] else "-"
         t.add_row(r["label"], r["id"], f"{r['state']} {r['mode']}/{r['launcher']} {r['steps']} steps", code or "-")
-    parts.append(t)
+    return t
 
-    c = comp["config"]
-    t = Table(box=None, pad_edge=False, title=f"config: {c['keys_differ']} of {c['keys_total']} keys differ",
-              title_justify="left", title_style="bold")
+
+def _config_table(config: dict[str, Any], labels: list[str]) -> Table:
+    t = _table(f"config: {config['keys_differ']} of {config['keys_total']} keys differ")
     t.add_column("key", overflow="fold")
     for label in labels:
         t.add_column(label, overflow="fold")
-    for key, values in c["differ"].items():
+    for key, values in config["differ"].items():
         t.add_row(key, *("(absent)" if v is None else json.dumps(v) if isinstance(v, (list, dict)) else str(v)
                          for v in values))
-    parts.append(t)
+    return t
 
-    t = Table(box=None, pad_edge=False, title="learning (mean of the last steps; best; change vs A)",
-              title_justify="left", title_style="bold")
+
+def _learning_table(comp: dict[str, Any], labels: list[str]) -> Table:
+    from rlctl.compare import sparkline
+
+    t = _table("learning (mean of the last steps; best; change vs A)")
     for col, justify in (("metric", "left"), ("run", "left"), ("last", "right"), ("best", "right"),
                          ("diff", "right"), ("%", "right")):
         t.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -72,50 +77,66 @@ def render(comp: dict[str, Any], width: int = 80):
             pct = f"{row['pct']:+.1f}" if row["pct"] is not None and i else ""
             diff = f"{row['diff']:+.3g}" if row["diff"] is not None and i else ""
             t.add_row(name if i == 0 else "", labels[i], _fmt(row["last_mean"]), _fmt(row["best"]), diff, pct, curve)
-    parts.append(t)
+    return t
 
-    t = Table(box=None, pad_edge=False, title="time (medians over steps; ratio to A)", title_justify="left",
-              title_style="bold")
+
+def _time_table(times: dict[str, Any], labels: list[str]) -> Table:
+    t = _table("time (medians over steps; ratio to A)")
     t.add_column("metric")
     for i, label in enumerate(labels):
         t.add_column(label, justify="right")
         if i:
             t.add_column(f"{label}/A", justify="right")
-    for name, rows in comp["time"].items():
+    for name, rows in times.items():
         cells = []
         for i, row in enumerate(rows):
             cells.append(_fmt(row["median"]))
             if i:
                 cells.append(f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-")
         t.add_row(TIME_LABELS.get(name, name), *cells)
-    parts.append(t)
+    return t
 
+
+def _interval(m: dict[str, Any] | None) -> str:
+    if m is None:
+        return "-"
+    return f"{m['mean']:.3g} [{m['lo']:.3g}, {m['hi']:.3g}]" if m["lo"] is not None else f"{m['mean']:.3g}"
+
+
+def _groups_parts(groups: dict[str, Any]) -> list[Table | Text]:
+    """The --group-by table, and a note naming the groups too small for an interval."""
+    from rich.text import Text
+
+    t = _table(f"by {groups['key']} (mean over runs, 95% bootstrap interval)")
+    for col in ("value", "runs", "reward", "step s", "r2t end s"):
+        t.add_column(col, overflow="fold")
+    for grp in groups["groups"]:
+        t.add_row(str(grp["value"]), ",".join(grp["runs"]), _interval(grp["reward_mean"]), _interval(grp["step_time"]),
+                  _interval(grp["rollout_to_train_end"]))
+    small = [str(grp["value"]) for grp in groups["groups"] if grp["n"] < 3]
+    if not small:
+        return [t]
+    return [t, Text(f"no interval for {', '.join(small)}: fewer than 3 runs (run more seeds)")]
+
+
+def render(comp: dict[str, Any]) -> Group:
+    """The three parts (config diff, learning, time), with --group-by the groups, and why a
+    failed run failed."""
+    from rich.console import Group
+    from rich.text import Text
+
+    labels = [r["label"] for r in comp["runs"]]
+    parts: list[Any] = [_runs_table(comp["runs"]), _config_table(comp["config"], labels),
+                        _learning_table(comp, labels), _time_table(comp["time"], labels)]
     if "groups" in comp:
-        g = comp["groups"]
-        t = Table(box=None, pad_edge=False, title=f"by {g['key']} (mean over runs, 95% bootstrap interval)",
-                  title_justify="left", title_style="bold")
-        for col in ("value", "runs", "reward", "step s", "r2t end s"):
-            t.add_column(col, overflow="fold")
-        small = []
-        for grp in g["groups"]:
-            def cell(m):
-                if m is None:
-                    return "-"
-                return f"{m['mean']:.3g} [{m['lo']:.3g}, {m['hi']:.3g}]" if m["lo"] is not None else f"{m['mean']:.3g}"
-            t.add_row(str(grp["value"]), ",".join(grp["runs"]), cell(grp["reward_mean"]), cell(grp["step_time"]),
-                      cell(grp["rollout_to_train_end"]))
-            if grp["n"] < 3:
-                small.append(str(grp["value"]))
-        parts.append(t)
-        if small:
-            parts.append(Text(f"no interval for {', '.join(small)}: fewer than 3 runs (run more seeds)"))
-    failed = [r for r in runs if r["state"] == "failed"]
-    for r in failed:
-        parts.append(Text(f"{r['label']} failed: {r['exit_reason']}", style="red"))
+        parts += _groups_parts(comp["groups"])
+    parts += [Text(f"{r['label']} failed: {r['exit_reason']}", style="red") for r in comp["runs"] if r["state"] == "failed"]
     return Group(*parts)
 
 
-def plot(comp: dict[str, Any], runs, path: Path) -> None:
+def plot(comp: dict[str, Any], runs: list[RunDir], path: Path) -> None:
+    """--plot: reward against step and against the time the steps took, the step-time parts, and
+    the trainer's waiting ratio, one line or bar per run."""
     try:
         import matplotlib
 
@@ -123,19 +144,15 @@ def plot(comp: dict[str, Any], runs, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
-    from rlctl.compare import step_metrics
+    from rlctl.compare import metrics_by_step
 
     labels = [r["label"] for r in comp["runs"]]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for label, rd in zip(labels, runs):
-        ms = step_metrics(rd)
+        ms = metrics_by_step(rd)
         steps = [m["step"] for m in ms]
         rewards = [m["reward_mean"] for m in ms]
-        wall = []
-        total = 0.0
-        for m in ms:
-            total += m.get("step_time", 0.0)
-            wall.append(total)
+        wall = list(accumulate(m.get("step_time", 0.0) for m in ms))
         axes[0][0].plot(steps, rewards, label=label)
         axes[0][1].plot(wall, rewards, label=label)
         axes[1][1].plot(steps, [m.get("trainer_wait_ratio", 0.0) for m in ms], label=label)

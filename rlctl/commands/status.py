@@ -1,65 +1,18 @@
-"""`rlctl status [RUN] [--json] [--watch]`: runs and their state, read from the run directories.
-
-A run's state is what run.json says, unless run.json says it is still going while its
-supervisor is gone: then it is shown as failed, with the supervisor's log to read. Slurm runs
-are joined with Slurm's own state first: one batched squeue for all of them
-(rlctl/launchers/slurm.py), and the job's state is shown beside the run's.
-"""
+"""`rlctl status [RUN] [--json] [--watch]`: runs and their state. What is shown comes from
+rlctl/status.py; this module parses the command line and renders it."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from rlctl.rundir import RunDir, RunState, find_run, list_runs, pid_alive
-
-STARTING_GRACE_S = 30.0
-
-
-def effective_state(rd: RunDir, info: dict[str, Any]) -> tuple[RunState, str | None]:
-    state = RunState(info["state"])
-    if state.finished or info.get("launcher") == "slurm":
-        return state, info.get("exit_reason")  # a Slurm run was joined with Slurm's state before
-    supervisor = info.get("processes", {}).get("supervisor", {}).get("pid")
-    if supervisor is None:
-        created = dt.datetime.fromisoformat(info["created"])
-        age = (dt.datetime.now(dt.UTC) - created).total_seconds()
-        if age < STARTING_GRACE_S:
-            return state, None
-        return RunState.FAILED, f"no supervisor ever started; see {rd.log_path('supervisor')}"
-    if not pid_alive(supervisor, expect_in_cmdline=rd.id):
-        return RunState.FAILED, f"supervisor (pid {supervisor}) is gone; see {rd.log_path('supervisor')}"
-    return state, None
-
-
-def last_jsonl_record(path: Path) -> dict[str, Any] | None:
-    """The last line of a JSONL file, reading only its end."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 65536))
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            continue
-    return None
-
-
-def _elapsed(info: dict[str, Any]) -> float:
-    start = dt.datetime.fromisoformat(info["created"])
-    end = dt.datetime.fromisoformat(info["ended"]) if info.get("ended") else dt.datetime.now(dt.UTC)
-    return (end - start).total_seconds()
+if TYPE_CHECKING:
+    from rich.console import Group
+    from rich.text import Text
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -69,66 +22,10 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
-    info = info if info is not None else rd.read()
-    state, reason = effective_state(rd, info)
-    last = last_jsonl_record(rd.metrics_path)
-    return {
-        "id": info["id"],
-        "name": info["name"],
-        "mode": info.get("mode"),
-        "launcher": info.get("launcher"),
-        "state": state.value,
-        "step": (last["step"] + 1) if last else 0,
-        "steps_total": info.get("steps_total"),
-        "reward": last["reward_mean"] if last else None,
-        "elapsed_s": _elapsed(info),
-        "created": info["created"],
-        "exit_reason": reason,
-        "path": str(rd.path),
-        "slurm": _slurm_summary(info),
-    }
-
-
-def _slurm_summary(info: dict[str, Any]) -> dict[str, Any] | None:
-    sl = info.get("slurm")
-    if not sl or not sl.get("job_id"):
-        return None
-    from rlctl.launchers.slurm import JobInfo
-
-    last = sl.get("last")
-    return {"job_id": sl["job_id"], **(last or {}),
-            "describe": JobInfo(**last).describe() if last else "submitted, not yet seen by squeue"}
-
-
-def _refresh_slurm(runs: list[RunDir], infos: dict[str, dict[str, Any]] | None = None) -> None:
-    from rlctl.launchers.slurm import refresh
-
-    refresh(runs, infos)  # asks Slurm only if some run is a Slurm run that needs it
-
-
-def detail(rd: RunDir) -> dict[str, Any]:
-    info = rd.read()
-    out = summary(rd)
-    procs = []
-    for role, p in info.get("processes", {}).items():
-        procs.append({"role": role, "pid": p.get("pid"), "host": p.get("host"), "port": p.get("port"),
-                      # a Slurm run's processes live on other nodes: no pid to check from here
-                      "alive": None if info.get("launcher") == "slurm" else
-                      pid_alive(p.get("pid"), expect_in_cmdline=rd.id) if p.get("pid") else False,
-                      "log": p.get("log", str(rd.log_path(role)))})
-    out["processes"] = procs
-    out["last_events"] = rd.events()[-10:]
-    out["last_metrics"] = last_jsonl_record(rd.metrics_path)
-    out["wandb"] = (info.get("tracking") or {}).get("wandb")
-    out["logs"] = [str(p) for p in rd.log_files().values()]
-    return out
-
-
 STATE_STYLE = {"running": "cyan", "starting": "cyan", "completed": "green", "failed": "red", "cancelled": "yellow"}
 
 
-def render_table(rows: list[dict[str, Any]]):
+def render_table(rows: list[dict[str, Any]]) -> Text:
     """Aligned columns as one Text: far cheaper than a rich Table for hundreds of runs."""
     from rich.text import Text
 
@@ -162,7 +59,16 @@ def render_table(rows: list[dict[str, Any]]):
     return text
 
 
-def render_detail(d: dict[str, Any]):
+def _event_line(e: dict[str, Any]) -> str:
+    """An event as recorded: `t` is shown as the number its writer put there, whatever clock that
+    was, and every other scalar field (a host, a role, a step) goes beside the kind."""
+    t = e.get("t")
+    when = f"{t:.3f}" if isinstance(t, (int, float)) else str(t)
+    extra = {k: v for k, v in e.items() if k not in ("t", "event") and not isinstance(v, list)}
+    return f"  {when} {e.get('event')} {extra}"
+
+
+def render_detail(d: dict[str, Any]) -> Group:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -197,9 +103,7 @@ def render_detail(d: dict[str, Any]):
     parts.append(procs)
     if d["last_events"]:
         parts.append(Text("last events:"))
-        for e in d["last_events"]:
-            extra = {k: v for k, v in e.items() if k not in ("t", "event") and not isinstance(v, list)}
-            parts.append(Text(f"  {e['t']:.3f} {e['event']} {extra}"))
+        parts.extend(Text(_event_line(e)) for e in d["last_events"])
     return Group(*parts)
 
 
@@ -212,19 +116,12 @@ def status(
     """Show runs, or one run in detail."""
     from rich.console import Console
 
-    def build():
-        if run:
-            rd = find_run(run, runs_dir)
-            _refresh_slurm([rd])
-            return detail(rd)
-        runs = list_runs(runs_dir)
-        infos = {rd.id: rd.read() for rd in runs}
-        _refresh_slurm(runs, infos)
-        # A run Slurm was asked about may have just been updated: read those again, no others.
-        stale = {rd.id for rd in runs if infos[rd.id].get("launcher") == "slurm"}
-        return [summary(rd, None if rd.id in stale else infos[rd.id]) for rd in runs]
+    from rlctl.status import run_detail, summaries
 
-    def render(data):
+    def build() -> Any:
+        return run_detail(run, runs_dir) if run else summaries(runs_dir)
+
+    def render(data: Any) -> Any:
         return render_detail(data) if run else render_table(data)
 
     if as_json:

@@ -16,13 +16,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlctl.launchers.health import healthy
 from rlctl.plan import Role, RunPlan
 from rlctl.recipe import Recipe, recipe_from_yaml
 from rlctl.rundir import RunDir, RunState
+from rlctl.tail import last_log_line
 
 POLL_S = 0.2
 TERM_GRACE_S = 5.0
@@ -183,29 +184,9 @@ class Supervisor:
                 self.rd.event("server_down", role=c.role.name)
 
 
-def last_log_line(path: Path, limit: int = 300) -> str | None:
-    """The last non-empty line of a log: usually what a crashed process said last."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return None
-    return lines[-1][:limit] if lines else None
-
-
 def _signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
-
-def healthy(url: str) -> bool:
-    """GET url/health answers 200 (a rollout server that is up)."""
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False

@@ -1,4 +1,4 @@
-"""The rlctl steps a Slurm batch script runs besides the roles (see rlctl/launchers/slurm.py).
+"""The rlctl steps a Slurm batch script runs besides the roles (see rlctl/launchers/slurm/script.py).
 
     python -m rlctl.worker plan   --run-dir D --trainer-nodes "n1" --rollout-nodes "n2 n3" --port-base P
     python -m rlctl.worker health --run-dir D      exit 0 when every rollout server answers /health
@@ -16,10 +16,11 @@ import re
 import socket
 from pathlib import Path
 
-from rlctl.launchers.local import healthy, last_log_line
+from rlctl.launchers.health import healthy
 from rlctl.plan import RunPlan, slurm_plan
 from rlctl.recipe import recipe_from_yaml
 from rlctl.rundir import RunDir, RunState
+from rlctl.tail import last_log_line
 
 # What srun says on its own stderr when a task of its step ends badly.
 _SRUN_TASK_ERROR = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)")
