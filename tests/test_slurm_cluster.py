@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,45 @@ def test_unsatisfiable_allocation_is_pending_with_a_reason_and_cancel_removes_it
     assert res.returncode == 0, res.stderr
     assert squeue_state(job_id) == "CANCELLED"
     assert status_json(tmp_path, rd.id)["state"] == "cancelled"
+
+
+def test_state_is_read_by_column_name_whatever_the_job_name(tmp_path, monkeypatch):
+    """The job name is the run id, and run.name may hold a `|`; the user's squeue settings (a
+    format, a partition filter) must neither shift Slurm's columns nor hide the job."""
+    from rlctl.launchers import slurm
+    from rlctl.launchers.slurm import JobInfo
+    from rlctl.rundir import create_run_dir
+
+    def job_when(job_id: str, ready: Callable[[JobInfo], bool]) -> JobInfo | None:
+        job = slurm.query([job_id]).get(job_id)
+        return job if job is not None and ready(job) else None
+
+    rd = create_run_dir(tmp_path, "we|ird name|RUNNING", "run: {}\n",
+                        {"launcher": "slurm", "mode": "sync", "steps_total": 3, "plan": None})
+    script = tmp_path / "sleep.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH hetjob\n#SBATCH --nodes=2\nsleep 300\n")
+    sbatch = ["sbatch", "--parsable", f"--job-name={rd.id}", f"--output={tmp_path}/%j.out", "--time=5:00"]
+    het = subprocess.run([*sbatch, str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    rd.update(lambda d: d.update(state="running", slurm={"job_id": het}))
+    pending = subprocess.run([*sbatch, "--nodes=4", "--wrap=sleep 300"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    for name, value in (("SQUEUE_FORMAT", "%i|%j"), ("SQUEUE_FORMAT2", "Name:30|"), ("SQUEUE_PARTITION", "nope")):
+        monkeypatch.setenv(name, value)  # for the rlctl commands below too
+    try:
+        job = wait_for(lambda: job_when(het, lambda j: j.state == "RUNNING"), 30, "the job to run")
+        lines = subprocess.run(["scontrol", "show", "job", "-o", het], capture_output=True, text=True).stdout.splitlines()
+        assert job.nodes == [re.search(r" NodeList=(\S+)", line)[1] for line in lines]  # one per component
+        assert len(job.nodes) == 2 and re.fullmatch(r"\d+:\d\d", job.elapsed), job
+        waiting = wait_for(lambda: job_when(pending, lambda j: j.reason not in ("", "None")), 15, "a pending reason")
+        assert waiting.describe().startswith("PENDING: it asks for more")
+
+        st = status_json(tmp_path, rd.id)
+        assert st["slurm"]["state"] == "RUNNING" and st["slurm"]["nodes"] == job.nodes
+        assert f"{het} RUNNING" in rlctl("status", "--runs-dir", str(tmp_path), cwd=tmp_path).stdout
+    finally:
+        subprocess.run(["scancel", het, pending], capture_output=True)
+    wait_for(lambda: job_when(het, lambda j: not j.active), 30, "the job to end")
+    st = status_json(tmp_path, rd.id)
+    assert st["state"] == "cancelled" and f"Slurm job {het} ended CANCELLED" in st["exit_reason"]
+    assert st["slurm"]["state"] == "CANCELLED" and st["slurm"]["exit_code"] == scontrol(het)["ExitCode"]
+    assert rd.read()["slurm"]["last"]["nodes"] == job.nodes
