@@ -3,7 +3,7 @@
 Roles: supervisor (local launcher), prepare (build the tiny model), rollout (a rollout server),
 trainer (one trainer rank), controller (the pipeline). Each reads the resolved recipe and the
 plan from the run directory, records its pid/host/port in run.json, and logs to stdout, which
-the launcher sends to logs/<role>.log. Inside a Slurm job (rlctl/launchers/slurm.py) the batch
+the launcher sends to logs/<role>.log. Inside a Slurm job (rlctl/launchers/slurm/) the batch
 script also runs `plan` (the plan from the job's node lists), `health` (are all servers up?) and
 `state` (the run's final state); there --index defaults to SLURM_PROCID, the task's rank in its
 srun step.

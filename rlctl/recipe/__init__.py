@@ -35,7 +35,7 @@ from rlctl.recipe.choices import (
 )
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, SlurmRolloutConfig, SlurmTrainerConfig, TrackingConfig, WandbConfig
 from rlctl.recipe.inputs import DataConfig, ModelConfig, ModelInit, RewardConfig, RunConfig
-from rlctl.recipe.load import check_recipe, load_recipe, recipe_from_yaml, recipe_to_yaml
+from rlctl.recipe.load import check_recipe, load_recipe, recipe_from_yaml, recipe_to_dict, recipe_to_yaml
 from rlctl.recipe.rollout import SGLANG_MANAGED_FLAGS, LongTailConfig, RolloutConfig, SamplingConfig, SGLangConfig
 from rlctl.recipe.schema import Recipe, slurm_rollout_nodes
 from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
@@ -46,6 +46,6 @@ __all__ = [
     "PipelineConfig", "PipelineMode", "Recipe", "RewardConfig", "RolloutConfig", "RolloutEngine", "RunConfig",
     "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",
     "SlurmTrainerConfig", "SyncBackend", "TaskName", "TrackingConfig", "TrainConfig", "TrainEngine", "Verifier",
-    "WandbConfig", "WandbMode", "check_recipe", "load_recipe", "recipe_from_yaml", "recipe_to_yaml",
+    "WandbConfig", "WandbMode", "check_recipe", "load_recipe", "recipe_from_yaml", "recipe_to_dict", "recipe_to_yaml",
     "slurm_rollout_nodes",
 ]

@@ -102,16 +102,18 @@ def recipe_to_yaml(recipe: Recipe) -> str:
     loads back into an equal Recipe."""
     import yaml
 
-    return yaml.safe_dump(_plain(recipe), sort_keys=False, allow_unicode=True, default_flow_style=False)
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True, default_flow_style=False)
 
 
-def _plain(obj: Any) -> Any:
+def recipe_to_dict(obj: Any) -> Any:
+    """A recipe (or any section) as plain dicts, lists and scalars, choices as their strings:
+    what a tracker's config or a JSON file takes."""
     if is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
+        return {f.name: recipe_to_dict(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, list):
-        return [_plain(x) for x in obj]
+        return [recipe_to_dict(x) for x in obj]
     return obj
 
 
