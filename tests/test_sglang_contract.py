@@ -1,7 +1,7 @@
 """rollout.engine=sglang, checked without SGLang (it needs CUDA): the launch command, and every
 request the adapter sends, recorded by a built-in server that answers as SGLang 0.5.15 or 0.5.23
-and compared with SGLang's field lists (../shared/contracts/sglang.md), and with SGLang's own
-request structs where sglang is importable."""
+and compared with SGLang's field lists (docs/sglang.md), and with SGLang's own request structs
+where sglang is importable."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from rlctl.engines.weightsync import WeightSender, tensor_sha256
 from rlctl.errors import RunError
 from rlctl.recipe import SGLangConfig, load_recipe
 
-# Request fields of SGLang 0.5.15 .. 0.5.23 (contracts/sglang.md). A key outside these is a key a
-# real server rejects or ignores.
+# Request fields of SGLang 0.5.15 .. 0.5.23 (docs/sglang.md). A key outside these is a key a real
+# server rejects or ignores.
 FIELDS = {
     "/generate": {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "rid", "stream"},
     "/abort_request": {"rid", "abort_all"},

@@ -1,6 +1,6 @@
 """The weight-sync group: trainer rank 0 broadcasts Hugging Face-named tensors to every server.
 
-The group is made exactly as SGLang makes it (contracts/sglang.md): a TCP rendezvous at
+The group is made exactly as SGLang makes it (docs/sglang.md): a TCP rendezvous at
 tcp://master_address:master_port, the store wrapped in PrefixStore(group_name), then a new
 process group of world_size on it. The trainer is rank 0 and hosts the store; server i joins as
 rank_offset + tp_rank. Because both sides build the group the same way, rlctl's sender works
