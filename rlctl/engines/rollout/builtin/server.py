@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -133,34 +134,33 @@ class BuiltinServer:
                 f.write(json.dumps({"path": request.path, "body": body}) + "\n")
         return await handler(request)
 
+    def routes(self) -> list[tuple[str, str, Callable]]:
+        """(method, path, handler) of every route, with SGLang's names and aliases."""
+        gen, w = self.generation, self.weights
+        table = [("GET", path, self.health) for path in ("/health", "/health_generate", "/ready")]
+        table += [("GET", "/model_info", self.model_info), ("GET", "/get_model_info", self.model_info),
+                  ("GET", "/server_info", self.server_info), ("GET", "/get_server_info", self.server_info),
+                  ("GET", "/v1/loads", self.loads)]
+        table += [("POST", "/generate", gen.generate), ("POST", "/abort_request", gen.abort_request),
+                  ("POST", "/pause_generation", gen.pause_generation),
+                  ("POST", "/continue_generation", gen.continue_generation),
+                  ("POST", "/flush_cache", gen.flush_cache), ("GET", "/flush_cache", gen.flush_cache)]
+        table.append(("POST", "/init_weights_update_group", w.init_weights_update_group))
+        if self.state.sessions_required():  # like SGLang before 0.5.21, an emulated old server has no such routes
+            table += [("POST", "/begin_weight_update", w.begin_weight_update),
+                      ("POST", "/end_weight_update", w.end_weight_update)]
+        table += [("POST", "/update_weights_from_distributed", w.update_weights_from_distributed),
+                  ("POST", "/update_weight_version", w.update_weight_version),
+                  ("POST", "/destroy_weights_update_group", w.destroy_weights_update_group),
+                  ("POST", "/get_weights_by_name", w.get_weights_by_name),
+                  ("GET", "/rlctl/weight_checksums", w.weight_checksums)]
+        return table
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30, middlewares=[self._record] if self.args.record_requests else [])
-        r = app.router
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health)
-        r.add_get("/ready", self.health)
-        r.add_get("/model_info", self.model_info)
-        r.add_get("/get_model_info", self.model_info)
-        r.add_get("/server_info", self.server_info)
-        r.add_get("/get_server_info", self.server_info)
-        r.add_get("/v1/loads", self.loads)
-        gen = self.generation
-        r.add_post("/generate", gen.generate)
-        r.add_post("/abort_request", gen.abort_request)
-        r.add_post("/pause_generation", gen.pause_generation)
-        r.add_post("/continue_generation", gen.continue_generation)
-        r.add_post("/flush_cache", gen.flush_cache)
-        r.add_get("/flush_cache", gen.flush_cache)
-        w = self.weights
-        r.add_post("/init_weights_update_group", w.init_weights_update_group)
-        if self.state.sessions_required():  # like SGLang before 0.5.21, an emulated old server has no such routes
-            r.add_post("/begin_weight_update", w.begin_weight_update)
-            r.add_post("/end_weight_update", w.end_weight_update)
-        r.add_post("/update_weights_from_distributed", w.update_weights_from_distributed)
-        r.add_post("/update_weight_version", w.update_weight_version)
-        r.add_post("/destroy_weights_update_group", w.destroy_weights_update_group)
-        r.add_post("/get_weights_by_name", w.get_weights_by_name)
-        r.add_get("/rlctl/weight_checksums", w.weight_checksums)
+        for method, path, handler in self.routes():
+            add = app.router.add_get if method == "GET" else app.router.add_post  # GET answers HEAD too, as before
+            add(path, handler)
         app.on_startup.append(self.on_startup)
         app.on_cleanup.append(self.on_cleanup)
         return app
