@@ -1,64 +1,76 @@
-"""The controller process: connects the pipeline to real servers and the trainer, and records.
+"""The controller process: the recipe's pipeline between the real rollout servers and the
+trainer, recorded as it goes.
 
 It waits for every server and the trainer, has the trainer form the weight-sync group with the
-servers, runs the pipeline for `run.steps` steps, and after each step appends that step's
-metrics (computed from the events) to metrics.jsonl.
+servers, and runs `run.steps` steps. The Recorder (rlctl/metrics/recorder.py) streams every event
+to events.jsonl and, at each step's end, writes the step's metrics to metrics.jsonl and the
+tracker; nothing is kept in memory from one step to the next but what the metrics need.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
+import os
+import signal
 import time
-from typing import Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
-from rlctl.engines.rollout.client import GenerateOutput, RolloutClient, SamplingRequest
+from rlctl.engines.rollout.client import RolloutClient
+from rlctl.engines.train.client import TrainerClient
 from rlctl.errors import RunError
-from rlctl.metrics import step_metrics
+from rlctl.metrics import Recorder
 from rlctl.pipelines.build import build_pipeline
-from rlctl.pipelines.core import MonotonicClock
+from rlctl.pipelines.core import Clock, EventSink
+from rlctl.pipelines.scoring import PooledScorer
 from rlctl.plan import RunPlan
-from rlctl.recipe import Recipe
+from rlctl.recipe import Device, Launcher, Recipe, RolloutEngine, SyncBackend
 from rlctl.rewards.verifiers import make_verifier
-from rlctl.rundir import RunDir
+from rlctl.rundir import HOST, PROCESS_CLOCK, EventLog, RunDir
+from rlctl.tracking import make_tracker
+
+if TYPE_CHECKING:
+    import aiohttp
 
 log = logging.getLogger("rlctl.controller")
 
 READY_TIMEOUT_S = 300.0
 
 
-class NamedServer:
-    """A RolloutClient under its role name (rollout-0, ...), as the scheduler's Rollout."""
+async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: str) -> None:
+    from transformers import AutoTokenizer
 
-    def __init__(self, name: str, client: RolloutClient) -> None:
-        self.name = name
-        self.client = client
-
-    async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str,
-                       return_logprob: bool = True) -> GenerateOutput:
-        return await self.client.generate(input_ids, sampling, rid, return_logprob)
-
-    async def abort(self, rid: str) -> None:
-        await self.client.abort(rid)
-
-
-def sync_backend(recipe) -> str:
-    """The weight-sync group's backend: train.sync_backend, or with `auto` NCCL when trainer and
-    servers are on GPUs of different hosts (a Slurm run), gloo otherwise: NCCL refuses two ranks
-    on one GPU, which a one-machine run may well have."""
-    if recipe.train.sync_backend != "auto":
-        return recipe.train.sync_backend
-    on_gpus = recipe.train.device == "cuda" and (recipe.rollout.device == "cuda" or recipe.rollout.engine == "sglang")
-    return "nccl" if on_gpus and recipe.launcher == "slurm" else "gloo"
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    clock = PROCESS_CLOCK
+    events = EventLog(rd.events_path)
+    _flush_on_sigterm(events)
+    recorder = Recorder(events, rd.append_metrics, make_tracker(rd, recipe), wall_clock=time.time)
+    make_verifier(recipe.reward)  # a reward function that cannot load fails here, saying why, not in a worker
+    scorer = PooledScorer(model_path, recipe.reward)
+    try:
+        async with _http_session() as session:
+            servers = await connect_servers(recipe, plan, session)
+            trainer: TrainerClient | CheckedTrainer = await connect_trainer(recipe, plan, session)
+            await scorer.ready()
+            recorder.emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode, host=HOST)
+            if recipe.pipeline.check_weights:
+                trainer = CheckedTrainer(trainer, servers, recorder.emit, clock)
+            pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,
+                                      on_step_end=lambda step: _log_step(recorder.last),
+                                      tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer)
+            await pipeline.run(recipe.run.steps)
+    finally:
+        scorer.close()
+        recorder.close(completed=recorder.recorded == recipe.run.steps)
 
 
 class CheckedTrainer:
     """pipeline.check_weights: after every weight sync, the sha256 of every tensor on each server
     must equal the trainer's (built-in servers; slow, for tests and debugging)."""
 
-    def __init__(self, trainer: TrainerClient, clients: list[RolloutClient], emit, clock) -> None:
+    def __init__(self, trainer: TrainerClient, clients: list[RolloutClient], emit: EventSink, clock: Clock) -> None:
         self.trainer, self.clients, self.emit, self.clock = trainer, clients, emit, clock
 
     async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
@@ -80,100 +92,68 @@ class CheckedTrainer:
         return stats
 
 
-class TrainerClient:
-    """The controller's side of the trainer service (engines/train/service.py)."""
+def _flush_on_sigterm(events: EventLog) -> None:
+    """The supervisor ends a run's processes with SIGTERM: the events still buffered go to disk
+    first, and then the signal takes its default course."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
-        self.url = url
-        self.session = session
+    def terminate() -> None:
+        events.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            async with self.session.post(self.url + path, json=body) as resp:
-                text = await resp.text()
-                if resp.status != 200:  # the trainer's own errors are JSON, aiohttp's 500 page is not
-                    raise RunError(f"trainer {path}: HTTP {resp.status}: {text.strip()[:300]}; see the trainer's log")
-                return json.loads(text)
-        except aiohttp.ClientError as e:
-            raise RunError(f"trainer {self.url}{path}: unreachable ({e})") from None
-
-    async def wait_healthy(self, timeout_s: float) -> None:
-        probe = RolloutClient(self.url, self.session)  # same /health semantics
-        await probe.wait_healthy(timeout_s)
-
-    async def weight_checksums(self) -> dict[str, Any]:
-        async with self.session.get(self.url + "/weight_checksums") as resp:
-            return await resp.json()
-
-    async def init_weight_sync(self, servers: list[str], master_address: str, master_port: int,
-                               backend: str, bucket_mb: float, api_key: str = "") -> None:
-        await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,
-                                               "master_port": master_port, "backend": backend,
-                                               "bucket_mb": bucket_mb, "api_key": api_key})
-
-    async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        return await self._post("/accumulate", {"samples": samples})
-
-    async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        return await self._post("/train", {"samples": samples})
-
-    async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
-        return await self._post("/sync_weights", {"version": str(version), "pause_mode": pause_mode})
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
 
 
-async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: str) -> None:
-    from transformers import AutoTokenizer
+@asynccontextmanager
+async def _http_session() -> AsyncIterator[aiohttp.ClientSession]:
+    import aiohttp
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    events: list[dict[str, Any]] = []
-
-    def emit(kind: str, t: float, **fields: Any) -> None:
-        events.append({"t": t, "event": kind, **fields})
-        rd.event(kind, t=t, **fields)
-
-    from rlctl.tracking import make_tracker
-
-    tracker = make_tracker(rd, recipe)
-
-    def on_step_end(step: int) -> None:
-        m = step_metrics(events, step)
-        m["time"] = time.time()
-        rd.append_metrics(m)
-        if tracker is not None:
-            tracker.log_step(m)
-        log.info("step %d: reward %.3f, step time %.2f s (rollout %.2f, train %.2f, sync %.2f)",
-                 step, m["reward_mean"], m["step_time"], m["rollout_time"], m["train_time"], m["sync_time"])
-
-    clock = MonotonicClock()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        api_key = recipe.rollout.sglang.api_key if recipe.rollout.engine == "sglang" else ""
-        clients = [RolloutClient(url, session, api_key or None) for url in plan.server_urls]
-        for c in clients:
-            await c.wait_healthy(READY_TIMEOUT_S)
-        if recipe.rollout.engine == "sglang":
-            from rlctl.engines.rollout.sglang import speaks
+        yield session
 
-            for c in clients:
-                info = await c.server_info()
-                log.info("%s: SGLang %s (%s)", c.url, info.get("version"), speaks(str(info.get("version", ""))))
-        trainer = TrainerClient(plan.trainer_url, session)
-        await trainer.wait_healthy(READY_TIMEOUT_S)
-        await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
-                                       backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
-                                       api_key=api_key)
-        emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode)
-        if recipe.pipeline.check_weights:
-            trainer = CheckedTrainer(trainer, clients, emit, clock)
-        servers = [NamedServer(r.name, c) for r, c in zip(plan.rollout, clients)]
-        pipeline = build_pipeline(
-            recipe, servers, trainer, clock, emit, on_step_end,
-            tokenize=lambda text: tokenizer(text)["input_ids"],
-            detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            verify=make_verifier(recipe.reward),
-        )
-        try:
-            await pipeline.run(recipe.run.steps)
-        finally:
-            if tracker is not None:
-                tracker.finish(ok=len(rd.metrics()) == recipe.run.steps)
+
+def _api_key(recipe: Recipe) -> str:
+    return recipe.rollout.sglang.api_key if recipe.rollout.engine is RolloutEngine.SGLANG else ""
+
+
+async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession) -> list[RolloutClient]:
+    """A client per rollout server, named by its role, once every server answers /health."""
+    clients = [RolloutClient(url, session, _api_key(recipe) or None, name=role.name)
+               for role, url in zip(plan.rollout, plan.server_urls)]
+    for c in clients:
+        await c.wait_healthy(READY_TIMEOUT_S)
+    if recipe.rollout.engine is RolloutEngine.SGLANG:
+        from rlctl.engines.rollout.sglang import speaks
+
+        for c in clients:
+            info = await c.server_info()
+            log.info("%s: SGLang %s (%s)", c.url, info.get("version"), speaks(str(info.get("version", ""))))
+    return clients
+
+
+async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession) -> TrainerClient:
+    """The trainer service, once it answers /health and has formed the weight-sync group."""
+    trainer = TrainerClient(plan.trainer_url, session)
+    await trainer.wait_healthy(READY_TIMEOUT_S)
+    await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
+                                   backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
+                                   api_key=_api_key(recipe))
+    return trainer
+
+
+def sync_backend(recipe: Recipe) -> SyncBackend:
+    """The weight-sync group's backend: train.sync_backend, or with `auto` NCCL when trainer and
+    servers are on GPUs of different hosts (a Slurm run), gloo otherwise: NCCL refuses two ranks
+    on one GPU, which a one-machine run may well have."""
+    if recipe.train.sync_backend is not SyncBackend.AUTO:
+        return recipe.train.sync_backend
+    servers_on_gpus = recipe.rollout.device is Device.CUDA or recipe.rollout.engine is RolloutEngine.SGLANG
+    on_gpus = recipe.train.device is Device.CUDA and servers_on_gpus
+    return SyncBackend.NCCL if on_gpus and recipe.launcher is Launcher.SLURM else SyncBackend.GLOO
+
+
+def _log_step(m: dict[str, Any] | None) -> None:
+    if m is not None:
+        log.info("step %d: reward %.3f, step time %.2f s (rollout %.2f, train %.2f, sync %.2f)",
+                 m["step"], m["reward_mean"], m["step_time"], m["rollout_time"], m["train_time"], m["sync_time"])

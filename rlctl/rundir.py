@@ -3,12 +3,20 @@
     runs/<run-id>/
       recipe.yaml     the resolved recipe (every default filled in)
       run.json        id, state, processes (role, pid, host, port, log), created/ended, exit reason
-      events.jsonl    append-only timeline; `t` is time.monotonic() of the writing host
+      events.jsonl    append-only timeline; `t` is seconds since the epoch on the writer's RunClock
       metrics.jsonl   one line per step
       logs/<role>.log one log per process
 
-Writes are atomic (temp file + rename) or appends of one line. run.json is read-modify-written
+Writes are atomic (temp file + rename) or appends of whole lines. run.json is read-modify-written
 under an flock, because the supervisor and the workers each record their own part of it.
+
+Several processes on several hosts write events.jsonl: the controller (the pipeline's events),
+the local supervisor, the Slurm batch script's helpers on a compute node, and `rlctl launch` and
+`rlctl status` on a login node. They all stamp `t` on one time base, the wall clock (hosts agree to
+within NTP's precision), read through a RunClock so that durations within one process stay
+monotonic; events other than the controller's name their `host` (run_start names the
+controller's).
+
 Nothing here imports torch: `rlctl status` reads hundreds of runs through this module.
 """
 
@@ -62,14 +70,69 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    # One write() of one line with O_APPEND: concurrent appenders never interleave within a line.
-    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+def _jsonl_line(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+
+
+def _append(path: Path, data: bytes) -> None:
+    # One write() of whole lines with O_APPEND: concurrent appenders never interleave within a line.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
+        os.write(fd, data)
     finally:
         os.close(fd)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    _append(path, _jsonl_line(record))
+
+
+class RunClock:
+    """Seconds since the epoch that never go backwards: the wall clock read once, at creation,
+    plus the monotonic time elapsed since. Events from different processes and hosts so share one
+    time base, while a process's own durations are immune to wall-clock steps (NTP, DST)."""
+
+    def __init__(self) -> None:
+        self._wall0 = time.time()
+        self._mono0 = time.monotonic()
+
+    def now(self) -> float:
+        return self._wall0 + (time.monotonic() - self._mono0)
+
+
+PROCESS_CLOCK = RunClock()
+"""The clock of every event this process writes through RunDir.event."""
+HOST = socket.gethostname()
+
+
+class EventLog:
+    """events.jsonl written in batches by a process that emits many events (the controller, a
+    simulation): lines are buffered and appended with one write() each `flush()`, when
+    `max_bytes` are waiting, or when the oldest waiting line is `max_delay_s` old. Lines from
+    other writers never land inside one of ours, since a batch holds whole lines."""
+
+    def __init__(self, path: Path, max_bytes: int = 1 << 20, max_delay_s: float = 1.0) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.max_delay_s = max_delay_s
+        self._lines: list[bytes] = []
+        self._size = 0
+        self._since = 0.0
+
+    def write(self, event: dict[str, Any]) -> None:
+        line = _jsonl_line(event)
+        if not self._lines:
+            self._since = time.monotonic()
+        self._lines.append(line)
+        self._size += len(line)
+        if self._size >= self.max_bytes or time.monotonic() - self._since >= self.max_delay_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._lines:
+            _append(self.path, b"".join(self._lines))
+            self._lines.clear()
+            self._size = 0
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -199,8 +262,9 @@ class RunDir:
 
     # -- events and metrics --------------------------------------------------------------------
 
-    def event(self, kind: str, t: float | None = None, **fields: Any) -> None:
-        append_jsonl(self.events_path, {"t": time.monotonic() if t is None else t, "event": kind, **fields})
+    def event(self, kind: str, **fields: Any) -> None:
+        """Append one event, stamped now on this process's RunClock and with this host's name."""
+        append_jsonl(self.events_path, {"t": PROCESS_CLOCK.now(), "event": kind, "host": HOST, **fields})
 
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.events_path)

@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import Any
+from typing import Any, Protocol
 
-from rlctl.recipe import Recipe
+from rlctl.recipe import Recipe, WandbMode, recipe_to_dict
 from rlctl.rundir import RunDir
 
 SUMMARY_KEYS = ("step_time", "rollout_time", "train_time", "sync_time", "trainer_wait_ratio", "rollout_to_train_end",
                 "efficiency", "tokens_per_s", "reward_mean")
+
+
+class Tracker(Protocol):
+    """What the recorder (rlctl/metrics/recorder.py) tells a tracker."""
+
+    def log_step(self, metrics: dict[str, Any]) -> None:
+        """One step's record, as written to metrics.jsonl."""
+
+    def finish(self, ok: bool) -> None:
+        """The run ended; `ok` when every step was recorded."""
 
 
 def loggable(metrics: dict[str, Any]) -> dict[str, float]:
@@ -31,11 +41,10 @@ def loggable(metrics: dict[str, Any]) -> dict[str, float]:
 class WandbTracker:
     def __init__(self, rd: RunDir, recipe: Recipe) -> None:
         import wandb
-        from omegaconf import OmegaConf
 
         cfg = recipe.tracking.wandb
         os.environ.setdefault("WANDB_SILENT", "true")
-        config = OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
+        config = recipe_to_dict(recipe)
         if config["rollout"]["sglang"]["api_key"]:
             config["rollout"]["sglang"]["api_key"] = "(set)"  # a secret stays out of the tracker
         self.run = wandb.init(
@@ -44,7 +53,7 @@ class WandbTracker:
             config=config,
         )
         info = {"id": self.run.id, "mode": cfg.mode, "project": cfg.project, "dir": self.run.dir,
-                "url": self.run.url if cfg.mode == "online" else None}
+                "url": self.run.url if cfg.mode is WandbMode.ONLINE else None}
         rd.update(lambda d: d.setdefault("tracking", {}).update(wandb=info))
         self.history: list[dict[str, Any]] = []
 
@@ -60,5 +69,5 @@ class WandbTracker:
         self.run.finish(exit_code=0 if ok else 1)
 
 
-def make_tracker(rd: RunDir, recipe: Recipe) -> WandbTracker | None:
-    return WandbTracker(rd, recipe) if recipe.tracking.wandb.mode != "disabled" else None
+def make_tracker(rd: RunDir, recipe: Recipe) -> Tracker | None:
+    return WandbTracker(rd, recipe) if recipe.tracking.wandb.mode is not WandbMode.DISABLED else None

@@ -115,7 +115,7 @@ SPLITS = [(64, 16), (4, 2), (2, 1)]
 
 def sweep(overrides: list[str]) -> None:
     sys.path.insert(0, str(REPO))
-    from rlctl.commands.simulate import simulate_run
+    from rlctl.sim.run import simulate_run
     from rlctl.recipe import load_recipe
 
     every = []
@@ -128,7 +128,7 @@ def sweep(overrides: list[str]) -> None:
                        f"rollout.sampling.max_new_tokens={cap}"]
             recipe = load_recipe(REPO / "recipes" / "sim-1024gpu.yaml", [*base, *setting, *mode_overrides],
                                  check_paths=False)
-            return simulate_run(recipe)[1]
+            return simulate_run(recipe).metrics
 
         every += print_sweep(SWEEP, measure)
     print_range(every, "\nrange over all splits")

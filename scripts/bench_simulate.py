@@ -25,7 +25,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     sys.path.insert(0, str(REPO))
-    from rlctl.commands.simulate import simulate_run
+    from rlctl.sim.run import simulate_run
     from rlctl.recipe import load_recipe
 
     print(f"{'mode':22} {'wall s/step':>12} {'target s':>9} {'ratio':>6} {'simulated step s':>17}")
@@ -33,8 +33,9 @@ def main() -> None:
     for name, extra in MODES:
         recipe = load_recipe(REPO / "recipes" / "sim-1024gpu.yaml", [f"run.steps={a.steps}", *a.overrides, *extra],
                              check_paths=False)
-        _, metrics, wall = simulate_run(recipe)
-        per_step = wall / a.steps
+        result = simulate_run(recipe)
+        metrics = result.metrics
+        per_step = result.wall_seconds / a.steps
         worst = max(worst, per_step)
         simulated = sum(m["step_time"] for m in metrics) / len(metrics)
         print(f"{name:22} {per_step:12.2f} {TARGET_S:9.2f} {per_step / TARGET_S:6.2f} {simulated:17.1f}")

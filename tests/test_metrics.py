@@ -133,3 +133,20 @@ def test_chrome_trace_has_a_track_per_server_and_rank():
     assert sorted((e["tid"], e["ts"], e["dur"]) for e in trains) == [
         (0, 4e6, 1e6), (0, 5e6, 2e6), (1, 4e6, 1e6), (1, 5e6, 2e6)]
     assert [e["name"] for e in trace if e["pid"] == 3 and e["ph"] == "X"] == ["step 0"]
+
+
+def test_trace_opens_at_the_run_start_whatever_other_writers_stamped():
+    """`rlctl launch` on a login node recorded the submission three days before the job ran, and
+    `rlctl status` there recorded the end a day after: the trace still spans the run alone."""
+    day = 86400.0
+    e = [{"t": -3 * day, "event": "submitted", "host": "login-1", "job_id": 7},
+         {"t": -0.5, "event": "server_up", "host": "node-2", "role": "r0"},
+         {"t": -0.1, "event": "run_start", "host": "node-1", "steps": 1, "mode": "sync"},
+         *timeline(),
+         {"t": 8.0, "event": "server_down", "host": "node-2", "role": "r0"},
+         {"t": day, "event": "run_end", "host": "login-1", "state": "failed"}]
+    trace = chrome_trace(e)["traceEvents"]
+    timed = [x for x in trace if "ts" in x]
+    assert min(x["ts"] for x in timed) == 0.1e6  # step 0 starts 0.1 s after run_start
+    assert max(x["ts"] + x.get("dur", 0) for x in timed) == pytest.approx(8.1e6)
+    assert [x["name"] for x in trace if x["ph"] == "i"] == ["server_down"]

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from conftest import REPO, rlctl
-from rlctl.commands.simulate import simulate_run
 from rlctl.recipe import load_recipe
 from rlctl.rundir import RunDir
+from rlctl.sim.run import simulate_run
 
 SIM = REPO / "recipes" / "sim-1024gpu.yaml"
 SMALL = ["run.steps=2", "rollout.batch_size=64", "rollout.group_size=8", "train.groups_per_batch=8",
@@ -18,8 +18,7 @@ SMALL = ["run.steps=2", "rollout.batch_size=64", "rollout.group_size=8", "train.
 
 def metrics_for(*overrides: str) -> list[dict]:
     recipe = load_recipe(SIM, [*SMALL, *overrides], check_paths=False)
-    events, metrics, _ = simulate_run(recipe)
-    return metrics
+    return simulate_run(recipe).metrics
 
 
 def test_rolloutpipe_beats_sync_in_simulation():
@@ -58,7 +57,7 @@ def test_bad_sim_key_is_a_recipe_error(tmp_path):
 def test_every_group_accounted_for(admission):
     recipe = load_recipe(SIM, [*SMALL, "pipeline.mode=rolloutpipe", f"pipeline.admission={admission}",
                                "rollout.dynamic_sampling=true", "rollout.over_provision=0.25"], check_paths=False)
-    events, metrics, _ = simulate_run(recipe)
+    events = simulate_run(recipe).events
     admitted = {e["group"] for e in events if e["event"] == "group_admitted"}
     trained = [g for e in events if e["event"] == "train_start" for g in e["groups"]]
     dropped = {e["group"] for e in events if e["event"] == "group_dropped"}
@@ -83,7 +82,7 @@ def test_calibration_recovers_the_knobs_that_made_the_events(tiny_model_dir, mod
     pipeline = [f"pipeline.mode={mode}", "pipeline.admission=frontier", "rollout.concurrency=4"]
     quick = REPO / "recipes" / "quickstart.yaml"
     recipe = load_recipe(quick, ["run.steps=3", *truth, *pipeline], check_paths=False)
-    events, measured, _ = simulate_run(recipe)
+    events = simulate_run(recipe).events
     if mode == "rolloutpipe":
         assert any(e["event"] == "accumulate_end" for e in events)
     knobs = calibrate(events, str(tiny_model_dir), servers=2, trainer_ranks=1, long_tail=False)
@@ -94,6 +93,6 @@ def test_calibration_recovers_the_knobs_that_made_the_events(tiny_model_dir, mod
     fitted = [f"{k}={v}" for k, v in knobs.items()]
     big_truth = load_recipe(quick, ["run.steps=3", *truth, *pipeline, "rollout.batch_size=64"], check_paths=False)
     big_pred = load_recipe(quick, ["run.steps=3", *fitted, *pipeline, "rollout.batch_size=64"], check_paths=False)
-    want = [m["step_time"] for m in simulate_run(big_truth)[1]]
-    got = [m["step_time"] for m in simulate_run(big_pred)[1]]
+    want = [m["step_time"] for m in simulate_run(big_truth).metrics]
+    got = [m["step_time"] for m in simulate_run(big_pred).metrics]
     assert got == pytest.approx(want, rel=0.05)

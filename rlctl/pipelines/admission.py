@@ -19,6 +19,8 @@ import heapq
 import itertools
 from typing import Protocol
 
+from rlctl.recipe import Admission as AdmissionKind
+
 Key = tuple[int, int]
 
 
@@ -122,5 +124,5 @@ class FrontierAdmission(_Gate):
         self._admit_waiting()
 
 
-def make_admission(kind: str, bound: int) -> Admission:
-    return FrontierAdmission(bound) if kind == "frontier" else FifoAdmission()
+def make_admission(kind: AdmissionKind, bound: int) -> Admission:
+    return FrontierAdmission(bound) if kind is AdmissionKind.FRONTIER else FifoAdmission()

@@ -15,11 +15,12 @@ import asyncio
 
 from rlctl.pipelines.admission import Admission
 from rlctl.pipelines.base import Pipeline
+from rlctl.recipe import InflightAtUpdate
 
 
 class AsyncPipeline(Pipeline):
-    def __init__(self, *args, admission: Admission, max_staleness: int, sync_every: int, inflight_at_update: str,
-                 **kwargs) -> None:
+    def __init__(self, *args, admission: Admission, max_staleness: int, sync_every: int,
+                 inflight_at_update: InflightAtUpdate, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.admission = admission
         self.max_staleness = max_staleness
@@ -53,7 +54,7 @@ class AsyncPipeline(Pipeline):
                 groups.append(g)
             await self.train(step, groups)
         self.admission.close()
-        if self.inflight_at_update == "finish":
+        if self.inflight_at_update is InflightAtUpdate.FINISH:
             await self.admission.drained()
         try:
             await self.sync_weights(step, pause_mode="abort")

@@ -12,14 +12,15 @@ from rlctl.pipelines.async_ import AsyncPipeline
 from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.core import Clock, EventSink, GroupProducer, GroupRunner, Rollout, RolloutPool, Trainer
 from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
+from rlctl.pipelines.scoring import Score
 from rlctl.pipelines.sync import SyncPipeline
-from rlctl.recipe import PipelineMode, Recipe
+from rlctl.recipe import InflightAtUpdate, PipelineMode, Recipe
 from rlctl.workloads import LengthDistribution
 
 
 def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
                    on_step_end: Callable[[int], None], *, tokenize: Callable[[str], list[int]],
-                   detokenize: Callable[[list[int]], str], verify: Callable[[str, str], float]) -> Pipeline:
+                   score: Score) -> Pipeline:
     """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated)."""
     s = recipe.rollout.sampling
     sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -31,20 +32,19 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
         rng = random.Random(recipe.run.seed)
         lengths = lambda: dist.sample(rng)  # noqa: E731
     p = recipe.pipeline
-    mode = PipelineMode(p.mode)
     admission = make_admission(p.admission, recipe.rollout.concurrency * len(servers))
     runner = GroupRunner(
-        RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize,
-        detokenize=detokenize, verify=verify, clock=clock, emit=emit, lengths=lengths,
-        resume_aborted=mode is PipelineMode.ASYNC and p.inflight_at_update == "abort_resume",
+        RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize, score=score,
+        clock=clock, emit=emit, lengths=lengths,
+        resume_aborted=p.mode is PipelineMode.ASYNC and p.inflight_at_update is InflightAtUpdate.ABORT_RESUME,
     )
     producer = GroupProducer(runner, prompt_stream(recipe.data, recipe.run.seed),
                              dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit)
     common = dict(batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,
                   clock=clock, emit=emit, on_step_end=on_step_end, over_provision=recipe.rollout.over_provision)
-    if mode is PipelineMode.ASYNC:
+    if p.mode is PipelineMode.ASYNC:
         return AsyncPipeline(producer, trainer, admission=admission, max_staleness=p.max_staleness,
                              sync_every=p.sync_every, inflight_at_update=p.inflight_at_update, **common)
-    if mode is PipelineMode.SYNC:
+    if p.mode is PipelineMode.SYNC:
         return SyncPipeline(producer, trainer, **common)
     return RolloutPipePipeline(producer, trainer, stream_train=p.stream_train, **common)

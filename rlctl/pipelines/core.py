@@ -1,9 +1,10 @@
 """Scheduling pieces every pipeline mode shares: samples, groups, the rollout pool, the producer.
 
 Everything here is asyncio over two small interfaces, `Rollout` (one server: generate, abort)
-and `Trainer` (train one batch, sync weights), and reads time only through a `Clock`. Real runs
-plug in HTTP clients and the monotonic clock; a simulation plugs in cost-model engines and
-virtual time, and the scheduling code stays the same.
+and `Trainer` (train one batch, sync weights), reads time only through a `Clock`, and scores
+through an injected `Score` (rlctl/pipelines/scoring.py). Real runs plug in HTTP clients, the
+run's clock and scoring in a thread pool; a simulation plugs in cost-model engines, virtual time
+and inline scoring, and the scheduling code stays the same.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import dataclasses
 import heapq
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,15 +21,11 @@ from rlctl.algos.grpo import group_advantages
 from rlctl.data import Prompt
 from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest
 from rlctl.pipelines.admission import Admission
+from rlctl.pipelines.scoring import Score
 
 
 class Clock(Protocol):
     def now(self) -> float: ...
-
-
-class MonotonicClock:
-    def now(self) -> float:
-        return time.monotonic()
 
 
 class Rollout(Protocol):
@@ -119,7 +115,9 @@ class RolloutPool:
     to the server with the fewest requests in flight. How many go out is admission's business.
 
     A heap of (load, order, server) with lazy deletion finds that server in O(log n), which
-    matters for simulated runs with hundreds of servers and tens of thousands of requests."""
+    matters for simulated runs with hundreds of servers and tens of thousands of requests. Stale
+    entries of loads no server has any more would pile up over a long run, so the heap is rebuilt
+    from the live loads whenever it holds twice as many entries as there are servers."""
 
     def __init__(self, servers: list[Rollout]) -> None:
         self.servers = servers
@@ -139,6 +137,9 @@ class RolloutPool:
     def _set_load(self, name: str, delta: int) -> None:
         self.in_flight[name] += delta
         heapq.heappush(self._heap, (self.in_flight[name], self._order[name], name))
+        if len(self._heap) > 2 * len(self._order) + 64:
+            self._heap = [(load, self._order[n], n) for n, load in self.in_flight.items()]
+            heapq.heapify(self._heap)
 
     async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str) -> tuple[Rollout, GenerateOutput]:
         server = self._least_busy()
@@ -159,16 +160,14 @@ class GroupRunner:
     """Generates and scores the samples of one group, each request admitted by `admission`."""
 
     def __init__(self, pool: RolloutPool, admission: Admission, sampling: SamplingRequest, group_size: int,
-                 tokenize: Callable[[str], list[int]], detokenize: Callable[[list[int]], str],
-                 verify: Callable[[str, str], float], clock: Clock, emit: EventSink,
+                 tokenize: Callable[[str], list[int]], score: Score, clock: Clock, emit: EventSink,
                  lengths: Callable[[], int] | None = None, resume_aborted: bool = False) -> None:
         self.pool = pool
         self.admission = admission
         self.sampling = sampling
         self.group_size = group_size
         self.tokenize = tokenize
-        self.detokenize = detokenize
-        self.verify = verify
+        self.score = score
         self.clock = clock
         self.emit = emit
         self.lengths = lengths
@@ -228,9 +227,9 @@ class GroupRunner:
             if reason != "abort" or not self.resume_aborted or group.cancelled or n_tokens >= request.max_new_tokens:
                 break
             segment += 1
-        text = self.detokenize(output)
+        text, reward = await self.score(output, group.prompt.answer)
         return Sample(group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=output,
-                      logprobs=logprobs, text=text, reward=self.verify(text, group.prompt.answer),
+                      logprobs=logprobs, text=text, reward=reward,
                       versions=versions, n_tokens=n_tokens, server=server.name, t_start=t0, t_end=self.clock.now(),
                       finish_reason=reason)
 

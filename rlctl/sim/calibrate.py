@@ -13,9 +13,15 @@ The result is a list of `sim.*` overrides; anything else in the recipe stays as 
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any
 
+from rlctl.errors import UsageError
+from rlctl.metrics.spans import SpanKind, SpanPairer, union_length
+from rlctl.recipe import GpuKind, load_recipe
+from rlctl.rundir import RunDir
 from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
 
 
@@ -29,13 +35,20 @@ def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def calibrate_run(run: RunDir) -> dict[str, Any]:
+    """calibrate() on a measured run directory, with its servers, trainer ranks and workload."""
+    info = run.read()
+    procs = info.get("processes", {})
+    recipe = load_recipe(run.recipe_path, check_paths=False)
+    return calibrate(run.events(), info["model_path"], servers=sum(r.startswith("rollout-") for r in procs),
+                     trainer_ranks=sum(r.startswith("trainer-") for r in procs),
+                     long_tail=recipe.rollout.sampling.long_tail.enabled)
+
+
 def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, trainer_ranks: int,
               long_tail: bool) -> dict[str, Any]:
     """sim.* overrides (and the fixed response length) that make the cost model fit the events."""
-    import json
-    from pathlib import Path
-
-    hw = HARDWARE["cpu"]
+    hw = HARDWARE[GpuKind.CPU]
     params = model_parameters(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     layers = int(config["num_hidden_layers"])
@@ -43,63 +56,19 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
     kv_dim = int(config.get("num_key_value_heads", config["num_attention_heads"])) * int(head_dim)
     completed = [e for e in events if e["event"] == "group_completed"]
     if not completed:
-        raise ValueError("the run has no completed groups to calibrate from")
+        raise UsageError("--calibrate: the run has no completed groups; calibrate on a run that finished a step")
     prompt_tokens = round(statistics.fmean(e.get("prompt_tokens", 0) for e in completed)) or 1
 
-    # One (tokens, seconds) point per trainer call. A streamed train batch is accumulate calls
-    # and a final call; train_end counts the whole batch, so the final call's share is the rest.
-    xs, ys = [], []
-    pieces: dict[tuple[int, int], tuple[float, float]] = {}
-    open_calls: dict[tuple[str, int, int], dict] = {}
-    for e in sorted(events, key=lambda e: e["t"]):
-        if e["event"] in ("train_start", "accumulate_start"):
-            open_calls[(e["event"].split("_")[0], e["step"], e["batch"])] = e
-        elif e["event"] in ("train_end", "accumulate_end"):
-            what, key = e["event"].split("_")[0], (e["step"], e["batch"])
-            start = open_calls.pop((what, *key), None)
-            if start is None:
-                continue
-            tokens, samples = e["tokens"], e["samples"]
-            done_tokens, done_samples = pieces.get(key, (0.0, 0.0))
-            if what == "accumulate":
-                pieces[key] = (done_tokens + tokens, done_samples + samples)
-            else:
-                tokens, samples = tokens - done_tokens, samples - done_samples
-            xs.append(tokens + samples * prompt_tokens)
-            ys.append(e["t"] - start["t"])
-    if statistics.pstdev(xs) < 0.1 * statistics.fmean(xs):
-        # Every batch about the same size: overhead and per-token cost cannot be told apart, and
-        # need not be for batches of that size; charge it all per token.
-        overhead, per_token = 0.0, statistics.fmean(ys) / statistics.fmean(xs)
-    else:
-        overhead, per_token = _least_squares(xs, ys)
+    overhead, per_token = _train_cost(events, prompt_tokens)
     mfu_train = 6 * params / (per_token * hw.bf16_flops * trainer_ranks) if per_token > 0 else 1.0
-
-    # One decode step at the concurrency each server saw, per step.
-    per_step: list[tuple[float, float]] = []
-    by_key: dict[tuple[int, str], list[tuple[float, float, int]]] = {}
-    for e in completed:
-        for server, a, b, n in zip(e["servers"], e["starts"], e["ends"], e["lengths"]):
-            by_key.setdefault((e["step"], server), []).append((a, b, n))
-    for intervals in by_key.values():
-        tokens = sum(n for _, _, n in intervals)
-        total = sum(b - a for a, b, _ in intervals)
-        busy_end, busy = float("-inf"), 0.0
-        for a, b, _ in sorted(intervals):
-            if b > busy_end:
-                busy += b - max(a, busy_end)
-                busy_end = b
-        if tokens and busy > 0:
-            per_step.append((total / tokens, total / busy))
-    step_s = statistics.median(s for s, _ in per_step)
-    concurrency = statistics.median(c for _, c in per_step)
+    step_s, concurrency = _decode_step(completed)
     lengths = sorted(n for e in completed for n in e["lengths"])
     context = prompt_tokens + max(1, lengths[len(lengths) // 2])
     shape = ModelShape.from_params_b(params / 1e9, layers=layers, kv_dim=kv_dim)
     base = CostModel(hw, shape, mean_context_tokens=context).decode_step_seconds(max(1, round(concurrency)))
 
     overrides = {
-        "sim.gpu": "cpu",
+        "sim.gpu": GpuKind.CPU,
         "sim.params_b": params / 1e9,
         "sim.rollout_gpus": servers,
         "sim.trainer_gpus": trainer_ranks,
@@ -118,17 +87,60 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
     return overrides
 
 
+def _train_cost(events: list[dict[str, Any]], prompt_tokens: int) -> tuple[float, float]:
+    """(overhead seconds per call, seconds per token) of the trainer, one point per trainer call.
+    A streamed train batch is accumulate calls and a final call; train_end counts the whole batch,
+    so the final call's share is the rest."""
+    xs, ys = [], []
+    pieces: dict[tuple[int, int], tuple[float, float]] = {}
+    pairer = SpanPairer()
+    for e in sorted(events, key=lambda e: e["t"]):
+        span = pairer.observe(e)
+        if span is None or span.kind not in (SpanKind.TRAIN, SpanKind.ACCUMULATE):
+            continue
+        key = (e["step"], e["batch"])
+        tokens, samples = e["tokens"], e["samples"]
+        done_tokens, done_samples = pieces.get(key, (0.0, 0.0))
+        if span.kind is SpanKind.ACCUMULATE:
+            pieces[key] = (done_tokens + tokens, done_samples + samples)
+        else:
+            tokens, samples = tokens - done_tokens, samples - done_samples
+        xs.append(tokens + samples * prompt_tokens)
+        ys.append(span.seconds)
+    if statistics.pstdev(xs) < 0.1 * statistics.fmean(xs):
+        # Every batch about the same size: overhead and per-token cost cannot be told apart, and
+        # need not be for batches of that size; charge it all per token.
+        return 0.0, statistics.fmean(ys) / statistics.fmean(xs)
+    return _least_squares(xs, ys)
+
+
+def _decode_step(completed: list[dict[str, Any]]) -> tuple[float, float]:
+    """(seconds, concurrency) of one decode step: medians over each step and server of the time
+    its requests took per token, and of how many ran at once while it was busy."""
+    per_step: list[tuple[float, float]] = []
+    by_key: dict[tuple[int, str], list[tuple[float, float, int]]] = {}
+    for e in completed:
+        for server, a, b, n in zip(e["servers"], e["starts"], e["ends"], e["lengths"]):
+            by_key.setdefault((e["step"], server), []).append((a, b, n))
+    for intervals in by_key.values():
+        tokens = sum(n for _, _, n in intervals)
+        total = sum(b - a for a, b, _ in intervals)
+        busy = union_length([(a, b) for a, b, _ in intervals])
+        if tokens and busy > 0:
+            per_step.append((total / tokens, total / busy))
+    return statistics.median(s for s, _ in per_step), statistics.median(c for _, c in per_step)
+
+
 def model_parameters(model_dir: str) -> int:
     """Parameter count of a local HF model, from its safetensors headers (no tensors are read)."""
-    import json
     import math
     import struct
-    from pathlib import Path
 
     total = 0
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{model_dir}: no safetensors files to count parameters from")
+        raise UsageError(f"--calibrate: {model_dir}: no safetensors files to count parameters from; "
+                         "calibrate on a run whose model directory still exists")
     for f in files:
         with f.open("rb") as fh:
             (size,) = struct.unpack("<Q", fh.read(8))

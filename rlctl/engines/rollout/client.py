@@ -1,6 +1,6 @@
 """One async client for the SGLang HTTP protocol: it drives real SGLang and the built-in server.
 
-Request bodies carry exactly the fields listed in contracts/sglang.md. Control endpoints answer
+Request bodies carry exactly the fields listed in docs/sglang.md. Control endpoints answer
 {"success": bool, "message": str}; a refusal becomes a RunError naming the server and endpoint.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -15,12 +16,42 @@ import aiohttp
 from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, GenerateOutput, SamplingRequest, parse_version
 from rlctl.errors import RunError
 
-__all__ = ["GenerateOutput", "RolloutClient", "SamplingRequest"]
+__all__ = ["GenerateOutput", "RolloutClient", "SamplingRequest", "healthy", "wait_healthy"]
+
+HEALTH_POLL_S = 0.2
+
+
+async def healthy(session: aiohttp.ClientSession, url: str) -> bool:
+    """GET url/health answers 200 within 5 s (rollout servers and the trainer service alike)."""
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            return resp.status == 200
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout_s: float,
+                       alive: Callable[[], bool] = lambda: True) -> None:
+    """Poll url/health until it answers; RunError when `alive()` says its process is gone or
+    after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await healthy(session, url):
+            return
+        if not alive():
+            raise RunError(f"{url}: server process exited before it became healthy; see its log")
+        await asyncio.sleep(HEALTH_POLL_S)
+    raise RunError(f"{url}: not healthy after {timeout_s:.0f} s; see its log")
 
 
 class RolloutClient:
-    def __init__(self, url: str, session: aiohttp.ClientSession, api_key: str | None = None) -> None:
+    """One server. `name` is how the scheduler's pool and the events call it (its role name,
+    rollout-0, ...; its URL by default)."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, api_key: str | None = None, *,
+                 name: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self.name = name or self.url
         self.session = session
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -54,22 +85,8 @@ class RolloutClient:
 
     # -- health and info -----------------------------------------------------------------------
 
-    async def healthy(self) -> bool:
-        try:
-            async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            return False
-
-    async def wait_healthy(self, timeout_s: float, alive=lambda: True) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if await self.healthy():
-                return
-            if not alive():
-                raise RunError(f"{self.url}: server process exited before it became healthy; see its log")
-            await asyncio.sleep(0.2)
-        raise RunError(f"{self.url}: not healthy after {timeout_s:.0f} s; see its log")
+    async def wait_healthy(self, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
+        await wait_healthy(self.session, self.url, timeout_s, alive)
 
     async def server_info(self) -> dict[str, Any]:
         return await self._get_json("/server_info")

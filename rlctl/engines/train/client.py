@@ -1,0 +1,50 @@
+"""The controller's side of the trainer service (rlctl/engines/train/service.py), the trainer
+twin of rlctl/engines/rollout/client.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from rlctl.engines.rollout.client import wait_healthy
+from rlctl.errors import RunError
+
+
+class TrainerClient:
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+        self.url = url
+        self.session = session
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self.session.post(self.url + path, json=body) as resp:
+                text = await resp.text()
+                if resp.status != 200:  # the trainer's own errors are JSON, aiohttp's 500 page is not
+                    raise RunError(f"trainer {path}: HTTP {resp.status}: {text.strip()[:300]}; see the trainer's log")
+                return json.loads(text)
+        except aiohttp.ClientError as e:
+            raise RunError(f"trainer {self.url}{path}: unreachable ({e})") from None
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        await wait_healthy(self.session, self.url, timeout_s)
+
+    async def weight_checksums(self) -> dict[str, Any]:
+        async with self.session.get(self.url + "/weight_checksums") as resp:
+            return await resp.json()
+
+    async def init_weight_sync(self, servers: list[str], master_address: str, master_port: int,
+                               backend: str, bucket_mb: float, api_key: str = "") -> None:
+        await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,
+                                               "master_port": master_port, "backend": backend,
+                                               "bucket_mb": bucket_mb, "api_key": api_key})
+
+    async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        return await self._post("/accumulate", {"samples": samples})
+
+    async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        return await self._post("/train", {"samples": samples})
+
+    async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
+        return await self._post("/sync_weights", {"version": str(version), "pause_mode": pause_mode})

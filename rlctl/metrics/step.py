@@ -1,0 +1,224 @@
+"""Per-step metrics, computed as the events happen: work per event that does not grow with the run,
+and no event kept beyond the step it belongs to. The definitions are in rlctl/metrics/__init__.py.
+
+A step's own events are those that carry its step number and come between its step_start and
+its step_end. Three things cross steps: the time each completed group became ready (async trains
+in step k groups completed earlier; kept until the group is trained or dropped), the rollout
+servers seen so far (a server idle for a whole step still counts), and the requests of any step
+that ran during this one (they make the servers busy).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.metrics.spans import SpanKind, SpanPairer, union_length
+
+TRAIN_STATS = ("loss", "clip_frac", "kl", "grad_norm", "logprob_diff")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+@dataclass
+class _Step:
+    """What one open step has seen so far."""
+
+    step: int
+    t_start: float
+    t_last: float
+    """The latest time among the step's own events: its end when the log has no step_end."""
+    t_end: float | None = None
+    t_first_request: float | None = None
+    t_last_ready: float | None = None
+    train_times: list[float] = field(default_factory=list)
+    accumulate_times: list[float] = field(default_factory=list)
+    t_train_end: float | None = None
+    trained_ready: list[float | None] = field(default_factory=list)
+    """When each trained group became ready (None: not in the log, counted as the first request)."""
+    rewards: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    groups: int = 0
+    groups_dropped: int = 0
+    sync_starts: list[float] = field(default_factory=list)
+    sync_ends: list[float] = field(default_factory=list)
+    sync_bytes: int = 0
+    train_stats: dict[str, list[float]] = field(default_factory=dict)
+    busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    """Each server's request intervals, from the step's start on."""
+
+
+class StepMetrics:
+    """Observes every event as it is emitted; at each step_end, returns that step's record (the
+    line metrics.jsonl gets) and forgets the step."""
+
+    def __init__(self) -> None:
+        self._spans = SpanPairer()
+        self._ready_at: dict[int, float] = {}
+        """Completed groups not yet trained or dropped: when each became ready."""
+        self._servers: set[str] = set()
+        self._open: _Step | None = None
+
+    def observe(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """Take one event; the step's record when the event is its step_end."""
+        kind = event["event"]
+        ready: list[float | None] = []
+        if kind == "group_completed":
+            self._completed(event)
+        elif kind == "group_dropped":
+            self._ready_at.pop(event["group"], None)
+        elif kind == "train_start":
+            ready = [self._ready_at.pop(g, None) for g in event.get("groups", [])]
+        span = self._spans.observe(event)
+        s = self._open
+        if kind == "step_start":
+            self._open = _Step(event["step"], event["t"], event["t"])
+            return None
+        if s is None or event.get("step") != s.step:
+            return None
+        s.t_last = max(s.t_last, event["t"])
+        s.trained_ready += ready
+        _take(s, event, kind)
+        if span is not None and span.kind is SpanKind.TRAIN:
+            s.train_times.append(span.seconds)
+        elif span is not None and span.kind is SpanKind.ACCUMULATE:
+            s.accumulate_times.append(span.seconds)
+        if kind == "step_end":
+            s.t_end = event["t"]
+            return self.close()
+        return None
+
+    def close(self) -> dict[str, Any] | None:
+        """End the open step here (a log cut short ends at its last event) and return its record."""
+        s, self._open = self._open, None
+        return None if s is None else _record(s, sorted(self._servers))
+
+    def _completed(self, e: dict[str, Any]) -> None:
+        self._ready_at[e["group"]] = e["t"]
+        servers = e.get("servers", [])
+        self._servers.update(servers)
+        s = self._open
+        if s is None:
+            return
+        for server, a, b in zip(servers, e.get("starts", []), e.get("ends", [])):
+            if b > s.t_start:
+                s.busy.setdefault(server, []).append((max(a, s.t_start), b))
+
+
+def _take(s: _Step, e: dict[str, Any], kind: str) -> None:
+    """An event of the open step."""
+    t = e["t"]
+    if kind == "group_admitted":
+        s.t_first_request = t if s.t_first_request is None else min(s.t_first_request, t)
+    elif kind == "group_completed":
+        s.groups += 1
+        s.t_last_ready = t if s.t_last_ready is None else max(s.t_last_ready, t)
+        s.rewards += e["rewards"]
+        s.lengths += e["lengths"]
+        s.versions += e["versions"]
+    elif kind == "group_dropped":
+        s.groups_dropped += 1
+    elif kind == "train_start":
+        s.staleness += e.get("staleness", [])
+    elif kind == "train_end":
+        s.t_train_end = t if s.t_train_end is None else max(s.t_train_end, t)
+        for key in TRAIN_STATS:
+            if key in e:
+                s.train_stats.setdefault(key, []).append(e[key])
+    elif kind == "sync_start":
+        s.sync_starts.append(t)
+    elif kind == "sync_end":
+        s.sync_ends.append(t)
+        s.sync_bytes += e.get("bytes", 0)
+
+
+def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
+    t_end = s.t_last if s.t_end is None else s.t_end
+    t_first_request = s.t_start if s.t_first_request is None else s.t_first_request
+    train_time = sum(s.train_times) + sum(s.accumulate_times)
+    t_train_end = s.t_train_end if s.t_train_end is not None else (
+        s.t_last_ready if s.t_last_ready is not None else s.t_start)
+    window = t_train_end - t_first_request
+    wait = max(0.0, window - train_time)
+
+    # The critical path: the trainer cannot start a group before it is ready (nor before the
+    # window opens), and must run every train batch of the step.
+    ready = [t_first_request if r is None else max(r, t_first_request) for r in s.trained_ready]
+    bound = 0.0
+    if s.train_times and ready:
+        bound = max(max(ready) + s.train_times[-1], min(ready) + train_time) - t_first_request
+
+    rollout_time = s.t_last_ready - t_first_request if s.t_last_ready is not None else 0.0
+    step_time = t_end - s.t_start
+    idle = []
+    if step_time > 0:
+        for server in servers:
+            clipped = [(a, min(b, t_end)) for a, b in s.busy.get(server, []) if min(b, t_end) > a]
+            idle.append(1.0 - union_length(clipped) / step_time)
+
+    m: dict[str, Any] = {
+        "step": s.step,
+        "reward_mean": statistics.fmean(s.rewards) if s.rewards else 0.0,
+        "response_len_mean": statistics.fmean(s.lengths) if s.lengths else 0.0,
+        "response_len_p50": percentile(s.lengths, 0.5),
+        "response_len_p90": percentile(s.lengths, 0.9),
+        "response_len_max": max(s.lengths, default=0),
+        "samples": len(s.rewards),
+        "groups": s.groups,
+        "groups_dropped": s.groups_dropped,
+        "train_batches": len(s.train_times),
+        "step_time": step_time,
+        "rollout_time": rollout_time,
+        "train_time": train_time,
+        "sync_time": sum(s.sync_ends) - sum(s.sync_starts),
+        "wait_time": wait,
+        "rollout_to_train_end": window,
+        "trainer_wait_ratio": wait / window if window > 0 else 0.0,
+        "wait_time_ratio": wait / (wait + train_time) if wait + train_time > 0 else 0.0,
+        "rollout_idle_ratio": statistics.fmean(idle) if idle else 0.0,
+        "critical_path_bound": bound,
+        "efficiency": bound / window if window > 0 else 0.0,
+        "tokens_per_s": sum(s.lengths) / rollout_time if rollout_time > 0 else 0.0,
+        "samples_per_s": len(s.lengths) / step_time if step_time > 0 else 0.0,
+        "weight_version_min": min(s.versions, default=0),
+        "weight_version_max": max(s.versions, default=0),
+        "staleness_mean": statistics.fmean(s.staleness) if s.staleness else 0.0,
+        "staleness_max": max(s.staleness, default=0),
+        "staleness_hist": {str(k): s.staleness.count(k) for k in sorted(set(s.staleness))},
+        "sync_bytes": s.sync_bytes,
+    }
+    for key in TRAIN_STATS:
+        if key in s.train_stats:
+            m[key] = statistics.fmean(s.train_stats[key])
+    return m
+
+
+def step_metrics(events: Iterable[dict[str, Any]], step: int) -> dict[str, Any]:
+    """One step's record from a whole log, through the same observer the controller feeds as the
+    run goes (so each step counts what had happened by its step_end). Events are taken in time
+    order; a step the log holds twice (a requeued run) gives its last record."""
+    observer = StepMetrics()
+    found: dict[str, Any] | None = None
+    started = False
+    for event in sorted(events, key=lambda e: e["t"]):
+        started = started or (event["event"] == "step_start" and event["step"] == step)
+        m = observer.observe(event)
+        if m is not None and m["step"] == step:
+            found = m
+    m = observer.close()
+    if m is not None and m["step"] == step:
+        found = m
+    if found is None or not started:
+        raise ValueError(f"step {step}: no step_start in the events")
+    return found

@@ -1,0 +1,106 @@
+"""The simulation's composition root: a recipe -> its pipeline on simulated engines, in virtual
+time, recorded by the same Recorder as a real run.
+
+`simulate_run` keeps the events in memory unless given a run directory, where they stream to
+events.jsonl (and the records to metrics.jsonl) as the simulation goes.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlctl.metrics import KeptEvents, Recorder
+from rlctl.pipelines.build import build_pipeline
+from rlctl.pipelines.scoring import inline_scorer
+from rlctl.recipe import Recipe, recipe_to_yaml
+from rlctl.rundir import EventLog, RunDir, RunState, create_run_dir
+from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
+from rlctl.sim.engines import SimRollout, SimTrainer
+from rlctl.sim.loop import VirtualClock, run_virtual
+
+
+@dataclass
+class SimulationResult:
+    metrics: list[dict[str, Any]]
+    """One record per step, as metrics.jsonl has them."""
+    wall_seconds: float
+    virtual_seconds: float
+    """The time of the last event."""
+    events: list[dict[str, Any]] | None
+    """Every event, when the simulation kept them in memory (no run directory)."""
+
+
+def cost_model(recipe: Recipe) -> CostModel:
+    sim = recipe.sim
+    return CostModel(
+        HARDWARE[sim.gpu], ModelShape.from_params_b(sim.params_b, layers=sim.layers or None, kv_dim=sim.kv_dim or None),
+        mfu_train=sim.mfu_train, mean_context_tokens=sim.context_tokens,
+        mfu_prefill=sim.mfu_prefill, decode_bw_efficiency=sim.decode_bw_efficiency, gpus_per_server=sim.tp,
+        trainer_gpus=sim.trainer_gpus, decode_step_overhead_s=sim.decode_step_overhead_s,
+        train_step_overhead_s=sim.train_step_overhead_s,
+    )
+
+
+def simulate_run(recipe: Recipe, rd: RunDir | None = None,
+                 on_step: Callable[[dict[str, Any]], None] | None = None) -> SimulationResult:
+    """Run the recipe's pipeline in virtual time; with `rd`, record into that run directory.
+    `on_step` sees each step's record as it is written (progress, benchmarks)."""
+    sim = recipe.sim
+    cost = cost_model(recipe)
+    servers = [SimRollout(f"rollout-{i}", cost, recipe.rollout.max_running_requests)
+               for i in range(sim.rollout_gpus // sim.tp)]
+    metrics: list[dict[str, Any]] = []
+
+    def on_record(record: dict[str, Any]) -> None:
+        metrics.append(record)
+        if rd is not None:
+            rd.append_metrics(record)
+        if on_step is not None:
+            on_step(record)
+
+    kept = KeptEvents() if rd is None else None
+    recorder = Recorder(kept if rd is None else EventLog(rd.events_path), on_record)
+    rng = random.Random(recipe.run.seed)
+    prompt = [0] * sim.prompt_tokens
+    pipeline = build_pipeline(
+        recipe, servers, SimTrainer(cost, servers), VirtualClock(), recorder.emit, lambda step: None,
+        tokenize=lambda text: prompt,
+        score=inline_scorer(lambda ids: "", lambda response, answer: 1.0 if rng.random() < sim.reward_rate else 0.0),
+    )
+    start = time.perf_counter()
+    # Small, acyclic objects (samples, groups) come and go by the hundred thousand each step: the
+    # cyclic collector would only rescan them. Reference counting frees them; collect at the end.
+    gc.disable()
+    try:
+        run_virtual(pipeline.run(recipe.run.steps))
+    finally:
+        gc.enable()
+        recorder.close(completed=recorder.recorded == recipe.run.steps)
+    return SimulationResult(metrics, time.perf_counter() - start, recorder.t_last, kept)
+
+
+def simulate_into_run_dir(recipe: Recipe, recipe_file: Path, overrides: list[str]) -> tuple[RunDir, SimulationResult]:
+    """A run directory like a real run's (launcher `simulate`). The simulation records into a
+    hidden staging directory next to it, which becomes the run directory once the simulation is
+    done: a run with no process behind it would look failed to `rlctl status` while it ran."""
+    output_dir = Path(recipe.run.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".simulating-", dir=output_dir) as staging:
+        result = simulate_run(recipe, RunDir(Path(staging)))
+        info = {"launcher": "simulate", "mode": recipe.pipeline.mode, "steps_total": recipe.run.steps,
+                "recipe_file": str(recipe_file), "overrides": overrides, "plan": None, "model_path": None,
+                "simulation": {"wall_seconds": result.wall_seconds, "virtual_seconds": result.virtual_seconds}}
+        rd = create_run_dir(output_dir, recipe.run.name, recipe_to_yaml(recipe), info)
+        for recorded in (Path(staging) / "events.jsonl", Path(staging) / "metrics.jsonl"):
+            if recorded.exists():
+                os.replace(recorded, rd.path / recorded.name)
+    rd.set_state(RunState.COMPLETED, "simulation done")
+    return rd, result
