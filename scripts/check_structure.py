@@ -1,0 +1,194 @@
+"""The structure check: the size limits and the package's layering, in one place.
+
+    python scripts/check_structure.py       # prints each violation; exit 1 if there is any
+
+Over every .py file under rlctl/, scripts/ and tests/:
+- no function over MAX_FUNCTION_LINES lines (from its `def` to its last line), except those in
+  LONG_FUNCTIONS_ALLOWED;
+- no file over MAX_FILE_LINES lines;
+and inside the package rlctl/, no import from a higher layer than the importing module's own
+(LAYERS; imports inside functions and under TYPE_CHECKING count too). tests/test_structure.py
+runs the same check under pytest. It reads and parses files only: no imports, no processes.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 400
+CHECKED_DIRS = ("rlctl", "scripts", "tests")
+PACKAGE = "rlctl"
+
+# (folder, function name): functions allowed to be long. The sbatch template reads best as the
+# script it writes, top to bottom, rather than cut into pieces.
+LONG_FUNCTIONS_ALLOWED = {("rlctl/launchers", "render_batch_script")}
+
+
+class Layer(enum.IntEnum):
+    """rlctl's layers, from the bottom (0) up. A module may import modules of its own layer and of
+    the layers below it, never of a layer above.
+
+    SCHEMA: the recipe schema (rlctl.recipe: its dataclasses, choices and checks) and the
+      project's exceptions. Every other layer reads them, so they import nothing above: a recipe
+      is checked without loading tasks, engines or the simulator.
+    FOUNDATION: pure pieces and plain files, each usable alone: the run directory, plan, metrics
+      over events, tracking, GRPO math, rewards and tasks, data, the tiny model, workloads.
+      Any module of the package not placed elsewhere is foundation.
+    ENGINES: the rollout and train engines, their HTTP clients and services, weight sync.
+    SCHEDULING: the pipeline modes over the engines' interfaces (rlctl.pipelines).
+    SIMULATION: the same scheduler over simulated engines in virtual time (rlctl.sim).
+    ORCHESTRATION: what puts the pieces together into a running run and watches it: the
+      launchers (local and Slurm), the worker entry point of every process, the controller, and
+      the status of runs (which asks the Slurm launcher about live jobs).
+    INTERFACE: the command line: rlctl.cli and one module per command. Nothing imports it.
+    """
+
+    SCHEMA = 0
+    FOUNDATION = 1
+    ENGINES = 2
+    SCHEDULING = 3
+    SIMULATION = 4
+    ORCHESTRATION = 5
+    INTERFACE = 6
+
+
+# Module prefix -> layer. The longest prefix that matches a module (whole dotted parts) gives its
+# layer, so a new module lands in the layer of the package it is in.
+LAYERS: dict[str, Layer] = {
+    "rlctl.cli": Layer.INTERFACE,
+    "rlctl.__main__": Layer.INTERFACE,
+    "rlctl.commands": Layer.INTERFACE,
+    "rlctl.launchers": Layer.ORCHESTRATION,
+    "rlctl.worker": Layer.ORCHESTRATION,
+    "rlctl.controller": Layer.ORCHESTRATION,
+    "rlctl.status": Layer.ORCHESTRATION,
+    "rlctl.sim": Layer.SIMULATION,
+    "rlctl.pipelines": Layer.SCHEDULING,
+    "rlctl.engines": Layer.ENGINES,
+    "rlctl": Layer.FOUNDATION,
+    "rlctl.recipe": Layer.SCHEMA,
+    "rlctl.errors": Layer.SCHEMA,
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: str
+    """Relative to the checked root, with / separators."""
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+def layer_of(module: str) -> Layer:
+    """The layer of a module of the package, by the longest prefix in LAYERS."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        layer = LAYERS.get(".".join(parts[:n]))
+        if layer is not None:
+            return layer
+    raise ValueError(f"{module} is not a module of {PACKAGE}")
+
+
+def python_files(root: Path) -> Iterator[Path]:
+    for folder in CHECKED_DIRS:
+        yield from sorted(p for p in (root / folder).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def module_name(root: Path, path: Path) -> str:
+    """rlctl/engines/weightsync.py -> rlctl.engines.weightsync; a package's __init__ is the package."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def long_functions(root: Path, path: Path, tree: ast.AST) -> list[Violation]:
+    rel = path.relative_to(root).as_posix()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        lines = node.end_lineno - node.lineno + 1
+        allowed = any(rel.startswith(folder + "/") and node.name == name for folder, name in LONG_FUNCTIONS_ALLOWED)
+        if lines > MAX_FUNCTION_LINES and not allowed:
+            out.append(Violation(rel, node.lineno, f"function {node.name} is {lines} lines (at most {MAX_FUNCTION_LINES})"))
+    return out
+
+
+def long_file(root: Path, path: Path, text: str) -> list[Violation]:
+    lines = len(text.splitlines())
+    if lines <= MAX_FILE_LINES:
+        return []
+    return [Violation(path.relative_to(root).as_posix(), 1, f"{lines} lines (at most {MAX_FILE_LINES})")]
+
+
+def imported_modules(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> Iterator[tuple[int, str]]:
+    """(line, module) for every import of the package anywhere in the tree, functions included.
+
+    `from a.b import c` imports a.b.c when that is a module (known), else a name of a.b."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+
+
+def upward_imports(root: Path, path: Path, tree: ast.AST, known: set[str]) -> list[Violation]:
+    module = module_name(root, path)
+    if not (module == PACKAGE or module.startswith(PACKAGE + ".")):
+        return []
+    own = layer_of(module)
+    out, seen = [], set()
+    for line, target in imported_modules(tree, module, path.name == "__init__.py", known):
+        if not (target == PACKAGE or target.startswith(PACKAGE + ".")) or target in seen:
+            continue
+        seen.add(target)
+        theirs = layer_of(target)
+        if theirs > own:
+            out.append(Violation(path.relative_to(root).as_posix(), line,
+                                 f"{module} -> {target} (layer {own.name.lower()} may not import layer "
+                                 f"{theirs.name.lower()})"))
+    return out
+
+
+def check(root: Path) -> list[Violation]:
+    """Every violation under root (a checkout of the repository), in file order."""
+    files = list(python_files(root))
+    known = {module_name(root, p) for p in files}
+    out: list[Violation] = []
+    for path in files:
+        text = path.read_text()
+        tree = ast.parse(text, filename=str(path))
+        out += long_file(root, path, text)
+        out += long_functions(root, path, tree)
+        out += upward_imports(root, path, tree, known)
+    return out
+
+
+def main() -> int:
+    violations = check(Path(__file__).resolve().parents[1])
+    for v in violations:
+        print(v)
+    if violations:
+        print(f"{len(violations)} structure violation(s)", file=sys.stderr)
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
