@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.rundir import RunDir, RunState, find_run, list_runs, pid_alive
-from rlctl.tail import last_jsonl_record
+from rlctl.tail import last_jsonl_record, last_jsonl_records
 
 STARTING_GRACE_S = 30.0
 """A local run with no supervisor pid yet is still starting for this long, then failed."""
@@ -88,7 +88,7 @@ def detail(rd: RunDir) -> dict[str, Any]:
                       pid_alive(p.get("pid"), expect_in_cmdline=rd.id) if p.get("pid") else False,
                       "log": p.get("log", str(rd.log_path(role)))})
     out["processes"] = procs
-    out["last_events"] = rd.events()[-10:]
+    out["last_events"] = last_jsonl_records(rd.events_path, 10)  # not the whole log: it can be GBs
     out["last_metrics"] = last_jsonl_record(rd.metrics_path)
     out["wandb"] = (info.get("tracking") or {}).get("wandb")
     out["logs"] = [str(p) for p in rd.log_files().values()]

@@ -29,11 +29,21 @@ def last_log_line(path: Path, limit: int = 300) -> str | None:
     return lines[-1][:limit] if lines else None
 
 
-def last_jsonl_record(path: Path) -> dict[str, Any] | None:
-    """The last complete record of a JSONL file (a line being appended right now is skipped)."""
-    for line in reversed(tail_lines(path, 65536) or []):
+def last_jsonl_records(path: Path, n: int, max_bytes: int = 65536) -> list[dict[str, Any]]:
+    """Up to the last `n` complete records of a JSONL file, oldest first, from its last
+    `max_bytes` (a line cut at the window's start or being appended right now is skipped)."""
+    records: list[dict[str, Any]] = []
+    for line in reversed(tail_lines(path, max_bytes) or []):
+        if len(records) == n:
+            break
         try:
-            return json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    return None
+    return records[::-1]
+
+
+def last_jsonl_record(path: Path) -> dict[str, Any] | None:
+    """The last complete record of a JSONL file (a line being appended right now is skipped)."""
+    last = last_jsonl_records(path, 1)
+    return last[0] if last else None

@@ -15,7 +15,7 @@ from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
 from rlctl.commands.status import render_detail, render_table
 from rlctl.rundir import RunDir, list_runs
 from rlctl.status import detail, summary
-from rlctl.tail import last_jsonl_record, last_log_line, tail_lines
+from rlctl.tail import last_jsonl_record, last_jsonl_records, last_log_line, tail_lines
 
 
 def fake_run(root, run_id: str, state: str, steps: int, rewards: list[float], mode: str = "sync") -> RunDir:
@@ -64,6 +64,9 @@ def test_tails_read_only_the_end_of_a_file(tmp_path):
     metrics.write_text("".join(json.dumps({"step": i, "pad": "z" * 100}) + "\n" for i in range(5000)) + '{"step": 50')
     assert last_jsonl_record(metrics)["step"] == 4999  # the line being written is skipped
     assert tail_lines(metrics, 14) == ['"}', '{"step": 50']  # the first line of the window may be cut
+    assert [r["step"] for r in last_jsonl_records(metrics, 3)] == [4997, 4998, 4999]
+    # 500 bytes hold three whole records of about 125 bytes and a cut one: fewer than asked for.
+    assert [r["step"] for r in last_jsonl_records(metrics, 9, max_bytes=500)] == [4997, 4998, 4999]
 
 
 def test_detail_shows_events_whatever_clock_wrote_them(tmp_path):
