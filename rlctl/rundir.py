@@ -107,9 +107,10 @@ HOST = socket.gethostname()
 
 class EventLog:
     """events.jsonl written in batches by a process that emits many events (the controller, a
-    simulation): lines are buffered and appended with one write() each `flush()`, when
-    `max_bytes` are waiting, or when the oldest waiting line is `max_delay_s` old. Lines from
-    other writers never land inside one of ours, since a batch holds whole lines."""
+    simulation): lines are buffered and appended with one write() at each `flush()`, and at a
+    `write()` that finds `max_bytes` waiting or the oldest waiting line `max_delay_s` old (the
+    recorder flushes at every step end, so nothing waits longer than a step). Lines from other
+    writers never land inside one of ours, since a batch holds whole lines."""
 
     def __init__(self, path: Path, max_bytes: int = 1 << 20, max_delay_s: float = 1.0) -> None:
         self.path = path

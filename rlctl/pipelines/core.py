@@ -3,7 +3,7 @@
 Everything here is asyncio over two small interfaces, `Rollout` (one server: generate, abort)
 and `Trainer` (train one batch, sync weights), reads time only through a `Clock`, and scores
 through an injected `Score` (rlctl/pipelines/scoring.py). Real runs plug in HTTP clients, the
-run's clock and scoring in a thread pool; a simulation plugs in cost-model engines, virtual time
+run's clock and scoring in worker processes; a simulation plugs in cost-model engines, virtual time
 and inline scoring, and the scheduling code stays the same.
 """
 
@@ -227,10 +227,11 @@ class GroupRunner:
             if reason != "abort" or not self.resume_aborted or group.cancelled or n_tokens >= request.max_new_tokens:
                 break
             segment += 1
+        t_end = self.clock.now()  # the server's part ends here; waiting for a scoring slot is not its busy time
         text, reward = await self.score(output, group.prompt.answer)
         return Sample(group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=output,
                       logprobs=logprobs, text=text, reward=reward,
-                      versions=versions, n_tokens=n_tokens, server=server.name, t_start=t0, t_end=self.clock.now(),
+                      versions=versions, n_tokens=n_tokens, server=server.name, t_start=t0, t_end=t_end,
                       finish_reason=reason)
 
 
