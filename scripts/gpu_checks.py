@@ -14,7 +14,9 @@
 5. A local run, train.engine=megatron (fp32), rolloutpipe (frontier, streamed groups), 2 built-in
    rollout servers on the same GPU, weight sync over gloo, pipeline.check_weights=true: after every
    sync each server's tensors hash like the trainer's.
-6. Weight-broadcast throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU,
+6. Qwen2 (q/k/v biases, mapped into Megatron's fused linear_qkv.bias): checks 1 to 3 on a small
+   Qwen2-architecture model with random, nonzero biases, so that a dropped or misplaced bias shows.
+7. Weight-broadcast throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU,
    gloo with CPU staging, for 3 bucket sizes.
 Prints one line per check and writes OUT_DIR/gpu_checks.json. Exit 1 if a check failed.
 """
@@ -53,16 +55,18 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def build_model(path: Path, dtype: torch.dtype, **shape) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def build_model(path: Path, dtype: torch.dtype, arch: str = "qwen3", **shape) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(**shape)
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(dtype)
-    with torch.no_grad():  # norms away from 1, so that a dropped norm weight shows
+    model = model_cls(config_cls(**shape)).to(dtype)
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so that a dropped one shows
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif n.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return path
 
@@ -107,7 +111,16 @@ def check_engines(work: Path) -> None:
     check_accumulation(model_dir, batch)
 
 
-def check_round_trip(model_dir: Path) -> None:
+def check_qwen2(work: Path) -> None:
+    """6. Checks 1 to 3 on a Qwen2-architecture model (q/k/v biases, no qk-norm)."""
+    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True)
+    model_dir = build_model(work / "small-qwen2", torch.float32, arch="qwen2", **shape)
+    check_round_trip(model_dir, tag="Qwen2, ")
+    check_against_torch(model_dir, samples(shape["vocab_size"], seed=1), tag="Qwen2, ")
+
+
+def check_round_trip(model_dir: Path, tag: str = "") -> None:
     """1. HF -> Megatron -> HF, in fp32 and bf16: every tensor back exactly."""
     from safetensors.torch import load_file
 
@@ -120,12 +133,12 @@ def check_round_trip(model_dir: Path) -> None:
         want = {n: t.to(exported[n].dtype if n in exported else getattr(torch, dtype)) for n, t in on_disk.items()}
         differ = sorted(n for n in want if n not in exported or not torch.equal(exported[n].cpu(), want[n]))
         dtypes = sorted({str(t.dtype) for t in exported.values()})
-        report(f"round trip HF->Megatron->HF ({dtype})", not differ and set(exported) == set(want), tensors=len(exported),
+        report(f"round trip HF->Megatron->HF ({tag}{dtype})", not differ and set(exported) == set(want), tensors=len(exported),
                differ=len(differ), first_differ=differ[0] if differ else "-", exported_dtypes="/".join(dtypes))
         del eng
 
 
-def check_against_torch(model_dir: Path, batch: list[TrainSample]) -> list[TrainSample]:
+def check_against_torch(model_dir: Path, batch: list[TrainSample], tag: str = "") -> list[TrainSample]:
     """2. log-probs and 3. one GRPO step of each engine. Returns the batch with the torch engine's
     log-probs as the behaviour policy (ratio 1 at the start), for the checks after it."""
     te = torch_engine(model_dir)
@@ -135,7 +148,7 @@ def check_against_torch(model_dir: Path, batch: list[TrainSample]) -> list[Train
         me = megatron_engine(model_dir, dtype)
         got = me.logprobs(batch)
         diff = max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x, y))
-        report(f"log-probs Megatron vs torch ({dtype})", diff <= 1e-4 if dtype == "float32" else None, max_abs_diff=diff)
+        report(f"log-probs Megatron vs torch ({tag}{dtype})", diff <= 1e-4 if dtype == "float32" else None, max_abs_diff=diff)
         if dtype == "float32":
             m_stats = me.train_batch(batch)
             t_stats = te.train_batch(batch)
@@ -144,7 +157,7 @@ def check_against_torch(model_dir: Path, batch: list[TrainSample]) -> list[Train
             wdiff = max(float((after[n].float().cpu() - p.detach().float().cpu()).abs().max())
                         for n, p in te.model.named_parameters())
             lp_after = max(abs(a - b) for x, y in zip(me.logprobs(batch), te.logprobs(batch)) for a, b in zip(x, y))
-            report("one GRPO step, Megatron vs torch (float32)", rel <= 1e-3, loss_megatron=m_stats["loss"],
+            report(f"one GRPO step, Megatron vs torch ({tag}float32)", rel <= 1e-3, loss_megatron=m_stats["loss"],
                    loss_torch=t_stats["loss"], rel_diff=rel, weights_max_abs_diff_after=wdiff,
                    logprobs_max_abs_diff_after=lp_after, grad_norm_megatron=m_stats["grad_norm"],
                    grad_norm_torch=t_stats["grad_norm"])
@@ -262,13 +275,13 @@ def run_checks(steps: dict, names: list[str], out_file: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-checks-out")))
-    p.add_argument("--only", default="engines,run,broadcast")
+    p.add_argument("--only", default="engines,qwen2,run,broadcast")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/rlctl-gpu-checks")
     work.mkdir(exist_ok=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
-    steps = {"engines": lambda: check_engines(work), "run": lambda: check_local_run(a.out),
+    steps = {"engines": lambda: check_engines(work), "qwen2": lambda: check_qwen2(work), "run": lambda: check_local_run(a.out),
              "broadcast": lambda: check_broadcast(work)}
     run_checks(steps, a.only.split(","), a.out / "gpu_checks.json")
 

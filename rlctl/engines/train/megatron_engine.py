@@ -1,13 +1,17 @@
 """`train.engine: megatron`: a Megatron-core GPTModel trained with the same GRPO loss as the torch
 engine (pip install 'rlctl[megatron]'; needs CUDA: Megatron's DDP and optimizer refuse CPU tensors).
 
-The model is built from the HF config (local layer spec: RMSNorm, SwiGLU, GQA, qk-norm for Qwen3,
-rope, tied embeddings), loaded from the HF safetensors through rlctl/engines/train/megatron_convert.py,
-wrapped in Megatron's DistributedDataParallel with the distributed optimizer, and trained through
-Megatron's forward-backward schedule. Per-token log-probs come from vocab-parallel cross entropy.
-`hf_weights()` gathers TP shards and returns HF names for the weight broadcast, on the (dp 0, tp 0)
-rank. Tensor parallel and data parallel sizes come from the recipe (train.ranks = tp x dp);
-pipeline parallelism is not supported yet.
+The model is built from the HF config (local layer spec: RMSNorm, SwiGLU, GQA, rope, tied
+embeddings; qk-norm for Qwen3, q/k/v biases for Qwen2 through add_qkv_bias), loaded from the HF
+safetensors through rlctl/engines/train/megatron_convert.py, wrapped in Megatron's
+DistributedDataParallel with the distributed optimizer, and trained through Megatron's
+forward-backward schedule. Per-token log-probs come from vocab-parallel cross entropy. Loading is
+strict: an HF tensor the mapping does not use, or a Megatron parameter no HF tensor fills, stops
+the trainer with one line naming them; so does a model feature the mapping cannot express
+(Layout.from_hf_config: o_proj or MLP biases, sliding-window attention, rope scaling, an
+activation other than SiLU). `hf_weights()` gathers TP shards and returns HF names for the weight
+broadcast, on the (dp 0, tp 0) rank. Tensor parallel and data parallel sizes come from the recipe
+(train.ranks = tp x dp); pipeline parallelism is not supported yet.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
-from rlctl.engines.train.megatron_convert import Layout, gather, hf_to_mcore, mcore_to_hf, shard, tp_dim
+from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, gather, hf_to_mcore, mcore_to_hf, shard,
+                                                  tp_dim)
 from rlctl.errors import RunError
 from rlctl.recipe import MegatronDtype, TrainConfig
 
@@ -52,9 +57,9 @@ class MegatronTrainEngine(PieceTraining):
 
         self.cfg, self.temperature = cfg, temperature
         self.rank, self.world_size = rank, world_size
-        self._init_parallel(device, init_method)
         hf_cfg = AutoConfig.from_pretrained(model_path)
-        self.layout = Layout.from_hf_config(hf_cfg)
+        self.layout = Layout.from_hf_config(hf_cfg)  # refuses what it cannot map, before any GPU work
+        self._init_parallel(device, init_method)
         if self.layout.vocab_size % self.tp_size:
             raise RunError(f"vocab size {self.layout.vocab_size} does not split over {self.tp_size} TP ranks; "
                            "set train.megatron.tp to a divisor of it")
@@ -98,7 +103,7 @@ class MegatronTrainEngine(PieceTraining):
             num_layers=L.num_layers, hidden_size=L.hidden_size, num_attention_heads=L.num_heads,
             num_query_groups=L.num_kv_heads, kv_channels=L.head_dim, ffn_hidden_size=L.ffn_hidden_size,
             normalization="RMSNorm", layernorm_epsilon=hf_cfg.rms_norm_eps, gated_linear_unit=True,
-            activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+            activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=L.qkv_bias,
             qk_layernorm=L.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, bf16=self.dtype == torch.bfloat16,
             params_dtype=self.dtype, pipeline_dtype=self.dtype, tensor_model_parallel_size=self.tp_size,
             attention_softmax_in_fp32=True, apply_rope_fusion=False, bias_dropout_fusion=False,
@@ -144,16 +149,16 @@ class MegatronTrainEngine(PieceTraining):
     # -- weights ------------------------------------------------------------------------------
 
     def _load_hf(self, model, hf: dict[str, torch.Tensor]) -> None:
+        """Every parameter of the model from the HF tensors; hf_to_mcore refuses HF tensors it does
+        not use, and every Megatron parameter must be filled (and every mapped tensor used)."""
         full = hf_to_mcore(hf, self.layout)
         params = dict(model.named_parameters())
-        missing = sorted(set(params) - set(full))
-        if missing:
-            raise ValueError(f"no HF weight for Megatron parameters {missing[:5]}")
+        check_mcore_names(params, self.layout, "the Megatron model built from the HF config")
         with torch.no_grad():
             for name, p in params.items():
                 part = shard(name, full[name], self.tp_rank, self.tp_size)
                 if part.shape != p.shape:
-                    raise ValueError(f"{name}: HF gives {tuple(part.shape)}, the model has {tuple(p.shape)}")
+                    raise RunError(f"{name}: HF gives {tuple(part.shape)}, the model has {tuple(p.shape)}")
                 p.copy_(part.to(p.dtype))
 
     def mcore_state(self) -> dict[str, torch.Tensor]:
