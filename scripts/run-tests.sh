@@ -9,6 +9,15 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[local,test]'
 
+# SGLang's wheels of the supported releases: the contract tests read their source (tests/sglang_source.py);
+# nothing imports them. About 80 MB, downloaded once.
+wheels="${RLCTL_SGLANG_WHEELS:-$HOME/.cache/rlctl/sglang-wheels}"
+for version in 0.5.15.post1 0.5.21 0.5.23; do
+  if ! compgen -G "$wheels/sglang-$version-*.whl" >/dev/null; then
+    python3 -m pip download -q --no-deps --only-binary=:all: "sglang==$version" -d "$wheels"
+  fi
+done
+
 if [ "$(id -u)" = 0 ]; then
   if ! command -v shellcheck >/dev/null 2>&1; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import sglang_source
+from sglang_source import Source
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
@@ -115,3 +118,38 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmd and state != "Z":
             out.append(int(p.name))
     return out
+
+
+# -- SGLang's own source (tests/sglang_source.py) -------------------------------------------------
+
+_download_errors: dict[str, str] = {}
+
+
+def ensure_wheel(version: str) -> None:
+    """The wheel is there, or pip fetches it (once per version); else skip, or fail under CI."""
+    try:
+        sglang_source.wheel(version)
+        return
+    except sglang_source.MissingWheel:
+        pass
+    if version not in _download_errors:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               f"sglang=={version}", "-d", str(sglang_source.wheel_dir())],
+                              capture_output=True, text=True, timeout=900)
+        _download_errors[version] = "" if done.returncode == 0 else done.stderr[-1500:]
+    try:
+        sglang_source.wheel(version)
+    except sglang_source.MissingWheel as e:
+        message = f"{e}\npip download failed:\n{_download_errors[version]}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def sglang():
+    """sglang(version) -> the Source of that version's wheel."""
+    def get(version: str) -> Source:
+        ensure_wheel(version)
+        return sglang_source.source(version)
+    return get
