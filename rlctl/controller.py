@@ -57,6 +57,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             recorder.emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode, host=HOST)
             if recipe.pipeline.check_weights:
                 trainer = CheckedTrainer(trainer, servers, recorder.emit, clock)
+            await send_initial_weights(trainer, recorder.emit, clock)
             pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,
                                       on_step_end=lambda step: _log_step(recorder.last),
                                       tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer)
@@ -83,13 +84,24 @@ class CheckedTrainer:
         stats = await self.trainer.sync_weights(version, pause_mode)
         want = (await self.trainer.weight_checksums())["checksums"]
         for c in self.clients:
-            got = (await c.weight_checksums())["checksums"]
-            wrong = [n for n, h in want.items() if got.get(n) != h]
-            if wrong:
-                raise RunError(f"after the sync to version {version}, {c.url} differs from the trainer in "
-                               f"{len(wrong)} of {len(want)} tensors (first: {wrong[0]})")
+            got = await c.weight_checksums()
+            for rank, sums in enumerate([got["checksums"], *got.get("tp_ranks", [])]):
+                wrong = [n for n, h in want.items() if sums.get(n) != h]
+                if wrong:
+                    raise RunError(f"after the sync to version {version}, {c.url} (TP rank {rank}) differs from the "
+                                   f"trainer in {len(wrong)} of {len(want)} tensors (first: {wrong[0]})")
         self.emit("weights_checked", self.clock.now(), version=version, tensors=len(want), servers=len(self.clients))
         return stats
+
+
+async def send_initial_weights(trainer: TrainerClient | CheckedTrainer, emit: EventSink, clock: Clock) -> None:
+    """Version 0 reaches every server before step 0. What a server loaded from the model path is
+    not necessarily the trainer's weights (another dtype, a trainer that starts elsewhere), and
+    until its first update SGLang stamps its generations with its --weight-version ("default"),
+    which is no version of the run."""
+    start = clock.now()
+    stats = await trainer.sync_weights(0)
+    emit("initial_sync", clock.now(), start=start, **{k: v for k, v in stats.items() if k != "version"})
 
 
 def _flush_on_sigterm(events: EventLog) -> None:

@@ -87,6 +87,8 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         "--max-running-requests", str(recipe.rollout.max_running_requests),
         "--threads", str(recipe.run.threads_per_process),
         "--device", _device(recipe.rollout.device, index, recipe.rollout.gpus),
+        "--tp-size", str(recipe.rollout.builtin.tp_size),
+        *(["--emulate-sglang", recipe.rollout.builtin.emulate_sglang] if recipe.rollout.builtin.emulate_sglang else []),
     ])
     server.serve(args)
 

@@ -85,11 +85,29 @@ def test_two_trainer_ranks_and_checked_weights(tmp_path):
     assert res.returncode == 0, res.stderr
     events = only_run(tmp_path).events()
     checked = [e for e in events if e["event"] == "weights_checked"]
-    assert len(checked) == 3 and all(e["servers"] == 2 and e["tensors"] > 10 for e in checked)
+    assert len(checked) == 1 + 3 and all(e["servers"] == 2 and e["tensors"] > 10 for e in checked)  # + the initial sync
     assert any(e["event"] == "accumulate_end" for e in events)
     info = only_run(tmp_path).read()
     assert {"trainer-0", "trainer-1"} <= set(info["processes"])
     assert "trainer rank 1/2 ready" in (only_run(tmp_path).log_path("trainer-1").read_text())
+
+
+def test_a_run_whose_servers_answer_as_sglang(tmp_path):
+    """Built-in servers emulating SGLang 0.5.23 with TP 2: their generations are stamped
+    "default" until the run's weights reach them, pause replies carry no `success`, updates
+    outside a session are refused; the run sends version 0 before step 0 and checks every TP
+    rank of every server after every sync."""
+    res = launch(tmp_path, "rollout.builtin.emulate_sglang=0.5.23", "rollout.builtin.tp_size=2",
+                 "pipeline.check_weights=true", "pipeline.mode=async")
+    assert res.returncode == 0, res.stderr
+    rd = only_run(tmp_path)
+    events = rd.events()
+    kinds = [e["event"] for e in events]
+    assert kinds.index("initial_sync") < kinds.index("step_start")
+    assert [e["version"] for e in events if e["event"] == "weights_checked"][0] == 0
+    assert all(isinstance(v, int) for e in events if e["event"] == "group_completed" for v in e["versions"])
+    assert "as ranks 1..2 of 5" in rd.log_path("rollout-0").read_text()
+    assert "as ranks 3..4 of 5" in rd.log_path("rollout-1").read_text()
 
 
 @pytest.mark.parametrize("victim", ["rollout-1", "trainer-0"])

@@ -37,7 +37,7 @@ def test_generate_follows_sglang_response_shape(start_server):
     meta = out["meta_info"]
     assert len(out["output_ids"]) == 5 and meta["completion_tokens"] == 5
     assert meta["finish_reason"] == {"type": "length", "length": 5}
-    assert meta["id"] == "r1" and meta["prompt_tokens"] == 5 and meta["weight_version"] == "0"
+    assert meta["id"] == "r1" and meta["prompt_tokens"] == 5 and meta["weight_version"] == "default"
     lps = meta["output_token_logprobs"]
     assert [item[1] for item in lps] == out["output_ids"]
     assert all(item[0] <= 0.0 for item in lps)

@@ -1,13 +1,15 @@
-"""rollout.engine=sglang, checked without SGLang (it needs CUDA): the launch command, and every
-request the adapter sends, recorded by a built-in server that answers as SGLang 0.5.15 or 0.5.23
-and compared with SGLang's field lists (docs/sglang.md), and with SGLang's own request structs
-where sglang is importable."""
+"""rollout.engine=sglang, held to SGLang's own source: tests/sglang_source.py reads the wheel of
+every supported release, and from it these tests take the routes the client may call, the fields
+and types of every body it sends, the replies (success and refusal) the built-in server must give
+when it emulates a release, and the weight-sync group's rank layout. The flattened weight bucket
+is compared byte for byte with SGLang's FlattenedTensorBucket, run from the wheel. A release whose
+source changes a field or a reply that rlctl relies on fails here.
+"""
 
 from __future__ import annotations
 
+import ast
 import asyncio
-import dataclasses
-import importlib.util
 import json
 
 import aiohttp
@@ -15,31 +17,28 @@ import pytest
 import torch
 
 from conftest import QUICKSTART, free_port, rlctl
+from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
 from rlctl.engines.rollout.sglang import launch_command, speaks
-from rlctl.engines.weightsync import WeightSender, tensor_sha256
+from rlctl.engines.weightsync import (
+    TensorMeta,
+    WeightSender,
+    dtype_name,
+    flatten_bucket,
+    group_layout,
+    plan_buckets,
+    tensor_sha256,
+    unflatten_bucket,
+)
 from rlctl.errors import RunError
 from rlctl.recipe import SGLangConfig, load_recipe
+from sglang_bodies import check_body
+from sglang_source import SUPPORTED
 
-# Request fields of SGLang 0.5.15 .. 0.5.23 (docs/sglang.md). A key outside these is a key a real
-# server rejects or ignores.
-FIELDS = {
-    "/generate": {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "rid", "stream"},
-    "/abort_request": {"rid", "abort_all"},
-    "/pause_generation": {"mode"},
-    "/continue_generation": set(),
-    "/flush_cache": set(),
-    "/begin_weight_update": set(),
-    "/end_weight_update": set(),
-    "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
-    "/update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                                         "weight_version", "load_format"},
-    "/update_weight_version": {"new_version", "abort_all_requests"},
-    "/destroy_weights_update_group": {"group_name"},
-}
-SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-                   "skip_special_tokens", "no_stop_trim", "n", "sampling_seed"}
-DTYPES = {"float32", "bfloat16", "float16"}
+# GET routes the client reads (its POSTs are recorded from a real exchange below).
+CLIENT_GETS = ("/health", "/server_info", "/model_info")
+# Served by SGLang through a router of its own (entrypoints/v1_loads.py), not http_server.py's table.
+INCLUDED_ROUTERS = {"/v1/loads"}
 
 
 def test_launch_command():
@@ -65,6 +64,7 @@ def test_versions_the_adapter_speaks():
     ("rollout.sglang.mem_fraction_static=1.5", "rollout.sglang.mem_fraction_static"),
     ("rollout.sglang.dtype=int8", "rollout.sglang.dtype"),
     ("rollout.engine=sglang", "rollout.device"),  # SGLang on CPU
+    ("rollout.builtin.emulate_sglang=0.6.0", "rollout.builtin.emulate_sglang"),
 ])
 def test_bad_sglang_settings_name_the_key(tmp_path, override, key):
     res = rlctl("launch", str(QUICKSTART), override, f"run.output_dir={tmp_path}", cwd=tmp_path)
@@ -76,30 +76,20 @@ def test_sglang_recipe_is_accepted():
     assert r.rollout.engine == "sglang" and r.rollout.sglang.skip_tokenizer_init
 
 
-def check_body(path: str, body) -> None:
-    assert path in FIELDS, f"the adapter called {path}, which is not in SGLang's API"
-    assert isinstance(body, dict), (path, body)
-    assert set(body) <= FIELDS[path], f"{path}: fields {set(body) - FIELDS[path]} are not SGLang's"
-    if path == "/generate":
-        assert set(body["sampling_params"]) <= SAMPLING_FIELDS, body["sampling_params"]
-        assert all(isinstance(t, int) for t in body["input_ids"]) and isinstance(body["return_logprob"], bool)
-        assert body["logprob_start_len"] == -1 and isinstance(body["rid"], str)
-    if path == "/update_weights_from_distributed":
-        assert len(body["names"]) == len(body["dtypes"]) == len(body["shapes"])
-        assert set(body["dtypes"]) <= DTYPES
-        assert all(isinstance(d, int) for shape in body["shapes"] for d in shape)
-        assert body["load_format"] in (None, "flattened_bucket")
-        assert body["weight_version"] is None or isinstance(body["weight_version"], str)
-    if path == "/init_weights_update_group":
-        assert isinstance(body["master_port"], int) and body["backend"] in ("nccl", "gloo")
-    if path == "/pause_generation":
-        assert body["mode"] in ("abort", "retract", "in_place")
+# -- what the client sends, against each release's request structs ---------------------------------
+
+def sync_calls(version_has_sessions: bool, updates: int) -> list[str]:
+    """One weight sync, as slime/miles order it against SGLang (docs/sglang.md)."""
+    begin, end = (["/begin_weight_update"], ["/end_weight_update"]) if version_has_sessions else ([], [])
+    return ["/pause_generation", "/flush_cache", *begin, *["/update_weights_from_distributed"] * updates,
+            "/update_weight_version", *end, "/continue_generation"]
 
 
-@pytest.mark.parametrize("version", ["0.5.15", "0.5.23"])
-def test_every_request_matches_the_contract(start_server, tiny_model_dir, tmp_path, version):
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_every_request_is_one_sglang_takes(sglang, start_server, tiny_model_dir, tmp_path, version):
     from transformers import AutoModelForCausalLM
 
+    src = sglang(version)
     record = tmp_path / "requests.jsonl"
     url = start_server(0, "--emulate-sglang", version, "--record-requests", str(record))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -111,8 +101,7 @@ def test_every_request_matches_the_contract(start_server, tiny_model_dir, tmp_pa
     async def scenario():
         async with aiohttp.ClientSession() as s:
             c = RolloutClient(url, s)
-            info = await c.server_info()
-            assert info["version"] == version and await c.needs_update_session() == (speaks(version) == "session")
+            assert (await c.server_info())["version"] == version
             out = await c.generate([1, 22, 3], SamplingRequest(max_new_tokens=3, temperature=1.0, top_p=0.9), "r-1")
             assert len(out.logprobs) == len(out.output_ids) == 3
             await c.abort("r-unknown")
@@ -126,41 +115,163 @@ def test_every_request_matches_the_contract(start_server, tiny_model_dir, tmp_pa
 
     asyncio.run(scenario())
     calls = [json.loads(line) for line in record.read_text().splitlines()]
+    routes = src.routes()
     for call in calls:
-        check_body(call["path"], call["body"])
+        assert "POST" in routes.get(call["path"], ()), f"SGLang {version} has no POST {call['path']}"
+        check_body(src, call["path"], call["body"])
+    assert all("GET" in routes[path] for path in CLIENT_GETS)
     paths = [c["path"] for c in calls]
     sync = [p for p in paths if p not in ("/generate", "/abort_request", "/init_weights_update_group",
                                          "/destroy_weights_update_group")]
     updates = sync.count("/update_weights_from_distributed")
     assert updates > 1  # several buckets
-    session = ["/begin_weight_update"] if version >= "0.5.21" else []
-    assert sync == ["/pause_generation", "/flush_cache", *session, *["/update_weights_from_distributed"] * updates,
-                    "/update_weight_version", *[p.replace("begin", "end") for p in session], "/continue_generation"]
+    assert sync == sync_calls("/begin_weight_update" in routes, updates)
     assert paths[-1] == "/destroy_weights_update_group"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed (it needs CUDA)")
-def test_fields_exist_in_sglang_io_structs():
-    from sglang.srt.managers import io_struct
+# -- what the built-in server answers when it emulates a release ------------------------------------
 
-    structs = {
-        "/generate": io_struct.GenerateReqInput,
-        "/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
-        "/update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
-        "/destroy_weights_update_group": io_struct.DestroyWeightsUpdateGroupReqInput,
-        "/update_weight_version": io_struct.UpdateWeightVersionReqInput,
-    }
-    for path, cls in structs.items():
-        names = {f.name for f in dataclasses.fields(cls)}
-        used = FIELDS[path] - {"text", "stream"}
-        assert used <= names, f"{path}: {used - names} not in {cls.__name__}"
+async def exchange(s: aiohttp.ClientSession, url: str, method: str, path: str, body=None) -> tuple[int, str, frozenset, object]:
+    """(status, kind, keys, parsed body) of one request, classified as tests/sglang_http.py
+    classifies SGLang's replies: empty, text or json."""
+    async with s.request(method, url + path, json=body) as resp:
+        raw = await resp.read()
+        if not raw:
+            return resp.status, "empty", frozenset(), None
+        if resp.content_type == "application/json":
+            data = json.loads(raw)
+            return resp.status, "json", frozenset(data) if isinstance(data, dict) else frozenset(), data
+        return resp.status, "text", frozenset(), raw.decode()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
-def test_local_sglang_run_without_sglang_is_a_one_line_error(tmp_path):
-    res = rlctl("launch", str(QUICKSTART), "rollout.engine=sglang", "rollout.device=cuda", f"run.output_dir={tmp_path}",
-                cwd=tmp_path)
-    assert res.returncode == 1
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "rollout.engine=sglang needs sglang" in lines[0], res.stderr
-    assert not list(tmp_path.iterdir())  # nothing started, no run directory
+# Info replies: SGLang's keys vary with the model and its arguments; the emulator's must be among them.
+INFO = ("/model_info", "/server_info")
+
+
+def assert_sglang_replies(src, path: str, status: int, kind: str, keys: frozenset, method: str = "POST") -> None:
+    """The reply is one SGLang's handler for `path` can give: same status and kind, and for JSON
+    the same keys (for the info routes, keys among SGLang's)."""
+    shapes = src.reply_shapes(path, method) if len(src.routes()[path]) > 1 else src.reply_shapes(path)
+    for r in shapes:
+        same_keys = keys <= r.keys if path in INFO else keys == r.keys
+        if r.status == status and r.kind == kind and (kind != "json" or same_keys):
+            return
+    raise AssertionError(f"{path}: ({status}, {kind}, {sorted(keys)}) is not among SGLang {src.version}'s replies {shapes}")
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_emulated_replies_are_sglangs(sglang, start_server, version):
+    src = sglang(version)
+    url = start_server(0, "--emulate-sglang", version)
+    has_sessions = "/begin_weight_update" in src.routes()
+    refusal = src.update_refused_outside_session()
+    cases = [
+        ("GET", "/health", None, 200), ("GET", "/model_info", None, 200), ("GET", "/server_info", None, 200),
+        ("POST", "/pause_generation", {"mode": "abort"}, 200), ("POST", "/continue_generation", {}, 200),
+        ("POST", "/flush_cache", None, 200), ("POST", "/abort_request", {"rid": "nobody", "abort_all": False}, 200),
+        ("POST", "/update_weight_version", {"new_version": "7", "abort_all_requests": False}, 200),
+        ("POST", "/destroy_weights_update_group", {"group_name": "weight_update_group"}, 400),
+    ]
+    if has_sessions:
+        cases += [("POST", "/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                                 "shapes": [[32]]}, 400),
+                  ("POST", "/begin_weight_update", {}, 200), ("POST", "/begin_weight_update", {}, 400),
+                  ("POST", "/end_weight_update", {}, 200), ("POST", "/end_weight_update", {}, 400)]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            model_info = (await exchange(s, url, "GET", "/model_info"))[3]
+            assert model_info["weight_version"] == ast.literal_eval(src.server_args_default("weight_version"))
+            replies = [await exchange(s, url, m, p, b) for m, p, b, _ in cases]
+            for (method, path, _, want), (status, kind, keys, data) in zip(cases, replies, strict=True):
+                assert status == want, (path, status, data)
+                assert_sglang_replies(src, path, status, kind, keys, method)
+                if path == "/update_weights_from_distributed":  # refused at once, nothing received
+                    assert data["message"] == refusal.message and refusal.before_receive
+            info = (await exchange(s, url, "GET", "/server_info"))[3]
+            assert info["version"] == version and set(info) - {"version"} <= src.server_args_fields()
+            assert (await exchange(s, url, "GET", "/model_info"))[3]["weight_version"] == "7"
+            if not has_sessions:
+                assert (await exchange(s, url, "POST", "/begin_weight_update", {}))[0] == 404
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_emulated_routes_are_sglangs(sglang, version):
+    src = sglang(version)
+    routes = src.routes()
+    args = parser().parse_args(["--model-path", "unused", "--emulate-sglang", version])
+    served = BuiltinServer(args).routes()
+    for method, path, _ in served:
+        if path.startswith("/rlctl/") or path in INCLUDED_ROUTERS:
+            continue
+        assert method in routes.get(path, ()), f"the emulator serves {method} {path}, which SGLang {version} has not"
+    assert ("/begin_weight_update" in routes) == any(p == "/begin_weight_update" for _, p, _ in served)
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_group_layout_is_sglangs(sglang, version):
+    """SGLang's TP worker r joins at rank_offset + r; rlctl gives each server as many ranks as its TP size."""
+    assert sglang(version).weight_update_rank() == "rank_offset + self.tp_rank"
+    assert group_layout([2, 2]) == (5, [1, 3])
+    assert group_layout([4] * 8) == (33, [1, 5, 9, 13, 17, 21, 25, 29])  # the shipped Qwen3 recipe: 8 servers of TP 4
+    assert group_layout([1, 2, 1]) == (5, [1, 2, 4])
+
+
+def test_sglang_reply_shapes_are_taken(start_server):
+    """The client takes both of SGLang's control shapes and refuses on HTTP 400 or success: false."""
+    url = start_server(0, "--emulate-sglang", "0.5.23")
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            c = RolloutClient(url, s)
+            await c.pause_generation("abort")  # {"message", "status": "ok"}: no success key
+            await c.continue_generation()
+            await c.begin_weight_update()
+            with pytest.raises(RunError, match=r"refused \(HTTP 400\): a weight-update session is already open"):
+                await c.begin_weight_update()
+            await c.end_weight_update()
+
+    asyncio.run(scenario())
+
+
+
+# -- the flattened bucket, byte for byte against SGLang's FlattenedTensorBucket ---------------------
+
+def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    kinds = [torch.bfloat16, torch.float32, torch.int8, torch.float16, torch.float32, torch.int64, torch.bfloat16]
+    shapes = [(3, 5), (7,), (3,), (2, 3), (1,), (2,), (5, 1)]
+    return [(f"t{i}", (torch.randn(s, generator=g) * 50).to(k)) for i, (k, s) in enumerate(zip(kinds, shapes, strict=True))]
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_flattened_bucket_is_sglangs_byte_for_byte(sglang, version):
+    bucket_cls = sglang(version).flattened_tensor_bucket()
+    tensors = dict(mixed_tensors())
+    metas = [TensorMeta(n, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
+    for bucket_bytes in (1 << 20, 40):  # one bucket of everything, and several small ones
+        for bucket in plan_buckets(metas, bucket_bytes):
+            named = [(m.name, tensors[m.name]) for m in bucket]
+            ours = flatten_bucket([t for _, t in named])
+            theirs = bucket_cls(named_tensors=named)
+            assert torch.equal(ours, theirs.get_flattened_tensor())  # same bytes, same order, no padding
+            received = bucket_cls(flattened_tensor=ours.clone(), metadata=theirs.get_metadata()).reconstruct_tensors()
+            ours_back = unflatten_bucket(ours, [(m.name, tensors[m.name].dtype, m.shape) for m in bucket])
+            for (name, a), (name_b, b) in zip(received, ours_back, strict=True):
+                assert name == name_b and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                assert torch.equal(a.view(torch.uint8), tensors[name].view(torch.uint8))
+            if hasattr(bucket_cls, "empty"):  # 0.5.23's receiver allocates from the announcement and checks alignment
+                bucket_cls.empty([m.name for m in bucket], [m.dtype for m in bucket], [list(m.shape) for m in bucket], "cpu")
+
+
+def test_an_unaligned_bucket_is_refused_as_sglang_refuses_it(sglang):
+    bucket_cls = sglang("0.5.23").flattened_tensor_bucket()
+    named = [("a", torch.ones(3, dtype=torch.int8)), ("b", torch.ones(2, dtype=torch.float32))]  # b at byte 3
+    with pytest.raises(ValueError, match="Unaligned received tensor b"):
+        bucket_cls.empty(["a", "b"], ["int8", "float32"], [[3], [2]], "cpu")
+    with pytest.raises(ValueError, match="unaligned"):
+        flatten_bucket([t for _, t in named])
+    with pytest.raises(ValueError, match="Unaligned received tensor b"):
+        list(unflatten_bucket(torch.zeros(11, dtype=torch.uint8), [("a", torch.int8, (3,)), ("b", torch.float32, (2,))]))

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
-_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "int8", "bool")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -35,7 +34,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     import torch
 
     name = name.removeprefix("torch.")
-    if name not in _DTYPE_NAMES:
+    if name not in _ITEMSIZE:
         raise ValueError(f"unsupported dtype '{name}'")
     return getattr(torch, name)
 
@@ -75,6 +74,10 @@ def destroy_process_group(pg) -> None:
     dist.destroy_process_group(pg)
 
 
+_ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
+             "uint8": 1, "int8": 1, "bool": 1}
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str
@@ -82,9 +85,33 @@ class TensorMeta:
     shape: tuple[int, ...]
     nbytes: int
 
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+
+def group_layout(tp_sizes: list[int]) -> tuple[int, list[int]]:
+    """The weight-sync group for servers of these TP sizes: (world size, each server's rank_offset).
+
+    The trainer is rank 0. SGLang's TP worker r of a server joins as rank_offset + r, so a server
+    of TP t takes t ranks: with TP sizes t_0..t_{n-1} the world is 1 + sum(t_i) and server i's
+    offset is 1 + t_0 + ... + t_{i-1}."""
+    offsets, next_rank = [], 1
+    for t in tp_sizes:
+        if t < 1:
+            raise ValueError(f"a server reports tp_size {t}")
+        offsets.append(next_rank)
+        next_rank += t
+    return next_rank, offsets
+
 
 def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
-    """Group tensors, in order, into buckets of at most bucket_bytes (a larger tensor goes alone)."""
+    """Group tensors into buckets of at most bucket_bytes (a larger tensor goes alone).
+
+    Within a bucket the tensors are ordered by descending itemsize (stable otherwise). SGLang's
+    flattened bucket packs tensors back to back with no padding and refuses a tensor whose byte
+    offset is not a multiple of its itemsize; with itemsizes powers of two and the larger ones
+    first, every offset is aligned, whatever dtypes the model mixes."""
     buckets: list[list[TensorMeta]] = []
     current: list[TensorMeta] = []
     size = 0
@@ -96,23 +123,20 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[list[Te
         size += m.nbytes
     if current:
         buckets.append(current)
-    return buckets
+    return [sorted(b, key=lambda m: -m.itemsize) for b in buckets]
 
 
 def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """All tensors' bytes back to back in one uint8 tensor (each offset a multiple of its itemsize).
-
-    Offsets only need padding when dtypes of different sizes mix; padding keeps every slice
-    viewable as its dtype on the receiving side.
-    """
+    """All tensors' bytes back to back in one uint8 tensor, as SGLang's FlattenedTensorBucket
+    packs them: no padding. A tensor whose offset is not a multiple of its itemsize is refused
+    here, as the receiver would refuse it (plan_buckets orders tensors so that none is)."""
     import torch
 
     parts, offset = [], 0
     for t in tensors:
-        pad = (-offset) % t.element_size()
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
-            offset += pad
+        if offset % t.element_size():
+            raise ValueError(f"unaligned tensor in a flattened bucket: byte offset {offset}, dtype {t.dtype}; "
+                             "order the bucket by descending itemsize")
         raw = t.detach().contiguous().view(-1).view(torch.uint8)
         parts.append(raw)
         offset += raw.numel()
@@ -120,13 +144,14 @@ def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten_bucket(flat: torch.Tensor, metas: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The receiving side: each tensor starts where the previous one ends (SGLang's layout)."""
     import math
 
     offset = 0
     for name, dtype, shape in metas:
-        itemsize = dtype.itemsize
-        offset += (-offset) % itemsize
-        n = math.prod(shape) * itemsize
+        if offset % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        n = math.prod(shape) * dtype.itemsize
         yield name, flat[offset : offset + n].view(dtype).view(shape)
         offset += n
 
@@ -134,11 +159,31 @@ def unflatten_bucket(flat: torch.Tensor, metas: list[tuple[str, torch.dtype, tup
 def flattened_size(metas: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
     import math
 
-    offset = 0
-    for _, dtype, shape in metas:
-        offset += (-offset) % dtype.itemsize
-        offset += math.prod(shape) * dtype.itemsize
-    return offset
+    return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in metas)
+
+
+def receive_bucket(group, *, names: list[str], dtypes: list[str], shapes: list[list[int]], load_format: str | None,
+                   device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """The receiving side of one announced bucket: allocate, receive the broadcast from rank 0,
+    and return (name, tensor) pairs in the announced order. A bucket that cannot be laid out
+    (an unaligned flattened offset) is refused before anything is received, as SGLang does."""
+    import torch
+    import torch.distributed as dist
+
+    kinds = [dtype_from_name(d) for d in dtypes]
+    sizes = [tuple(int(x) for x in s) for s in shapes]
+    if load_format == "flattened_bucket":
+        metas = list(zip(names, kinds, sizes, strict=True))
+        flat = torch.empty(flattened_size(metas), dtype=torch.uint8, device=device)
+        views = list(unflatten_bucket(flat, metas))  # raises on an unaligned offset, before the broadcast
+        dist.broadcast(flat, src=0, group=group)
+        return [(n, t.clone()) for n, t in views]
+    out = []
+    for n, d, s in zip(names, kinds, sizes, strict=True):
+        t = torch.empty(s, dtype=d, device=device)
+        dist.broadcast(t, src=0, group=group)
+        out.append((n, t))
+    return out
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -158,13 +203,45 @@ class SyncStats:
     tensors: int
 
 
+def in_daemon_thread(fn, *args):
+    """Run a blocking collective on a daemon thread; an asyncio future of its result.
+
+    A collective whose peers never come (a server that refused the bucket) blocks until the
+    group's timeout; on a daemon thread it cannot keep the process from exiting meanwhile."""
+    import asyncio
+    import threading
+
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:
+            pass  # the loop has closed: nobody waits for this broadcast any more
+
+    threading.Thread(target=run, daemon=True, name="weight-broadcast").start()
+    return fut
+
+
 class WeightSender:
     """Trainer rank 0's side of the weight-sync group, speaking to every rollout server.
 
     The order of one sync follows slime/miles against SGLang: pause_generation -> flush_cache ->
     begin_weight_update -> for each bucket (announce it to every server over HTTP, broadcast it,
     collect the replies) -> update_weight_version -> end_weight_update -> continue_generation.
-    begin/end are sent only to servers that need them (SGLang >= 0.5.21, the built-in server).
+    begin/end are sent only to servers that have them (SGLang >= 0.5.21, the built-in server).
+    A server that refuses a bucket answers before it receives anything (SGLang refuses an update
+    outside a session that way): the sync then fails at once with the server's message, and the
+    group, whose broadcast no longer completes, is not used again.
     """
 
     def __init__(self, clients: list, *, master_address: str, master_port: int, backend: str,
@@ -177,23 +254,28 @@ class WeightSender:
         self.group_name = group_name
         self.flattened = flattened
         self.group = None
+        self.broken = False
         self.session_needed: list[bool] = []
+        self.world_size = 0
+        self.rank_offsets: list[int] = []
 
     async def connect(self) -> None:
-        """Create the group: every server is asked to join while we join, or nobody returns."""
+        """Create the group: every server is asked to join while we join, or nobody returns.
+        Each server's TP size (its /server_info) sets how many ranks it takes."""
         import asyncio
 
         loop = asyncio.get_running_loop()
-        world_size = 1 + len(self.clients)
+        infos = await asyncio.gather(*(c.server_info() for c in self.clients))
+        self.world_size, self.rank_offsets = group_layout([int(i.get("tp_size", 1)) for i in infos])
         joins = [
             asyncio.create_task(c.init_weights_update_group(
-                master_address=self.master_address, master_port=self.master_port, rank_offset=1 + i,
-                world_size=world_size, group_name=self.group_name, backend=self.backend))
-            for i, c in enumerate(self.clients)
+                master_address=self.master_address, master_port=self.master_port, rank_offset=offset,
+                world_size=self.world_size, group_name=self.group_name, backend=self.backend))
+            for c, offset in zip(self.clients, self.rank_offsets, strict=True)
         ]
         self.group = await loop.run_in_executor(None, lambda: init_custom_process_group(
             backend=self.backend, init_method=f"tcp://{self.master_address}:{self.master_port}",
-            world_size=world_size, rank=0, group_name=self.group_name))
+            world_size=self.world_size, rank=0, group_name=self.group_name))
         await asyncio.gather(*joins)
         self.session_needed = list(await asyncio.gather(*(c.needs_update_session() for c in self.clients)))
 
@@ -202,8 +284,10 @@ class WeightSender:
         import asyncio
         import time
 
-        assert self.group is not None, "connect() first"
-        loop = asyncio.get_running_loop()
+        from rlctl.errors import RunError
+
+        if self.group is None or self.broken:
+            raise RunError("the weight-sync group is not connected (or a failed sync broke it)")
         start = time.monotonic()
         everyone = self.clients
         in_session = [c for c, need in zip(self.clients, self.session_needed, strict=False) if need]
@@ -214,30 +298,44 @@ class WeightSender:
         metas = [TensorMeta(n, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
                  for n, t in named_tensors]
         buckets = plan_buckets(metas, self.bucket_bytes)
-        total = 0
         for bucket in buckets:
-            replies = [
-                asyncio.create_task(c.update_weights_from_distributed(
-                    names=[m.name for m in bucket], dtypes=[m.dtype for m in bucket],
-                    shapes=[list(m.shape) for m in bucket], group_name=self.group_name,
-                    weight_version=version, flattened=self.flattened))
-                for c in everyone
-            ]
-            tensors = [by_name[m.name] for m in bucket]
-            if self.flattened:
-                await loop.run_in_executor(None, self._broadcast, [flatten_bucket(tensors)])
-            else:
-                await loop.run_in_executor(None, self._broadcast, tensors)
-            await asyncio.gather(*replies)
-            total += sum(m.nbytes for m in bucket)
+            await self._send_bucket(bucket, [by_name[m.name] for m in bucket], version)
         await asyncio.gather(*(c.update_weight_version(version) for c in everyone))
         await asyncio.gather(*(c.end_weight_update() for c in in_session))
         await asyncio.gather(*(c.continue_generation() for c in everyone))
-        return SyncStats(time.monotonic() - start, total, len(buckets), len(metas))
+        return SyncStats(time.monotonic() - start, sum(m.nbytes for m in metas), len(buckets), len(metas))
+
+    async def _send_bucket(self, bucket: list[TensorMeta], tensors: list[torch.Tensor], version: str) -> None:
+        """Announce one bucket to every server, broadcast it, and wait for every reply; the
+        first refusal (or a failed broadcast) ends the sync with its message."""
+        import asyncio
+
+        from rlctl.errors import RunError
+
+        replies = [
+            asyncio.create_task(c.update_weights_from_distributed(
+                names=[m.name for m in bucket], dtypes=[m.dtype for m in bucket],
+                shapes=[list(m.shape) for m in bucket], group_name=self.group_name,
+                weight_version=version, flattened=self.flattened))
+            for c in self.clients
+        ]
+        broadcast = in_daemon_thread(self._broadcast, tensors)
+        done, _ = await asyncio.wait([broadcast, *replies], return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if t.exception() is not None]
+        if failed:
+            self.broken = True
+            for t in replies:
+                t.cancel()
+            error = failed[0].exception()
+            if failed[0] is broadcast:
+                raise RunError(f"weight broadcast to the servers failed: {error}") from error
+            raise error
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         import torch.distributed as dist
 
+        if self.flattened:
+            tensors = [flatten_bucket(tensors)]
         for t in tensors:
             if self.backend == "gloo":
                 t = t.cpu()  # CPU staging: gloo moves host memory
@@ -248,7 +346,9 @@ class WeightSender:
 
         if self.group is None:
             return
+        group, self.group = self.group, None
+        if self.broken:
+            return  # a broadcast may still be blocked in this group: leave it to the process's exit
         await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.clients),
                              return_exceptions=True)
-        destroy_process_group(self.group)
-        self.group = None
+        destroy_process_group(group)

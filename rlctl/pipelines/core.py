@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 from rlctl.algos.grpo import group_advantages
 from rlctl.data import Prompt
-from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest
+from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest, weight_version_number
+from rlctl.errors import RunError
 from rlctl.pipelines.admission import Admission
 from rlctl.pipelines.scoring import Score
 
@@ -185,6 +186,13 @@ class GroupRunner:
             del self.rids_of[group.id]
         return group
 
+    @staticmethod
+    def _version_of(out: GenerateOutput, server: Any) -> int:
+        try:
+            return weight_version_number(out.weight_version)
+        except ValueError as e:
+            raise RunError(f"{getattr(server, 'name', server)}: {e}") from None
+
     def _request(self) -> SamplingRequest:
         if self.lengths is None:
             return self.sampling
@@ -221,7 +229,7 @@ class GroupRunner:
             logprobs += out.logprobs
             n_tokens += out.completion_tokens
             if out.completion_tokens or not versions:
-                versions.append(int(out.weight_version))
+                versions.append(self._version_of(out, server))
             reason = str(out.finish_reason.get("type", ""))
             # Partial rollout: a request aborted by a weight update resumes from where it stopped.
             if reason != "abort" or not self.resume_aborted or group.cancelled or n_tokens >= request.max_new_tokens:

@@ -36,16 +36,26 @@ from rlctl.recipe.choices import (
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, SlurmRolloutConfig, SlurmTrainerConfig, TrackingConfig, WandbConfig
 from rlctl.recipe.inputs import DataConfig, ModelConfig, ModelInit, RewardConfig, RunConfig
 from rlctl.recipe.load import check_recipe, load_recipe, recipe_from_yaml, recipe_to_dict, recipe_to_yaml
-from rlctl.recipe.rollout import SGLANG_MANAGED_FLAGS, LongTailConfig, RolloutConfig, SamplingConfig, SGLangConfig
+from rlctl.recipe.rollout import (
+    SGLANG_MANAGED_FLAGS,
+    SGLANG_NEWEST,
+    SGLANG_OLDEST,
+    BuiltinConfig,
+    LongTailConfig,
+    RolloutConfig,
+    SamplingConfig,
+    SGLangConfig,
+    sglang_release,
+)
 from rlctl.recipe.schema import Recipe, slurm_rollout_nodes
 from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
 
 __all__ = [
-    "SGLANG_MANAGED_FLAGS", "Admission", "DataConfig", "DataSource", "Device", "FieldError", "GpuKind",
+    "SGLANG_MANAGED_FLAGS", "SGLANG_NEWEST", "SGLANG_OLDEST", "Admission", "BuiltinConfig", "DataConfig", "DataSource", "Device", "FieldError", "GpuKind",
     "InflightAtUpdate", "Launcher", "LongTailConfig", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit",
     "PipelineConfig", "PipelineMode", "Recipe", "RewardConfig", "RolloutConfig", "RolloutEngine", "RunConfig",
     "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",
     "SlurmTrainerConfig", "SyncBackend", "TaskName", "TrackingConfig", "TrainConfig", "TrainEngine", "Verifier",
     "WandbConfig", "WandbMode", "check_recipe", "load_recipe", "recipe_from_yaml", "recipe_to_dict", "recipe_to_yaml",
-    "slurm_rollout_nodes",
+    "sglang_release", "slurm_rollout_nodes",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, positive, within
@@ -58,6 +59,40 @@ class SamplingConfig(Section):
         positive("max_new_tokens", self.max_new_tokens)
 
 
+# The SGLang releases rlctl's adapter speaks, oldest and newest (tests/test_sglang_contract.py
+# checks the adapter against the source of each supported release).
+SGLANG_OLDEST = (0, 5, 15)
+SGLANG_NEWEST = (0, 5, 23)
+_RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(\.post\d+)?$")
+
+
+def sglang_release(key: str, text: str) -> tuple[int, int, int]:
+    """'0.5.23' -> (0, 5, 23), or a FieldError naming the releases rlctl speaks."""
+    m = _RELEASE.match(text)
+    spoken = f"{'.'.join(map(str, SGLANG_OLDEST))} .. {'.'.join(map(str, SGLANG_NEWEST))}"
+    if m is None or not SGLANG_OLDEST <= (v := tuple(int(x) for x in m.groups()[:3])) <= SGLANG_NEWEST:
+        raise FieldError(key, f"'{text}' is not an SGLang release rlctl speaks ({spoken})")
+    return v
+
+
+@dataclass(kw_only=True)
+class BuiltinConfig(Section):
+    """rollout.engine=builtin: rlctl's own server (rlctl/engines/rollout/builtin/)."""
+
+    emulate_sglang: str = ""
+    """Answer as this SGLang release does (e.g. "0.5.23"): its reply shapes and refusals, its
+    routes, and generations stamped "default" until the first weight update. A run checked
+    against SGLang's protocol without a GPU; empty = the built-in server's own (the newest)."""
+    tp_size: int = 1
+    """Ranks each server takes in the weight-sync group, as an SGLang server with this tensor
+    parallelism does (each rank receives every tensor; generation stays on one process)."""
+
+    def check(self) -> None:
+        if self.emulate_sglang:
+            sglang_release("emulate_sglang", self.emulate_sglang)
+        within("tp_size", self.tp_size, 1, 8)
+
+
 @dataclass(kw_only=True)
 class SGLangConfig(Section):
     """rollout.engine=sglang: how each server is started (python -m sglang.launch_server)."""
@@ -107,6 +142,7 @@ class RolloutConfig(Section):
     gpus: list[int] = field(default_factory=list)
     """Local launcher, device cuda: the GPUs the servers use (server i on gpus[i % len]); empty = cuda:i."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    builtin: BuiltinConfig = field(default_factory=BuiltinConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def check(self) -> None:

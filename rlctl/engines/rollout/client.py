@@ -1,12 +1,14 @@
 """One async client for the SGLang HTTP protocol: it drives real SGLang and the built-in server.
 
-Request bodies carry exactly the fields listed in docs/sglang.md. Control endpoints answer
-{"success": bool, "message": str}; a refusal becomes a RunError naming the server and endpoint.
+Request bodies carry only fields of SGLang's own request structs, and replies are read in the
+shapes SGLang's handlers give (tests/test_sglang_contract.py derives both from SGLang's source);
+a refusal becomes a RunError naming the server, the endpoint and the server's message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,15 +75,23 @@ class RolloutClient:
             return await self.session.post(self.url + path, json=body, headers=self.headers)
 
     async def _control(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a control request. SGLang answers these in two shapes (tests/test_sglang_contract.py
+        derives them from its source): {"success", "message", ...} with 200 or 400, and, for
+        pause/continue_generation, {"message", "status": "ok"} with 200. Taken: HTTP 200 and no
+        `success: false`; anything else is a refusal, reported with the server's message."""
         try:
             async with await self._post(path, body) as resp:
-                data = await resp.json(content_type=None)
+                status, text = resp.status, await resp.text()
         except aiohttp.ClientError as e:
             raise RunError(f"{self.url}{path}: server unreachable ({e})") from None
-        if not isinstance(data, dict) or not data.get("success", False):
-            msg = data.get("message") if isinstance(data, dict) else data
-            raise RunError(f"{self.url}{path}: refused: {msg}")
-        return data
+        try:
+            data = json.loads(text) if text else {}
+        except ValueError:
+            data = text
+        if status != 200 or (isinstance(data, dict) and data.get("success") is False):
+            msg = data.get("message", data.get("detail", data)) if isinstance(data, dict) else str(data)
+            raise RunError(f"{self.url}{path}: refused (HTTP {status}): {str(msg)[:300]}")
+        return data if isinstance(data, dict) else {}
 
     # -- health and info -----------------------------------------------------------------------
 

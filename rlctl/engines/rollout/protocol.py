@@ -44,6 +44,20 @@ class SamplingRequest:
         }
 
 
+def weight_version_number(stamp: str) -> int:
+    """The run's weight version a sample was generated with, from the server's stamp.
+
+    SGLang stamps meta_info.weight_version with a string: the version of its last update
+    (rlctl sends the step number as text), or its --weight-version argument ("default") until
+    the first update. rlctl syncs every server before step 0, so a stamp that is not a number
+    means a server generated with weights the run never sent: an error, not a version."""
+    text = str(stamp).strip()
+    if not text.isdigit():
+        raise ValueError(f"weight version {stamp!r} is not one the run set; the server has not received "
+                         "the run's weights (rlctl syncs every server before step 0)")
+    return int(text)
+
+
 def parse_version(text: str) -> tuple[int, ...] | None:
     m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", text.strip())
     return tuple(int(x) for x in m.groups()) if m else None

@@ -18,10 +18,9 @@ import importlib.util
 
 from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, parse_version
 from rlctl.errors import RunError
+from rlctl.recipe import SGLANG_NEWEST as NEWEST_SPOKEN
+from rlctl.recipe import SGLANG_OLDEST as OLDEST_SPOKEN
 from rlctl.recipe import SGLangConfig
-
-OLDEST_SPOKEN = (0, 5, 15)
-NEWEST_SPOKEN = (0, 5, 23)
 
 
 def launch_command(python: str, model_path: str, cfg: SGLangConfig, *, host: str, port: int, seed: int) -> list[str]:

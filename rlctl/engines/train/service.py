@@ -29,6 +29,7 @@ from aiohttp import web
 
 from rlctl.engines.train.base import TrainEngine, TrainSample
 from rlctl.engines.weightsync import WeightSender, tensor_sha256
+from rlctl.errors import RunError
 
 log = logging.getLogger("rlctl.trainer")
 
@@ -112,8 +113,11 @@ class TrainerService:
             clients, master_address=body["master_address"], master_port=int(body["master_port"]),
             backend=body.get("backend", "gloo"), bucket_bytes=int(float(body["bucket_mb"]) * 2**20),
         )
-        await self.sender.connect()
-        return web.json_response({"success": True, "servers": len(clients)})
+        try:
+            await self.sender.connect()
+        except RunError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        return web.json_response({"success": True, "servers": len(clients), "world_size": self.sender.world_size})
 
     async def sync_weights(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -121,7 +125,10 @@ class TrainerService:
             return web.json_response({"success": False, "message": "call /init_weight_sync first"}, status=400)
         # Snapshot on the engine thread so no train batch runs while tensors are read.
         weights = await self._run(self._weights)
-        stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"))
+        try:
+            stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"))
+        except RunError as e:  # a server refused or the broadcast failed: the controller reports why
+            return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
                                   "buckets": stats.buckets, "tensors": stats.tensors})
 

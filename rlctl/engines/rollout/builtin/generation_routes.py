@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from rlctl.engines.rollout.builtin.engine import Request, SamplingParams, future_callback
-from rlctl.engines.rollout.builtin.state import ServerState, fail, ok
+from rlctl.engines.rollout.builtin.state import ServerState, status_ok
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -104,16 +104,17 @@ class GenerationRoutes:
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await request.json()
         mode = body.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            return fail(f"unknown pause mode {mode!r}")
+        if mode not in PAUSE_MODES:  # SGLang's body is validated against Literal[...] by FastAPI: 422
+            return web.json_response({"detail": [{"loc": ["body", "mode"], "msg": f"not one of {PAUSE_MODES}"}]},
+                                     status=422)
         if self.state.engine is not None:
             self.state.engine.pause(mode)
-        return ok(f"paused ({mode})")
+        return status_ok("Generation paused successfully.")
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         if self.state.engine is not None:
             self.state.engine.resume()
-        return ok("continued")
+        return status_ok("Generation continued successfully.")
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         # The cache holds only running requests (see engine.py); like SGLang, refuse while requests run.

@@ -52,6 +52,10 @@ def load_model(state: ServerState) -> None:
         model, eos_ids, pad, args.max_running_requests, args.seed,
         max_context=model.config.max_position_embeddings, weight_version=args.weight_version,
     )
+    if args.tp_size > 1:
+        from rlctl.engines.rollout.builtin.tp_ranks import TpRanks
+
+        state.tp_ranks = TpRanks(args.tp_size, args.threads)
     engine.start()
     state.engine = engine
     log.info("model %s loaded: %d parameters", args.model_path, sum(p.numel() for p in model.parameters()))
@@ -80,6 +84,8 @@ class BuiltinServer:
     async def on_cleanup(self, app: web.Application) -> None:
         if self.state.engine is not None:
             self.state.engine.stop()
+        if self.state.tp_ranks is not None:
+            self.state.tp_ranks.stop()
 
     # -- health and info -----------------------------------------------------------------------
 
@@ -92,28 +98,25 @@ class BuiltinServer:
         engine = self.state.engine
         if engine is None:
             return web.Response(status=503)
-        return web.json_response({
-            "model_path": self.args.model_path,
-            "tokenizer_path": self.args.model_path,
-            "is_generation": True,
-            "weight_version": engine.weight_version,
+        config = engine.model.config
+        return web.json_response({  # SGLang's keys (those of every supported release)
+            "model_path": self.args.model_path, "tokenizer_path": self.args.model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": engine.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None), "architectures": getattr(config, "architectures", None),
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
-        if self.args.emulate_sglang:  # answer as that SGLang version does: no rlctl-only keys
-            return web.json_response({"version": self.args.emulate_sglang, "model_path": self.args.model_path,
-                                      "tp_size": 1, "dp_size": 1, "random_seed": self.args.seed,
-                                      "max_running_requests": self.args.max_running_requests})
-        return web.json_response({
-            "version": SERVER_VERSION,
-            "model_path": self.args.model_path,
-            "tp_size": 1,
-            "dp_size": 1,
-            "max_running_requests": self.args.max_running_requests,
-            "random_seed": self.args.seed,
-            # rlctl's client asks this to decide on /begin_weight_update (SGLang >= 0.5.21 needs it).
-            "weight_update_session": True,
-        })
+        """Server arguments as SGLang's /server_info gives them (its ServerArgs field names)."""
+        a = self.args
+        engine = self.state.engine
+        info = {"model_path": a.model_path, "tp_size": a.tp_size, "dp_size": 1, "random_seed": a.seed,
+                "max_running_requests": a.max_running_requests, "skip_tokenizer_init": self.state.tokenizer is None,
+                "weight_version": engine.weight_version if engine is not None else a.weight_version}
+        if a.emulate_sglang:  # answer as that SGLang version does: no rlctl-only keys
+            return web.json_response({**info, "version": a.emulate_sglang})
+        # rlctl's client asks weight_update_session to decide on /begin_weight_update.
+        return web.json_response({**info, "version": SERVER_VERSION, "weight_update_session": True})
 
     async def loads(self, request: web.Request) -> web.Response:
         engine = self.state.engine
@@ -137,7 +140,9 @@ class BuiltinServer:
     def routes(self) -> list[tuple[str, str, Callable]]:
         """(method, path, handler) of every route, with SGLang's names and aliases."""
         gen, w = self.generation, self.weights
-        table = [("GET", path, self.health) for path in ("/health", "/health_generate", "/ready")]
+        table = [("GET", path, self.health) for path in ("/health", "/health_generate")]
+        if self.state.sessions_required():  # /ready came with SGLang 0.5.21's sessions (not in 0.5.15)
+            table.append(("GET", "/ready", self.health))
         table += [("GET", "/model_info", self.model_info), ("GET", "/get_model_info", self.model_info),
                   ("GET", "/server_info", self.server_info), ("GET", "/get_server_info", self.server_info),
                   ("GET", "/v1/loads", self.loads)]
@@ -176,7 +181,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--weight-version", default="0")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="ranks this server takes in the weight-update group (SGLang's TP workers); generation stays on one")
+    p.add_argument("--weight-version", default="default",
+                   help="the version stamped on generations until the first weight update (SGLang's default)")
     p.add_argument("--emulate-sglang", default="", metavar="VERSION",
                    help="answer /server_info and weight-update sessions as this SGLang version does (adapter tests)")
     p.add_argument("--record-requests", default="", metavar="FILE",

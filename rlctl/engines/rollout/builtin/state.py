@@ -1,4 +1,4 @@
-"""What the built-in server's routes share: its flags, the engine once loaded, and SGLang's reply shape."""
+"""What the built-in server's routes share: its flags, the engine once loaded, and SGLang's reply shapes."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ class ServerState:
     tokenizer: Any = None
     """None when the model directory has no tokenizer: token ids only, like --skip-tokenizer-init."""
     loading_error: str | None = None
+    tp_ranks: Any = None
+    """--tp-size > 1: the TpRanks (tp_ranks.py) that receive weights beside rank 0."""
+
+    @property
+    def tp_size(self) -> int:
+        return self.args.tp_size
 
     def ready(self) -> bool:
         return self.engine is not None
@@ -31,6 +37,11 @@ class ServerState:
             return True
         v = parse_version(self.args.emulate_sglang)
         return v is not None and v >= UPDATE_SESSION_SINCE
+
+
+def status_ok(message: str) -> web.Response:
+    """SGLang's reply to /pause_generation and /continue_generation: no `success` key."""
+    return web.json_response({"message": message, "status": "ok"})
 
 
 def ok(message: str = "") -> web.Response:

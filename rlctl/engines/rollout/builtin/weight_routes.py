@@ -1,10 +1,12 @@
 """The built-in server's side of the weight sync, received the way SGLang receives it (docs/sglang.md).
 
-/init_weights_update_group joins a process group made by TCP rendezvous + PrefixStore(group_name);
+/init_weights_update_group joins a process group made by TCP rendezvous + PrefixStore(group_name)
+with every TP rank of the server (rank_offset + tp_rank; rlctl/engines/rollout/builtin/tp_ranks.py);
 each /update_weights_from_distributed announces one bucket (names, dtypes, shapes) that then
 arrives by broadcast from rank 0, tensor by tensor or as one flattened uint8 tensor. Like SGLang
->= 0.5.21, updates are refused outside a /begin_weight_update ... /end_weight_update session, so
-a sender that forgets it fails here too.
+>= 0.5.21, updates outside a /begin_weight_update ... /end_weight_update session are refused, and
+refused before anything is received, so a sender that forgets the session fails here too. Replies
+and refusal messages are SGLang 0.5.23's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlctl.rollout")
 
 LOAD_FORMATS = (None, "flattened_bucket")
+OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
+                   "end_weight_update()")
 
 
 class WeightRoutes:
@@ -35,108 +39,98 @@ class WeightRoutes:
         # Weight loads are one at a time, in arrival order, like SGLang's tokenizer manager lock.
         self.update_lock = asyncio.Lock()
 
+    async def _in_executor(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, init_custom_process_group
 
         body = await request.json()
         try:
-            address, port = body["master_address"], int(body["master_port"])
-            rank = int(body.get("rank_offset", 1))  # tp_size is 1: our one rank is rank_offset + 0
-            world_size = int(body["world_size"])
-            group_name = body.get("group_name", DEFAULT_GROUP_NAME)
-            backend = body.get("backend", "nccl")
+            group = dict(init_method=f"tcp://{body['master_address']}:{int(body['master_port'])}",
+                         world_size=int(body["world_size"]), group_name=body.get("group_name", DEFAULT_GROUP_NAME),
+                         backend=body.get("backend", "nccl"))
+            rank_offset = int(body["rank_offset"])
         except (KeyError, TypeError, ValueError) as e:
             return fail(f"bad request: {e}")
         engine = self.state.engine
         on_gpu = engine is not None and engine.device.type == "cuda"
-        if backend == "nccl" and not on_gpu:
-            backend = "gloo"  # a CPU server; the sender picks gloo too when either side has no GPU
-        self.weight_device = engine.device if backend == "nccl" and engine is not None else None
+        if group["backend"] == "nccl" and not on_gpu:
+            group["backend"] = "gloo"  # a CPU server; the sender picks gloo too when either side has no GPU
+        self.weight_device = engine.device if group["backend"] == "nccl" and engine is not None else None
         if self.weight_group is not None:
             return fail(f"weight update group {self.weight_group_name!r} already exists; destroy it first")
-        try:
-            self.weight_group = await asyncio.get_running_loop().run_in_executor(
-                None,
-                lambda: init_custom_process_group(
-                    backend=backend, init_method=f"tcp://{address}:{port}", world_size=world_size,
-                    rank=rank, group_name=group_name,
-                ),
-            )
-        except Exception as e:  # noqa: BLE001 - reported to the sender as SGLang does
-            return fail(f"failed to join weight update group: {e}")
-        self.weight_group_name = group_name
-        log.info("joined weight update group %s as rank %d of %d", group_name, rank, world_size)
-        return ok(f"joined {group_name} as rank {rank}")
+        tp = self.state.tp_ranks
+        joins = [self._in_executor(lambda: init_custom_process_group(rank=rank_offset, **group))]
+        if tp is not None:
+            joins.append(self._in_executor(lambda: tp.join(rank_offset=rank_offset, **group)))
+        results = await asyncio.gather(*joins, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            return fail(f"Failed to initialize custom process group: {errors[0]}.")
+        self.weight_group, self.weight_group_name = results[0], group["group_name"]
+        log.info("joined weight update group %s as ranks %d..%d of %d", group["group_name"], rank_offset,
+                 rank_offset + self.state.tp_size - 1, group["world_size"])
+        return ok("Succeeded to initialize custom process group.")
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
+        if self.in_update_session:
+            return fail("a weight-update session is already open; call end_weight_update() first")
         self.in_update_session = True
-        return ok("weight update session begun")
+        return ok("Success")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
+        if not self.in_update_session:
+            return fail("no weight-update session is open; call begin_weight_update() first")
         self.in_update_session = False
-        return ok("weight update session ended")
+        return ok("Success")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        from rlctl.engines.weightsync import dtype_from_name
-
         body = await request.json()
+        if self.state.sessions_required() and not self.in_update_session:
+            return fail(OUTSIDE_SESSION)  # before any receive, as SGLang: the sender must notice
         if self.weight_group is None:
-            return fail("no weight update group; call /init_weights_update_group first")
+            return fail("Failed to receive weights: no weight update group; call /init_weights_update_group first")
         try:
-            names = list(body["names"])
-            dtypes = [dtype_from_name(d) for d in body["dtypes"]]
-            shapes = [tuple(int(x) for x in s) for s in body["shapes"]]
-            load_format = body.get("load_format")
-            if not (len(names) == len(dtypes) == len(shapes)):
+            bucket = dict(names=list(body["names"]), dtypes=[str(d) for d in body["dtypes"]],
+                          shapes=[[int(x) for x in s] for s in body["shapes"]], load_format=body.get("load_format"))
+            if not (len(bucket["names"]) == len(bucket["dtypes"]) == len(bucket["shapes"])):
                 raise ValueError("names, dtypes and shapes differ in length")
-            if load_format not in LOAD_FORMATS:
-                raise ValueError(f"unsupported load_format {load_format!r}")
+            if bucket["load_format"] not in LOAD_FORMATS:
+                raise ValueError(f"unsupported load_format {bucket['load_format']!r}")
         except (KeyError, TypeError, ValueError) as e:
             return fail(f"bad request: {e}")
-        if not self.in_update_session and self.state.sessions_required():
-            # The sender is about to broadcast; we must not leave it hanging in the collective,
-            # so receive (and discard) the bucket, then refuse.
-            await self._receive(names, dtypes, shapes, load_format)
-            return fail("weight updates must happen between /begin_weight_update and /end_weight_update")
         async with self.update_lock:
-            tensors = await self._receive(names, dtypes, shapes, load_format)
-            engine = self.state.engine
-            assert engine is not None
-            unknown = await asyncio.get_running_loop().run_in_executor(None, self._load, tensors)
+            try:
+                tensors = await self._receive(bucket)
+            except Exception as e:  # noqa: BLE001 - SGLang's reply for a failed receive
+                return fail(f"Failed to receive weights: {e}")
+            unknown = await self._in_executor(self._load, tensors)
             if unknown:
                 return fail(f"unknown parameter names: {unknown[:5]}")
-            version = body.get("weight_version")
-            if version is not None:
-                engine.weight_version = str(version)
+            engine = self.state.engine
+            assert engine is not None
+            if body.get("weight_version") is not None:
+                engine.weight_version = str(body["weight_version"])
         if body.get("abort_all_requests"):
             engine.abort(None, abort_all=True)
-        return ok(f"updated {len(names)} tensors")
+        return ok("Succeeded to update parameter online.")
 
-    async def _receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]],
-                       load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-        """One bucket off the broadcast, in the announced order, as (name, tensor) pairs."""
-        import torch
-        import torch.distributed as dist
+    async def _receive(self, bucket: dict) -> list[tuple[str, torch.Tensor]]:
+        """One bucket off the broadcast on every TP rank; rank 0's tensors are returned."""
+        from rlctl.engines.weightsync import receive_bucket
 
-        from rlctl.engines.weightsync import flattened_size, unflatten_bucket
-
+        device = str(self.weight_device or "cpu")  # NCCL receives straight into GPU memory, gloo into host memory
         group = self.weight_group
-        device = self.weight_device or "cpu"  # NCCL receives straight into GPU memory, gloo into host memory
-
-        def recv() -> list[tuple[str, torch.Tensor]]:
-            if load_format == "flattened_bucket":
-                metas = list(zip(names, dtypes, shapes, strict=False))
-                flat = torch.empty(flattened_size(metas), dtype=torch.uint8, device=device)
-                dist.broadcast(flat, src=0, group=group)
-                return [(n, t.clone()) for n, t in unflatten_bucket(flat, metas)]
-            out = []
-            for n, d, s in zip(names, dtypes, shapes, strict=False):
-                t = torch.empty(s, dtype=d, device=device)
-                dist.broadcast(t, src=0, group=group)
-                out.append((n, t))
-            return out
-
-        return await asyncio.get_running_loop().run_in_executor(None, recv)
+        receives = [self._in_executor(lambda: receive_bucket(group, device=device, **bucket))]
+        tp = self.state.tp_ranks
+        if tp is not None:
+            receives.append(self._in_executor(lambda: tp.call("receive", device=device, **bucket)))
+        results = await asyncio.gather(*receives, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results[0]
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy the tensors into the model between decode steps; the unknown names, if any (then none is copied)."""
@@ -162,16 +156,19 @@ class WeightRoutes:
         if body.get("abort_all_requests"):
             engine.abort(None, abort_all=True)
         engine.weight_version = str(body["new_version"])
-        return ok(f"weight version {engine.weight_version}")
+        return web.json_response({"success": True, "message": f"Weight version updated to {engine.weight_version}",
+                                  "new_version": engine.weight_version})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         from rlctl.engines.weightsync import destroy_process_group
 
         if self.weight_group is None:
-            return fail("no weight update group")
+            return fail("The group to be destroyed does not exist.")
         group, self.weight_group, self.weight_group_name = self.weight_group, None, None
-        await asyncio.get_running_loop().run_in_executor(None, destroy_process_group, group)
-        return ok("destroyed")
+        await self._in_executor(destroy_process_group, group)
+        if self.state.tp_ranks is not None:
+            await self._in_executor(lambda: self.state.tp_ranks.call("destroy"))
+        return ok("Succeeded to destroy custom process group.")
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -186,11 +183,15 @@ class WeightRoutes:
         return web.json_response(flat[:truncate].tolist())
 
     async def weight_checksums(self, request: web.Request) -> web.Response:
-        """rlctl-only: sha256 of every parameter's bytes, to check a sync bit for bit."""
+        """rlctl-only: sha256 of every parameter's bytes on rank 0 (and of what the other TP ranks
+        received), to check a sync bit for bit."""
         from rlctl.engines.weightsync import tensor_sha256
 
         engine = self.state.engine
         assert engine is not None
         with engine.model_lock:
             sums = {n: tensor_sha256(t) for n, t in engine.model.state_dict().items()}
-        return web.json_response({"weight_version": engine.weight_version, "checksums": sums})
+        tp = self.state.tp_ranks
+        others = await self._in_executor(lambda: tp.call("checksums")) if tp is not None else []
+        # tp_ranks: what TP ranks 1.. received (each whole tensor of every sync so far)
+        return web.json_response({"weight_version": engine.weight_version, "checksums": sums, "tp_ranks": others})
