@@ -65,9 +65,10 @@ def test_versions_the_adapter_speaks():
     ("rollout.sglang.dtype=int8", "rollout.sglang.dtype"),
     ("rollout.engine=sglang", "rollout.device"),  # SGLang on CPU
     ("rollout.builtin.emulate_sglang=0.6.0", "rollout.builtin.emulate_sglang"),
+    ("rollout.builtin.tp_size=2 rollout.device=cuda", "rollout.builtin.tp_size"),
 ])
 def test_bad_sglang_settings_name_the_key(tmp_path, override, key):
-    res = rlctl("launch", str(QUICKSTART), override, f"run.output_dir={tmp_path}", cwd=tmp_path)
+    res = rlctl("launch", str(QUICKSTART), *override.split(), f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert res.returncode == 2 and f": {key}: " in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 

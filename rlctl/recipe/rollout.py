@@ -85,7 +85,8 @@ class BuiltinConfig(Section):
     against SGLang's protocol without a GPU; empty = the built-in server's own (the newest)."""
     tp_size: int = 1
     """Ranks each server takes in the weight-sync group, as an SGLang server with this tensor
-    parallelism does (each rank receives every tensor; generation stays on one process)."""
+    parallelism does (each rank receives every tensor; generation stays on one process). CPU
+    servers only: the extra ranks receive over gloo into host memory."""
 
     def check(self) -> None:
         if self.emulate_sglang:
@@ -154,5 +155,8 @@ class RolloutConfig(Section):
         positive("over_provision", self.over_provision, zero_ok=True)
         if self.engine is RolloutEngine.SGLANG and self.device is not Device.CUDA:
             raise FieldError("device", "SGLang runs on GPUs only; set rollout.device=cuda (or rollout.engine=builtin on CPU)")
+        if self.builtin.tp_size > 1 and self.device is not Device.CPU:
+            raise FieldError("builtin.tp_size", "the built-in server's extra TP ranks receive on the CPU only; "
+                                                "set rollout.device=cpu, or builtin.tp_size=1")
         if any(g < 0 for g in self.gpus):
             raise FieldError("gpus", f"GPU indices are >= 0, got {self.gpus}")
