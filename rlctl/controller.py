@@ -101,7 +101,7 @@ async def send_initial_weights(trainer: TrainerClient | CheckedTrainer, emit: Ev
     which is no version of the run."""
     start = clock.now()
     stats = await trainer.sync_weights(0)
-    emit("initial_sync", clock.now(), start=start, **{k: v for k, v in stats.items() if k != "version"})
+    emit("initial_sync", clock.now(), start=start, **{k: v for k, v in stats.items() if k not in ("version", "success")})
 
 
 def _flush_on_sigterm(events: EventLog) -> None:

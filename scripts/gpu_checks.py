@@ -210,7 +210,8 @@ def check_local_run(out: Path) -> None:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     checked = [e for e in events if e["event"] == "weights_checked"]
     pieces = sum(e["event"] == "accumulate_end" for e in events)
-    report("local run, megatron trainer + 2 built-in servers on one GPU", len(checked) == 8 and len(metrics) == 8,
+    # One check after the initial sync (version 0) and one after each of the 8 steps.
+    report("local run, megatron trainer + 2 built-in servers on one GPU", len(checked) == 1 + 8 and len(metrics) == 8,
            steps=len(metrics), syncs_checked=len(checked), accumulate_calls=pieces, seconds=seconds,
            reward_first=metrics[0]["reward_mean"], reward_last=metrics[-1]["reward_mean"],
            step_time_median=sorted(m["step_time"] for m in metrics)[len(metrics) // 2])
