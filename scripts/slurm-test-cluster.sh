@@ -12,12 +12,20 @@
 # status: prints sinfo.
 #
 # Then: export SLURM_CONF=$RLCTL_SLURM_DIR/slurm.conf (start prints it; `source $DIR/env.sh`).
-# Settings: RLCTL_SLURM_DIR (/tmp/rlctl-slurm), RLCTL_SLURM_NODES (3), RLCTL_SLURM_SUBNET (10.231.0).
+# Every node has RLCTL_SLURM_GPUS fake GPUs: gres/gpu with File=$RLCTL_SLURM_DIR/dev/gpuN, links to
+# /dev/null (slurmd wants character devices and opens none), so that Slurm allocates GPUs and sets
+# CUDA_VISIBLE_DEVICES and SLURM_STEP_GPUS in each step as on a GPU cluster; runs stay on the CPU.
+# Settings: RLCTL_SLURM_DIR (/tmp/rlctl-slurm), RLCTL_SLURM_NODES (3), RLCTL_SLURM_SUBNET (10.231.0),
+#   RLCTL_SLURM_GPUS (4, at least 1), RLCTL_SLURM_CPUS (4 per node whatever this machine has: Slurm only
+#   counts them, and tests/test_slurm_cluster.py runs a job beside a run).
 set -euo pipefail
 
 DIR=${RLCTL_SLURM_DIR:-/tmp/rlctl-slurm}
 NODES=${RLCTL_SLURM_NODES:-3}
 SUBNET=${RLCTL_SLURM_SUBNET:-10.231.0}
+GPUS=${RLCTL_SLURM_GPUS:-4}
+CPUS=${RLCTL_SLURM_CPUS:-4}
+[ "$GPUS" -ge 1 ] || { echo "RLCTL_SLURM_GPUS must be at least 1" >&2; exit 2; }
 BRIDGE=rlctlsl0
 NS=rlctlsl-
 CTL_ADDR=$SUBNET.1
@@ -94,6 +102,7 @@ write_conf() {
     echo "TaskPlugin=task/none"
     echo "SelectType=select/cons_tres"
     echo "SelectTypeParameters=CR_Core"
+    echo "GresTypes=gpu"
     # heterogeneous jobs start only from the backfill scheduler: run it every second
     echo "SchedulerType=sched/backfill"
     echo "SchedulerParameters=bf_interval=1"
@@ -106,10 +115,14 @@ write_conf() {
     echo "JobCompType=jobcomp/filetxt"
     echo "JobCompLoc=$DIR/log/jobcomp.txt"
     for i in $(seq 1 "$NODES"); do
-      echo "NodeName=node$i NodeHostname=node$i NodeAddr=$(node_ip "$i") CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=4096 State=UNKNOWN"
+      echo "NodeName=node$i NodeHostname=node$i NodeAddr=$(node_ip "$i") CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=4096 Gres=gpu:$GPUS State=UNKNOWN"
     done
     echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
   } > "$SLURM_CONF"
+  # gres.conf sits beside slurm.conf. Fake GPUs, no driver to ask (AutoDetect=off).
+  mkdir -p "$DIR/dev"
+  for i in $(seq 0 $((GPUS - 1))); do ln -sfn /dev/null "$DIR/dev/gpu$i"; done
+  { echo "AutoDetect=off"; echo "NodeName=node[1-$NODES] Name=gpu File=$DIR/dev/gpu[0-$((GPUS - 1))]"; } > "$DIR/gres.conf"
 }
 
 start() {

@@ -139,6 +139,55 @@ def test_cancel_leaves_no_process_on_any_node(tmp_path):
     assert st["state"] == "cancelled" and st["slurm"]["state"] == "CANCELLED"
 
 
+def task_env(pid: int) -> dict[str, str]:
+    """The environment a process started with (the cluster's nodes share this machine's pids)."""
+    items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in items if b"=" in item)
+
+
+def test_servers_sharing_a_node_get_their_own_gpus(tmp_path):
+    """Every node has 4 fake GPUs (gres, scripts/slurm-test-cluster.sh). Another job holds one GPU
+    of every node, so the run's GPUs do not start at 0: each server must take its own among
+    those Slurm gave its step, never a GPU another server or job holds."""
+    blocker = subprocess.run(["sbatch", "--parsable", "--nodes=3", "--gpus-per-node=1", "--time=5:00",
+                              f"--output={tmp_path}/blocker-%j.out", "--wrap=sleep 300"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_for(lambda: squeue_state(blocker) == "RUNNING", 30, "the blocking job to run")
+        detail = subprocess.run(["scontrol", "show", "job", "-d", blocker], capture_output=True, text=True).stdout
+        held = {int(i) for i in re.findall(r"GRES=gpu:1\(IDX:(\d+)\)", detail)}
+        assert len(held) == 1, detail  # the same GPU index on every node
+        rd = launch(tmp_path, *FAST, "run.steps=400", "rollout.servers=2", "slurm.rollout.servers_per_node=2",
+                    "slurm.rollout.gpus_per_node=3", detach=True)
+        # A server's pid is in run.json as soon as it starts, with the environment it was started with.
+        procs = wait_for(lambda: (p := rd.read()["processes"]) and {"rollout-0", "rollout-1"} <= set(p) and p, 120,
+                         "both rollout servers to start")
+        gpus = []
+        for i in (0, 1):
+            env = task_env(procs[f"rollout-{i}"]["pid"])
+            mine = {int(g) for g in env["CUDA_VISIBLE_DEVICES"].split(",")}
+            step = {int(g) for g in env["SLURM_STEP_GPUS"].split(",")}  # Slurm's allocation on this node
+            assert len(step) == 3 and not step & held, (step, held)
+            # the SLURM_LOCALID-th of the step's GPUs on the node, one each (the built-in server)
+            assert mine == {sorted(step)[int(env["SLURM_LOCALID"])]}, (i, env["CUDA_VISIBLE_DEVICES"], step)
+            said = (Path(rd.read()["slurm"]["logs"]) / f"rollout-{i}.log").read_text()
+            assert f"runs on GPUs {min(mine)} " in said, said
+            gpus.append(mine)
+        assert procs["rollout-0"]["host"] == procs["rollout-1"]["host"]
+        assert not gpus[0] & gpus[1], gpus  # two servers of a node never share a GPU
+        assert rlctl("cancel", rd.id, "--runs-dir", str(tmp_path), cwd=tmp_path).returncode == 0
+    finally:
+        subprocess.run(["scancel", blocker], capture_output=True)
+
+
+def test_a_nodes_python_without_rlctl_ends_the_job_at_once_saying_why(tmp_path):
+    rd = launch(tmp_path, *FAST, "slurm.python=/bin/false", detach=True)
+    st = wait_for(lambda: (s := status_json(tmp_path, rd.id))["state"] != "starting" and s, 30, "the job to end")
+    assert st["state"] == "failed" and st["slurm"]["state"] == "FAILED", st
+    assert st["exit_reason"].endswith("the job's output said: error: the nodes' python, /bin/false (slurm.python), "
+                                      "cannot import rlctl: install rlctl there, or fix slurm.setup / slurm.python")
+
+
 def test_slurm_controller_down_is_a_one_line_error(tmp_path):
     conf = tmp_path / "slurm.conf"
     real = Path(os.environ["SLURM_CONF"]).read_text()

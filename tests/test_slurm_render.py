@@ -15,6 +15,7 @@ from conftest import FAST, QUICKSTART, REPO, rlctl
 from rlctl.launchers.slurm import JobInfo, render_batch_script
 from rlctl.plan import slurm_plan
 from rlctl.recipe import load_recipe
+from rlctl.rundir import RunDir
 
 GOLDEN = REPO / "tests" / "golden" / "slurm"
 RUN_DIR = Path("/shared/runs/RUN-ID")
@@ -62,6 +63,120 @@ def test_batch_script_structure():
     assert servers < text.index("until rlctl_step health") < trainers
     assert text.count("-m rlctl.worker") == 4  # rlctl_step, rollout, trainer, controller
     assert text.count("--kill-on-bad-exit=1") == 2
+    # CPUs per task on sbatch and srun (srun 22.05 and 23.02 do not inherit them), the nodes' memory,
+    # and every task gets the script's environment whatever the submitting shell's SLURM_EXPORT_ENV
+    assert head.count("#SBATCH --cpus-per-task=4") == rest.count("#SBATCH --cpus-per-task=4") == 1
+    assert "#SBATCH --mem=0" in head and "#SBATCH --mem=0" in rest
+    assert text.count("--cpus-per-task=4 \\\n  --export=ALL --kill-on-bad-exit=1") == 2
+    assert "bash -c 'rlctl_own_gpus 1 \"$@\"' rlctl_own_gpus" in text  # one GPU per built-in server
+
+
+def own_gpus(text: str, n: int, local_id: int, visible: str | None, step: str | None = None) -> subprocess.CompletedProcess:
+    """Run the script's rlctl_own_gpus in bash as a rollout task with this SLURM_LOCALID, the
+    CUDA_VISIBLE_DEVICES Slurm gave it (None: Slurm set none) and its step's SLURM_STEP_GPUS."""
+    fn = text[text.index("rlctl_own_gpus() {"):text.index("\n}\n", text.index("rlctl_own_gpus() {")) + 3]
+    env = {"PATH": os.environ["PATH"], "SLURM_LOCALID": str(local_id), "SLURM_PROCID": str(10 + local_id)}
+    for name, value in (("CUDA_VISIBLE_DEVICES", visible), ("SLURM_STEP_GPUS", step or visible)):
+        if value is not None:
+            env[name] = value
+    return subprocess.run(["bash", "-c", f"{fn}\nrlctl_own_gpus {n} bash -c 'echo \"$CUDA_VISIBLE_DEVICES\"'"],
+                          capture_output=True, text=True, env=env)
+
+
+@pytest.mark.parametrize("local_id, visible, step, expected", [
+    (0, "0,1,2,3,4,5,6,7", None, "0,1,2,3"),
+    (1, "0,1,2,3,4,5,6,7", None, "4,5,6,7"),
+    (1, "8,9,10,11,12,13,14,15", None, "12,13,14,15"),  # Slurm's numbering as it is (a shared node, no cgroup)
+    (1, "0,1,2,3,4,5,6,7", "8,9,10,11,12,13,14,15", "4,5,6,7"),  # renumbered from 0 (ConstrainDevices)
+    (1, None, None, "4,5,6,7"),  # no CUDA_VISIBLE_DEVICES from Slurm: the node's GPUs from 0
+    (1, "4,5,6,7", "0,1,2,3,4,5,6,7", "4,5,6,7"),  # Slurm bound the task itself (a site's --gpu-bind)
+])
+def test_each_sglang_server_of_a_node_gets_its_own_gpus(local_id, visible, step, expected):
+    text = render("example-qwen3-1.7b")  # 2 servers of tp 4 per 8-GPU node
+    assert "bash -c 'rlctl_own_gpus 4 \"$@\"' rlctl_own_gpus" in text and "--base-gpu-id" not in text
+    res = own_gpus(text, 4, local_id, visible, step)
+    assert res.returncode == 0, res.stderr
+    said, cvd = res.stdout.splitlines()
+    assert cvd == expected and f"runs on GPUs {expected} " in said
+
+
+def test_too_few_gpus_for_the_servers_of_a_node_is_one_line_in_the_servers_log():
+    res = own_gpus(render("example-qwen3-1.7b"), 4, 1, "0,1,2,3")
+    assert res.returncode == 1 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "error: task 11 on " + os.uname().nodename + " needs GPUs 4..7 of the 4 Slurm gave it here (0 1 2 3): "
+        "raise slurm.rollout.gpus_per_node or lower servers_per_node"]
+
+
+def nodes_python(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """Run the script from its start to the choice of the nodes' Python, then print that Python.
+    PATH holds no python3 (nor mkdir: called by its path here), so only what slurm.setup adds is found."""
+    r = load_recipe(QUICKSTART, ["launcher=slurm", *overrides], check_paths=False)
+    text = render_batch_script(r, tmp_path / "run", "RUN-ID", "/submitting/python3")
+    head = text[:text.index("\nrlctl_step() {")].replace("mkdir -p", "/bin/mkdir -p")
+    return subprocess.run([shutil.which("bash"), "-c", head + '\necho "PY=$PY"'], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PATH": str(tmp_path / "no-python"), "HOME": str(tmp_path)})
+
+
+def test_the_nodes_python_is_the_one_setup_puts_on_path(tmp_path):
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python3").symlink_to(os.sys.executable)
+    env = f"slurm.env={{PYTHONPATH: {REPO}}}"  # rlctl importable by that python wherever it is installed
+    res = nodes_python(tmp_path, f"slurm.setup=['export PATH={venv}:$PATH']", env)
+    assert res.returncode == 0 and res.stdout.splitlines()[-1] == f"PY={venv}/python3", res.stderr
+    # slurm.python wins; no setup lines: the python of `rlctl launch`
+    res = nodes_python(tmp_path, f"slurm.setup=['export PATH={venv}:$PATH']", "slurm.python=/usr/bin/env")
+    assert res.returncode == 1 and res.stderr.startswith("error: the nodes' python, /usr/bin/env (slurm.python), "
+                                                          "cannot import rlctl"), res.stderr
+    res = nodes_python(tmp_path)
+    assert res.returncode == 1 and "/submitting/python3 (the python of rlctl launch)" in res.stderr
+    res = nodes_python(tmp_path, "slurm.setup=['true']")  # no python3 with rlctl on PATH
+    assert res.returncode == 1 and "(python3 on PATH after slurm.setup), cannot import rlctl" in res.stderr
+
+
+def test_slurm_env_is_exported_quoted_and_never_on_a_command_line(tmp_path):
+    text = render("options")
+    topo = "/shared/topo files/h200 'v2'.xml"
+    exports = ["export NCCL_SOCKET_IFNAME='ib0,ib1'", "export NCCL_IB_HCA='=mlx5_0:1,mlx5_1:1'",
+               """export NCCL_TOPO_FILE='/shared/topo files/h200 '"'"'v2'"'"'.xml'"""]
+    assert "\n".join(["# slurm.env", *exports]) + "\n" in text
+    assert text.index("source /shared/venvs/rl/bin/activate") < text.index("# slurm.env")  # after setup: they win
+    assert [line for line in text.splitlines() if "mlx5_0" in line or "h200 " in line or "ib1" in line] == exports
+    env_lines = text[text.index("# slurm.env\n"):text.index("\n\n", text.index("# slurm.env\n"))]
+    res = subprocess.run(["bash", "-c", env_lines + '\nprintf "%s|" "$NCCL_TOPO_FILE" "$NCCL_IB_HCA"'],
+                         capture_output=True, text=True)
+    assert res.stdout == f"{topo}|=mlx5_0:1,mlx5_1:1|", res.stderr
+
+
+def test_cluster_recipe_dry_run_needs_no_model_here(tmp_path):
+    """recipes/slurm-qwen3-1.7b.yaml names /shared paths that only the cluster holds; the job
+    looks for them on its first node (test_a_model_missing_on_the_node_is_the_runs_exit_reason)."""
+    env = {"PATH": os.path.dirname(os.sys.executable)}
+    res = rlctl("launch", str(REPO / "recipes" / "slurm-qwen3-1.7b.yaml"), "--dry-run", f"run.output_dir={tmp_path}",
+                cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "#SBATCH --gpus-per-node=8" in res.stdout and "rlctl_own_gpus 4" in res.stdout
+    res = rlctl("launch", str(QUICKSTART), "model.init=null", "model.path=/shared/models/Qwen3-1.7B",
+                f"run.output_dir={tmp_path}", cwd=tmp_path)  # launcher=local: the model must be here
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and ": model.path: " in res.stderr
+
+
+def test_a_model_missing_on_the_node_is_the_runs_exit_reason(tmp_path):
+    res = rlctl("launch", str(REPO / "recipes" / "slurm-qwen3-1.7b.yaml"), "--dry-run", f"run.output_dir={tmp_path}",
+                cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    (run_dir,) = tmp_path.iterdir()
+    RunDir(run_dir).update(lambda d: d.update(state="starting", ended=None, exit_reason=None))  # as if submitted
+    plan = subprocess.run([os.sys.executable, "-m", "rlctl.worker", "plan", "--run-dir", str(run_dir), "--trainer-nodes",
+                           "t1 t2", "--rollout-nodes", "r1 r2 r3 r4", "--port-base", "30000"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert plan.returncode == 1
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["state"] == "failed" and info["plan"] is None
+    assert info["exit_reason"].startswith("model.path: '/shared/models/Qwen3-1.7B' is not a Hugging Face model "
+                                          "directory"), info["exit_reason"]
+    assert f"(looked for on {os.uname().nodename}, the job's first node)" in info["exit_reason"]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -110,6 +225,12 @@ def test_plan_places_servers_and_ranks_on_their_nodes():
     ("slurm.port_base=80", "slurm.port_base"),
     ("slurm.gpus=8", "slurm.gpus"),
     ("slurm.trainer.gpus_per_node=two", "slurm.trainer.gpus_per_node"),
+    ("slurm.env={1NCCL: x}", "slurm.env.1NCCL"),
+    ("slurm.env={NCCL-IB: x}", "slurm.env.NCCL-IB"),
+    ("slurm.env.CUDA_VISIBLE_DEVICES=0", "slurm.env.CUDA_VISIBLE_DEVICES"),
+    ("slurm.env.SLURM_CPUS_PER_TASK=4", "slurm.env.SLURM_CPUS_PER_TASK"),
+    ("slurm.env.HF_TOKEN=hf_abc", "slurm.env.HF_TOKEN"),  # a secret: the shell's environment, not the recipe
+    ("slurm.env.WANDB_API_KEY=abc", "slurm.env.WANDB_API_KEY"),
 ])
 def test_bad_slurm_settings_name_the_key(tmp_path, override, key):
     res = rlctl("launch", str(QUICKSTART), "launcher=slurm", override, f"run.output_dir={tmp_path}", cwd=tmp_path)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rlctl.launchers.health import healthy
 from rlctl.plan import RunPlan, slurm_plan
-from rlctl.recipe import recipe_from_yaml
+from rlctl.recipe import FieldError, recipe_from_yaml
 from rlctl.rundir import RunDir, RunState
 from rlctl.tail import last_log_line
 
@@ -37,11 +37,21 @@ def main(args: argparse.Namespace) -> int:
 
 
 def write_plan(rd: RunDir, trainer_nodes: list[str], rollout_nodes: list[str], port_base: int) -> int:
+    """The plan from the job's nodes, once the recipe's files are found here: `rlctl launch` does
+    not look for them (the submitting machine need not hold the cluster's paths). A failure is
+    the run's exit reason, in one line naming the key."""
     recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
     try:
+        for key, section in (("model", recipe.model), ("data", recipe.data)):
+            try:
+                section.check_files()
+            except FieldError as e:
+                raise ValueError(f"{key}.{e.key}: {e.message} (looked for on {socket.gethostname()}, the job's "
+                                 "first node)") from None
         plan = slurm_plan(recipe, trainer_nodes, rollout_nodes, port_base)
     except ValueError as e:
         print(f"error: {e}", flush=True)
+        record_state(rd, RunState.FAILED, str(e), "")
         return 1
 
     def apply(d: dict) -> None:

@@ -12,8 +12,23 @@ from rlctl.recipe.choices import GpuKind, WandbMode
 
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$")
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:+-]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
 # sbatch flags the batch script sets itself: a recipe may not override them.
 _SBATCH_MANAGED_FLAGS = ("--job-name", "-J", "--output", "-o", "--error", "-e", "--nodes", "-N", "--het-group")
+
+
+def _check_env(name: str, value: str) -> None:
+    key = f"env.{name}"
+    if not _ENV_NAME.match(name):
+        raise FieldError(key, "not a shell variable name; letters, digits and _, not starting with a digit")
+    if name in ("CUDA_VISIBLE_DEVICES", "RLCTL_LOGS") or name.startswith("SLURM_"):
+        raise FieldError(key, "set by Slurm or rlctl in the job (GPUs come from slurm.*.gpus_per_node)")
+    if _SECRET_NAME.search(name):
+        raise FieldError(key, "looks like a secret, and a recipe is copied into the run directory; export it "
+                              "in the shell that runs `rlctl launch` instead (sbatch passes that environment on)")
+    if "\n" in value or "\0" in value:
+        raise FieldError(key, "one line, without NUL characters")
 
 
 def _slurm_name(key: str, value: str) -> None:
@@ -27,11 +42,15 @@ class SlurmTrainerConfig(Section):
 
     nodes: int = 1
     gpus_per_node: int = 0
-    """GPUs to request per node (--gpus-per-node); 0 = none."""
+    """GPUs to request per node (--gpus-per-node); 0 = none. Every rank sees all of its node's
+    GPUs and takes the one its rank points at (rank r on GPU r mod the node's GPU count)."""
     cpus_per_task: int = 0
-    """--cpus-per-task for each trainer rank; 0 = the cluster's default."""
+    """--cpus-per-task for each trainer rank (sbatch and srun); 0 = 4 per GPU of a rank
+    (gpus_per_node / ranks per node, at least 1), or run.threads_per_process without GPUs."""
     mem: str = ""
-    """--mem per node, e.g. 200G; empty = the cluster's default."""
+    """--mem per node, e.g. 200G; empty = all of the node's memory (--mem=0) when the component asks
+    for GPUs (loading a model takes host memory in proportion to the model), else the cluster's
+    default. Set it when GPU nodes are shared between jobs."""
 
     def check(self) -> None:
         positive("nodes", self.nodes)
@@ -49,8 +68,15 @@ class SlurmRolloutConfig(Section):
     servers_per_node: int = 1
     """Rollout servers per node (one per TP group of the node's GPUs)."""
     gpus_per_node: int = 0
+    """GPUs to request per node (--gpus-per-node); 0 = none. Each server is bound to its own: its
+    rollout.sglang.tp_size GPUs (SGLang) or 1 (the built-in server), taken in order of the
+    CUDA_VISIBLE_DEVICES Slurm gives the node's tasks (rlctl/launchers/slurm/script.py)."""
     cpus_per_task: int = 0
+    """--cpus-per-task for each server (sbatch and srun); 0 = 4 per GPU of a server, or
+    run.threads_per_process for a server without GPUs."""
     mem: str = ""
+    """--mem per node; empty = all of the node's memory (--mem=0) when the component asks for
+    GPUs, else the cluster's default. Set it when GPU nodes are shared between jobs."""
 
     def check(self) -> None:
         positive("servers_per_node", self.servers_per_node)
@@ -76,9 +102,17 @@ class SlurmConfig(Section):
     sbatch_args: list[str] = field(default_factory=list)
     """Extra sbatch flags for both components, e.g. ["--exclusive", "--constraint=h200"]."""
     setup: list[str] = field(default_factory=list)
-    """Shell lines run at the start of the job, e.g. "module load cuda/12.4", "source venv/bin/activate"."""
+    """Shell lines run at the start of the job, e.g. "module load cuda/12.4", "source venv/bin/activate";
+    every process of the job inherits the environment they leave."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for every process of the job, e.g. {NCCL_SOCKET_IFNAME: ib0,
+    NCCL_IB_HCA: mlx5}: exported after the setup lines (so they win over what a module sets).
+    Not for secrets (a recipe is copied into the run directory): export those in the shell that
+    runs `rlctl launch`, whose environment sbatch passes to the job."""
     python: str = ""
-    """The Python on the compute nodes; empty = the one that runs `rlctl launch` (shared filesystem)."""
+    """The Python on the compute nodes, a path or a command name. Empty = `python3` as found on
+    PATH after the setup lines run, or, without setup lines, the one that runs `rlctl launch`
+    (a shared filesystem)."""
     port_base: int = 0
     """First port the run's servers listen on; 0 = 20000 + job id % 20000, so jobs sharing a node differ."""
     health_timeout_s: int = 600
@@ -101,6 +135,10 @@ class SlurmConfig(Section):
         for i, line in enumerate(self.setup):
             if "\n" in line:
                 raise FieldError(f"setup[{i}]", "one shell line per list item")
+        for name, value in self.env.items():
+            _check_env(name, value)
+        if "\n" in self.python or "\0" in self.python:
+            raise FieldError("python", "a path or a command name, on one line")
 
 
 @dataclass(kw_only=True)

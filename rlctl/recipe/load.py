@@ -19,6 +19,7 @@ from typing import Any
 
 from rlctl.errors import RecipeError
 from rlctl.recipe.checks import FieldError, Section
+from rlctl.recipe.choices import Launcher
 from rlctl.recipe.schema import Recipe
 
 
@@ -26,7 +27,8 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), che
     """Read a recipe file, apply `key=value` overrides, and return a checked Recipe.
 
     check_paths=False skips the checks that local files exist (model, data): a simulation of a
-    cluster run needs neither."""
+    cluster run needs neither. A launcher=slurm recipe names the cluster's paths, which this
+    machine need not hold: the job checks them on its first node (rlctl/launchers/slurm_job.py)."""
     file = str(path)
     try:
         text = Path(path).read_text()
@@ -36,7 +38,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), che
         raise RecipeError(file, "<file>", f"cannot read it ({e.__class__.__name__}: {e})") from None
     recipe = recipe_from_yaml(text, file, overrides)
     _resolve_relative_paths(recipe, Path(path).resolve().parent)
-    check_recipe(recipe, file, check_paths)
+    check_recipe(recipe, file, check_paths and recipe.launcher is Launcher.LOCAL)
     return recipe
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from rlctl.launchers.slurm.client import query
 from rlctl.launchers.slurm.job import ACTIVE, JobInfo
 from rlctl.rundir import RunDir, RunState
+from rlctl.tail import last_log_line
 
 
 def job_id_of(info: dict[str, Any]) -> str | None:
@@ -48,6 +49,8 @@ def reconcile(rd: RunDir, info: dict[str, Any], job: JobInfo | None, queried: bo
         return info
     else:
         reason = f"Slurm job {jid} ended {job.describe()} before the run recorded its end"
+        said = last_log_line(rd.logs / f"slurm-{jid}.out")  # e.g. the nodes' python cannot import rlctl
+        reason += f"; the job's output said: {said}" if said else ""
     state = RunState.CANCELLED if job.state == "CANCELLED" else RunState.FAILED
     rd.set_state(state, reason)
     rd.event("run_end", state=state.value, reason=reason)

@@ -7,6 +7,21 @@ rlctl.worker plan`), starts the servers with `srun --het-group=1`, waits for the
 the trainer ranks with `srun --het-group=0` and the controller, and ends the whole job as soon as
 any component exits. Every process runs `python -m rlctl.worker ROLE`, as with the local launcher,
 and the run directory (a shared filesystem) stays the source of truth.
+
+Placement, what each task gets:
+- GPUs. Each rollout server is bound to its own GPUs: the script sets CUDA_VISIBLE_DEVICES per
+  task to the SLURM_LOCALID-th group of `server_gpus` GPUs among those Slurm gave the step on
+  that node (its CUDA_VISIBLE_DEVICES), so a server counts its GPUs from 0 (SGLang's
+  --base-gpu-id 0, the built-in server's cuda:0). This takes Slurm's own allocation as it is
+  (GPUs 4-7 of a shared node, or 0..k-1 renumbered under ConstrainDevices) and needs no
+  `--gpus-per-task`, whose binding differs between Slurm versions and site defaults. Trainer
+  ranks see every GPU of their node and take GPU rank mod count, as the local launcher does.
+- CPUs and memory: `--cpus-per-task` on sbatch and on srun (srun of Slurm 22.05 and 23.02 does not
+  inherit it), CPUS_PER_GPU per GPU of a task by default; `--mem=0` (the node's memory) by default
+  for a component that asks for GPUs. rlctl/recipe/cluster.py says what each key defaults to.
+- Environment: slurm.setup's lines, then slurm.env's exports; srun passes the whole environment
+  (`--export=ALL`, whatever the submitting shell's SLURM_EXPORT_ENV says) to every task. The
+  nodes' Python is chosen after both (`python_lines`).
 """
 
 from __future__ import annotations
@@ -14,22 +29,112 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from rlctl.recipe import Recipe, slurm_rollout_nodes
+from rlctl.recipe import Device, Recipe, RolloutEngine, SlurmConfig, TrainEngine, slurm_rollout_nodes
+
+CPUS_PER_GPU = 4
+"""Default CPUs per GPU of a task: SGLang runs a scheduler process per GPU besides its HTTP and
+detokenizer processes; 4 per GPU fits every GPU node with 8 GPUs and 32 CPUs or more."""
+
+# Exported to the rollout tasks (srun --export=ALL), which run `bash -c 'rlctl_own_gpus N "$@"' ...`.
+_OWN_GPUS = r"""
+# rlctl_own_gpus N CMD...: exec CMD on this task's own N GPUs: the SLURM_LOCALID-th N of those Slurm
+# gave the step on this node (its CUDA_VISIBLE_DEVICES; 0..{fallback} where it set none), so that
+# the servers of a node never share a GPU and each counts its own from 0. A task that sees fewer
+# GPUs than its step has was bound by Slurm itself (a site's --gpu-bind default): it keeps those.
+rlctl_own_gpus() {{
+  local n=$1 first=0 mine all step
+  shift
+  IFS=, read -r -a all <<<"${{CUDA_VISIBLE_DEVICES:-$(seq -s, 0 {fallback})}}"
+  IFS=, read -r -a step <<<"${{SLURM_STEP_GPUS:-}}"
+  ((${{#all[@]}} < ${{#step[@]}})) || first=$((SLURM_LOCALID * n))
+  if ((first + n > ${{#all[@]}})); then
+    echo "error: task $SLURM_PROCID on $(hostname) needs GPUs $first..$((first + n - 1)) of the ${{#all[@]}}" \
+      "Slurm gave it here (${{all[*]}}): raise slurm.rollout.gpus_per_node or lower servers_per_node" >&2
+    exit 1
+  fi
+  mine=$(IFS=,; echo "${{all[*]:first:n}}")
+  echo "rlctl: task $SLURM_PROCID on $(hostname) runs on GPUs $mine (CUDA_VISIBLE_DEVICES; Slurm gave it ${{all[*]}})"
+  export CUDA_VISIBLE_DEVICES=$mine
+  exec "$@"
+}}
+export -f rlctl_own_gpus
+"""
+
+
+def server_gpus(recipe: Recipe, bound: bool = True) -> int:
+    """GPUs of each rollout server: SGLang's tp_size, 1 for a built-in server on cuda, else 0.
+    bound=True: the GPUs it is bound to, where a CPU server on a component that asks for GPUs
+    is bound to 1 as well (harmless, and how the test cluster observes the binding)."""
+    if recipe.rollout.engine is RolloutEngine.SGLANG:
+        return recipe.rollout.sglang.tp_size
+    return int(recipe.rollout.device is Device.CUDA or (bound and recipe.slurm.rollout.gpus_per_node > 0))
+
+
+def rank_gpus(recipe: Recipe) -> int:
+    """GPUs per trainer rank, for its default CPUs: the node's GPUs shared by its ranks."""
+    sl, per_node = recipe.slurm.trainer, recipe.train.ranks // recipe.slurm.trainer.nodes
+    if sl.gpus_per_node:
+        return max(1, sl.gpus_per_node // per_node)
+    return int(recipe.train.device is Device.CUDA or recipe.train.engine is TrainEngine.MEGATRON)
+
+
+def task_cpus(cpus_per_task: int, gpus: int, threads: int) -> int:
+    """slurm.*.cpus_per_task, or CPUS_PER_GPU per GPU of the task, or its torch threads without GPUs."""
+    return cpus_per_task or (CPUS_PER_GPU * gpus if gpus else threads)
+
+
+def node_mem(mem: str, gpus_per_node: int) -> str:
+    """slurm.*.mem, or all of the node's memory (0) for a component with GPUs, or the cluster's default."""
+    return mem or ("0" if gpus_per_node else "")
+
+
+def _quoted(value: str) -> str:
+    """Single-quoted for the shell always, so that no value reads as anything but a string."""
+    return "'" + value.replace("'", "'\"'\"'") + "'"
+
+
+def python_lines(sl: SlurmConfig, fallback: str) -> str:
+    """Set PY, the nodes' Python, after slurm.setup and slurm.env, and stop the job at once if it
+    cannot import rlctl: slurm.python (a path, or a command looked up on PATH), else the python3
+    that setup put on PATH, else (no setup lines) `fallback`, the interpreter of `rlctl launch`."""
+    if sl.python.startswith("~/"):
+        chosen, what = f'PY="$HOME"/{shlex.quote(sl.python[2:])}', "slurm.python"
+    elif "/" in sl.python:
+        chosen, what = f"PY={shlex.quote(sl.python)}", "slurm.python"
+    elif sl.python or sl.setup:
+        name = sl.python or "python3"
+        chosen = f"PY=$(command -v {shlex.quote(name)} || echo {shlex.quote(name)})"
+        what = "slurm.python" if sl.python else f"{name} on PATH after slurm.setup"
+    else:
+        chosen, what = f"PY={shlex.quote(fallback)}", "the python of rlctl launch"
+    return f"""\
+# The nodes' Python: {what}.
+{chosen}
+if ! "$PY" -c 'import rlctl' 2>/dev/null; then
+  echo "error: the nodes' python, $PY ({what}), cannot import rlctl: install rlctl there, or fix slurm.setup / slurm.python" >&2
+  exit 1
+fi"""
 
 
 def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str) -> str:
-    """The batch script of a run. Pure: same recipe, paths and interpreter -> same text."""
+    """The batch script of a run. Pure: same recipe, paths and interpreter -> same text.
+
+    `python` is the interpreter of `rlctl launch`, used on the nodes only when the recipe has
+    neither slurm.python nor slurm.setup lines (`python_lines`)."""
     sl = recipe.slurm
     n_servers, n_ranks = recipe.rollout.servers, recipe.train.ranks
     r_nodes, t_nodes = slurm_rollout_nodes(recipe), sl.trainer.nodes
     ranks_per_node, spn = n_ranks // t_nodes, sl.rollout.servers_per_node
     run_dir_q = shlex.quote(str(run_dir))
+    threads, own_gpus = recipe.run.threads_per_process, server_gpus(recipe)
+    t_cpus = task_cpus(sl.trainer.cpus_per_task, rank_gpus(recipe), threads)
+    r_cpus = task_cpus(sl.rollout.cpus_per_task, server_gpus(recipe, bound=False), threads)
 
     def component(nodes: int, tasks_per_node: int, gpus: int, cpus: int, mem: str) -> list[str]:
         lines = [f"#SBATCH --job-name={run_id}", f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={tasks_per_node}"]
         lines += [f"#SBATCH --gpus-per-node={gpus}"] if gpus else []
-        lines += [f"#SBATCH --cpus-per-task={cpus}"] if cpus else []
-        lines += [f"#SBATCH --mem={mem}"] if mem else []
+        lines += [f"#SBATCH --cpus-per-task={cpus}"]
+        lines += [f"#SBATCH --mem={node_mem(mem, gpus)}"] if node_mem(mem, gpus) else []
         lines += [f"#SBATCH --{key}={value}" for key, value in (("partition", sl.partition), ("account", sl.account),
                                                                  ("qos", sl.qos)) if value]
         lines += [f"#SBATCH {arg}" for arg in sl.sbatch_args]
@@ -43,11 +148,18 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
         f"#   component 1: {r_nodes} rollout node(s), {n_servers} rollout server(s), {spn} per node",
         f"#SBATCH --output={run_dir}/logs/slurm-%j.out",
         f"#SBATCH --time={sl.time}",
-        *component(t_nodes, ranks_per_node, sl.trainer.gpus_per_node, sl.trainer.cpus_per_task, sl.trainer.mem),
+        *component(t_nodes, ranks_per_node, sl.trainer.gpus_per_node, t_cpus, sl.trainer.mem),
         "#SBATCH hetjob",
-        *component(r_nodes, spn, sl.rollout.gpus_per_node, sl.rollout.cpus_per_task, sl.rollout.mem),
+        *component(r_nodes, spn, sl.rollout.gpus_per_node, r_cpus, sl.rollout.mem),
     ]
     setup = "\n".join(sl.setup) if sl.setup else "# (no slurm.setup lines)"
+    env = "\n".join(f"export {name}={_quoted(value)}" for name, value in sl.env.items()) or "# (no slurm.env)"
+    if own_gpus:
+        bind_fn = _OWN_GPUS.format(fallback=(sl.rollout.gpus_per_node or spn * own_gpus) - 1)
+        bind_note = '# shellcheck disable=SC2016  # "$@" is expanded by each task\'s own shell\n'
+        bind = f"bash -c 'rlctl_own_gpus {own_gpus} \"$@\"' rlctl_own_gpus \\\n  "
+    else:
+        bind_fn, bind_note, bind = "", "", ""
     port_base = str(sl.port_base) if sl.port_base else "$((20000 + SLURM_JOB_ID % 20000))"
     prepare = (
         'rlctl_step prepare >"$RLCTL_LOGS/prepare.log" 2>&1 '
@@ -58,7 +170,6 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
 set -uo pipefail
 
 RUN_DIR={run_dir_q}
-PY={shlex.quote(python)}
 export RLCTL_LOGS="$RUN_DIR/logs/attempt-${{SLURM_RESTART_COUNT:-0}}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$RLCTL_LOGS"
@@ -66,6 +177,11 @@ mkdir -p "$RLCTL_LOGS"
 # slurm.setup
 {setup}
 
+# slurm.env
+{env}
+
+{python_lines(sl, python)}
+{bind_fn}
 rlctl_step() {{ "$PY" -m rlctl.worker "$1" --run-dir "$RUN_DIR" "${{@:2}}"; }}
 
 # stop_pids GRACE PID...: SIGTERM (srun passes it to its tasks), SIGKILL after GRACE seconds.
@@ -107,9 +223,9 @@ rlctl_step plan --trainer-nodes "$TRAINER_NODES" --rollout-nodes "$ROLLOUT_NODES
   || end_run failed plan "could not write the plan; see $RUN_DIR/logs/slurm-$SLURM_JOB_ID.out"
 {prepare}
 # Rollout servers on every node of component 1, then wait for their /health.
-srun --het-group=1 --nodes={r_nodes} --ntasks={n_servers} --ntasks-per-node={spn} --kill-on-bad-exit=1 \\
-  --output="$RLCTL_LOGS/rollout-%t.log" "$PY" -m rlctl.worker rollout --run-dir "$RUN_DIR" \\
-  2>"$RLCTL_LOGS/rollout.srun.log" &
+{bind_note}srun --het-group=1 --nodes={r_nodes} --ntasks={n_servers} --ntasks-per-node={spn} --cpus-per-task={r_cpus} \\
+  --export=ALL --kill-on-bad-exit=1 --output="$RLCTL_LOGS/rollout-%t.log" \\
+  {bind}"$PY" -m rlctl.worker rollout --run-dir "$RUN_DIR" 2>"$RLCTL_LOGS/rollout.srun.log" &
 ROLLOUT=$!
 deadline=$((SECONDS + {sl.health_timeout_s}))
 until rlctl_step health; do
@@ -124,9 +240,9 @@ until rlctl_step health; do
 done
 
 # Trainer ranks on component 0 (rendezvous on its first node), and the controller here.
-srun --het-group=0 --nodes={t_nodes} --ntasks={n_ranks} --ntasks-per-node={ranks_per_node} --kill-on-bad-exit=1 \\
-  --output="$RLCTL_LOGS/trainer-%t.log" "$PY" -m rlctl.worker trainer --run-dir "$RUN_DIR" \\
-  2>"$RLCTL_LOGS/trainer.srun.log" &
+srun --het-group=0 --nodes={t_nodes} --ntasks={n_ranks} --ntasks-per-node={ranks_per_node} --cpus-per-task={t_cpus} \\
+  --export=ALL --kill-on-bad-exit=1 --output="$RLCTL_LOGS/trainer-%t.log" \\
+  "$PY" -m rlctl.worker trainer --run-dir "$RUN_DIR" 2>"$RLCTL_LOGS/trainer.srun.log" &
 TRAINER=$!
 "$PY" -m rlctl.worker controller --run-dir "$RUN_DIR" >"$RLCTL_LOGS/controller.log" 2>&1 &
 CONTROLLER=$!
