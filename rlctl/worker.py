@@ -18,9 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from rlctl.errors import RlctlError
+from rlctl.errors import RlctlError, RunError
 from rlctl.plan import RunPlan
-from rlctl.recipe import Device, Recipe, RolloutEngine, TrainEngine, recipe_from_yaml
+from rlctl.recipe import Device, Launcher, Recipe, RolloutEngine, TrainEngine, recipe_from_yaml
 from rlctl.rundir import RunDir
 
 log = logging.getLogger("rlctl.worker")
@@ -56,6 +56,22 @@ def _device(kind: Device, index: int, gpus: list[int] | None = None) -> str:
     return f"cuda:{index % max(1, torch.cuda.device_count())}"
 
 
+def sglang_gpus(gpus: list[int], tp_size: int, index: int) -> str:
+    """CUDA_VISIBLE_DEVICES of local SGLang server `index`: the index-th group of tp_size GPUs
+    among rollout.gpus (all of this machine's when empty), so that no two servers share one; the
+    server counts its own from 0, as SGLang's --base-gpu-id 0 expects."""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+    if not gpus:
+        import torch
+
+        gpus = list(range(len(visible) if visible else torch.cuda.device_count()))
+    mine = gpus[index * tp_size:(index + 1) * tp_size]
+    if len(mine) < tp_size:
+        raise RunError(f"rollout server {index} needs {tp_size} GPUs of its own, GPUs {index * tp_size}.."
+                         f"{(index + 1) * tp_size - 1} of {gpus}; list more in rollout.gpus or lower rollout.servers")
+    return ",".join(visible[g] if visible else str(g) for g in mine)
+
+
 def run_prepare(rd: RunDir, recipe: Recipe) -> None:
     from rlctl.models.tiny import ensure_tiny_model
 
@@ -76,6 +92,9 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         from rlctl.engines.rollout import sglang
 
         sglang.require_sglang()
+        if recipe.launcher is Launcher.LOCAL:  # under Slurm the batch script has bound the task's GPUs
+            os.environ["CUDA_VISIBLE_DEVICES"] = sglang_gpus(recipe.rollout.gpus, recipe.rollout.sglang.tp_size, index)
+            log.info("rollout server %d on GPUs %s", index, os.environ["CUDA_VISIBLE_DEVICES"])
         cmd = sglang.launch_command(sys.executable, info["model_path"], recipe.rollout.sglang, host=role.listen,
                                     port=role.port, seed=recipe.run.seed * 1000 + index)
         log.info("exec %s", " ".join(cmd))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import QUICKSTART, processes_mentioning, rlctl
+from conftest import QUICKSTART, REPO, processes_mentioning, rlctl
 from rlctl.errors import RecipeError
 from rlctl.recipe import load_recipe, recipe_from_yaml, recipe_to_yaml
 
@@ -115,6 +115,23 @@ def test_value_errors_name_the_dotted_key_and_the_fix(overrides, key, message):
     assert (info.value.file, info.value.key, info.value.message) == (str(QUICKSTART), key, message)
 
 
+CLUSTER = REPO / "recipes" / "slurm-qwen3-1.7b.yaml"
+
+
+@pytest.mark.parametrize("overrides,key,message", [
+    (["slurm.rollout.gpus_per_node=4"], "slurm.rollout.gpus_per_node",
+     "2 servers per node x 4 GPUs each need 8 GPUs per node, 4 are asked; raise it or lower slurm.rollout.servers_per_node"),
+    (["rollout.gpus=[0]"], "rollout.gpus", "GPU lists are for the local launcher; with launcher=slurm each task gets "
+                                           "its own GPUs of those Slurm allocates (slurm.*.gpus_per_node)"),
+    (["rollout.sglang.extra_args=[--base-gpu-id,2]"], "rollout.sglang.extra_args[0]",
+     "'--base-gpu-id' is set by rlctl; use the rollout.sglang keys or the plan"),
+])
+def test_cluster_placement_errors(overrides, key, message):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(CLUSTER, overrides)
+    assert (info.value.file, info.value.key, info.value.message) == (str(CLUSTER), key, message)
+
+
 def test_choices_load_as_enum_members():
     from rlctl.recipe import Admission, Launcher, PipelineMode, TaskName
 
@@ -148,3 +165,14 @@ def test_every_section_is_a_checked_section():
                 walk(t, f"{key}.{f.name}" if key else f.name)
 
     walk(Recipe, "")
+
+
+def test_a_cluster_recipes_paths_are_looked_for_on_the_cluster_not_here():
+    """launcher=slurm: the model and data live where the job runs (its first node checks them,
+    rlctl/launchers/slurm_job.py); a local run needs them here."""
+    cluster = ["model.init=null", "model.path=/cluster/only/Qwen3-1.7B", "data.source=jsonl", "data.path=/cluster/d.jsonl"]
+    r = load_recipe(QUICKSTART, ["launcher=slurm", *cluster])
+    assert (r.model.path, r.data.path) == ("/cluster/only/Qwen3-1.7B", "/cluster/d.jsonl")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(QUICKSTART, cluster)
+    assert info.value.key == "model.path" and "no config.json" in info.value.message

@@ -72,6 +72,16 @@ def test_bad_sglang_settings_name_the_key(tmp_path, override, key):
     assert res.returncode == 2 and f": {key}: " in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+def test_local_sglang_servers_get_their_own_gpus(monkeypatch):
+    from rlctl.worker import sglang_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # indices in rollout.gpus are the visible ones
+    assert [sglang_gpus([], 2, i) for i in range(2)] == ["4,5", "6,7"]
+    assert [sglang_gpus([3, 2, 1, 0], 1, i) for i in range(4)] == ["7", "6", "5", "4"]
+    with pytest.raises(RunError, match="rollout server 2 needs 2 GPUs of its own"):
+        sglang_gpus([], 2, 2)
+
+
 def test_sglang_recipe_is_accepted():
     r = load_recipe(QUICKSTART, ["rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda"])
     assert r.rollout.engine == "sglang" and r.rollout.sglang.skip_tokenizer_init

@@ -10,7 +10,8 @@ from rlctl.recipe.choices import Device, RolloutEngine, SGLangDtype
 
 # Flags the sglang engine sets itself (rlctl/engines/rollout/sglang.py).
 SGLANG_MANAGED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--random-seed", "--api-key",
-                        "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp")
+                        "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp",
+                        "--base-gpu-id")
 
 
 @dataclass(kw_only=True)
@@ -141,7 +142,9 @@ class RolloutConfig(Section):
     device: Device = Device.CPU
     """Where built-in servers run: cpu or cuda (server i uses cuda:i when there are enough GPUs)."""
     gpus: list[int] = field(default_factory=list)
-    """Local launcher, device cuda: the GPUs the servers use (server i on gpus[i % len]); empty = cuda:i."""
+    """Local launcher, device cuda: the GPUs the servers use. Built-in server i runs on
+    gpus[i % len] (empty = cuda:i); SGLang server i gets its own tp_size of them, the i-th group
+    (empty = all of this machine's), as CUDA_VISIBLE_DEVICES."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     builtin: BuiltinConfig = field(default_factory=BuiltinConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, divides
-from rlctl.recipe.choices import DataSource, Launcher
+from rlctl.recipe.choices import DataSource, Device, Launcher, RolloutEngine
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
 from rlctl.recipe.inputs import DataConfig, ModelConfig, RewardConfig, RunConfig
 from rlctl.recipe.rollout import RolloutConfig
@@ -59,6 +59,17 @@ class Recipe(Section):
         if self.rollout.cpus or self.train.cpus:
             key = "rollout.cpus" if self.rollout.cpus else "train.cpus"
             raise FieldError(key, "core pinning is for the local launcher; with launcher=slurm use slurm.*.cpus_per_task")
+        if self.rollout.gpus or self.train.gpus:
+            key = "rollout.gpus" if self.rollout.gpus else "train.gpus"
+            raise FieldError(key, "GPU lists are for the local launcher; with launcher=slurm each task gets its own "
+                                  "GPUs of those Slurm allocates (slurm.*.gpus_per_node)")
+        per_server = self.rollout.sglang.tp_size if self.rollout.engine is RolloutEngine.SGLANG else 1
+        need = sl.rollout.servers_per_node * per_server
+        on_gpus = self.rollout.engine is RolloutEngine.SGLANG or self.rollout.device is Device.CUDA
+        if on_gpus and sl.rollout.gpus_per_node and need > sl.rollout.gpus_per_node:
+            raise FieldError("slurm.rollout.gpus_per_node", f"{sl.rollout.servers_per_node} servers per node x "
+                             f"{per_server} GPUs each need {need} GPUs per node, {sl.rollout.gpus_per_node} are asked; "
+                             "raise it or lower slurm.rollout.servers_per_node")
 
 
 def slurm_rollout_nodes(recipe: Recipe) -> int:
