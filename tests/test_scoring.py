@@ -69,7 +69,7 @@ def test_slow_verifier_does_not_stall_generation(start_server, tiny_model_dir, t
     def detokenize(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    url = start_server()
+    url = start_server(0, "--weight-version", "0")  # as if the run had sent its weights (version 0)
     pooled = PooledScorer(str(tiny_model_dir), reward, workers=4)
 
     async def when_ready() -> tuple[float, float]:
