@@ -9,6 +9,12 @@ it as is, so the keys below are stable:
     time     {name: [{median, ratio} per run]}                       step_time, rollout_time, ...
     curves   {label: [reward per step]}
     groups   (with group_by) {key, groups: [{value, runs, n, <metric>: {mean, lo, hi}}]}
+    unreadable  (only when a run cannot be read) [{id, path, why}]: left out of everything above
+
+A run whose run.json cannot be read is left out (and listed under `unreadable`); one whose
+recipe.yaml or metrics.jsonl is damaged stays in, with `problems` in its `runs` entry saying what
+was skipped. Lines of metrics.jsonl that are not JSON objects, steps that are not integers and
+values that are not finite numbers are skipped.
 
 Requeued or resumed runs can write a step twice: the last record of a step wins.
 """
@@ -16,6 +22,7 @@ Requeued or resumed runs can write a step twice: the last record of a step wins.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import statistics
@@ -23,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from rlctl.rundir import RunDir, read_jsonl
+from rlctl.rundir import RunDir, UnreadableRun
 
 QUALITY = ("reward_mean", "response_len_mean")
 NOT_CONFIG = ("run.output_dir",)  # where a run was written is not what it was
@@ -44,15 +51,27 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def metrics_by_step(rd: RunDir) -> list[dict[str, Any]]:
-    """metrics.jsonl with one record per step, the last written winning, in step order."""
+    """metrics.jsonl with one record per step, the last written winning, in step order (records
+    whose step is not an integer >= 0 are skipped). UnreadableRun if it cannot be read at all."""
     by_step: dict[int, dict[str, Any]] = {}
-    for m in read_jsonl(rd.metrics_path):
-        if "step" in m:
-            by_step[int(m["step"])] = m
+    for m in rd.metrics():
+        step = m.get("step")
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            by_step[step] = m
     return [by_step[k] for k in sorted(by_step)]
 
 
+def finite(value: Any) -> bool:
+    """A number that can be averaged and drawn: not a bool, a string, nan or inf."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _values(metrics: list[dict[str, Any]], name: str) -> list[float]:
+    return [m[name] for m in metrics if finite(m.get(name))]
+
+
 def sparkline(values: list[float], width: int = 16) -> str:
+    values = [v for v in values if finite(v)]
     if not values:
         return ""
     if len(values) > width:  # mean of equal slices
@@ -75,79 +94,120 @@ def _label(i: int) -> str:
     return chr(ord("A") + i) if i < 26 else f"R{i}"
 
 
-def load_run(rd: RunDir) -> dict[str, Any]:
-    info = rd.read()
+def _recipe_config(rd: RunDir) -> tuple[dict[str, Any] | None, str | None]:
+    """The run's resolved recipe flattened, or None and why it cannot be read. Parsed within
+    the bounds of a recipe (rlctl/recipe/bounded_yaml.py): a damaged recipe.yaml (an alias bomb,
+    50 MB, a FIFO) costs nothing."""
+    from rlctl.recipe.bounded_yaml import MAX_RECIPE_BYTES, YamlLimit, parse_bounded
+    from rlctl.runcheck import one_line
+    from rlctl.tail import describe_open_error, open_regular, read_capped
+
     try:
-        recipe = yaml.safe_load(rd.recipe_path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        recipe = {}
-    return {"rd": rd, "info": info, "config": flatten(recipe), "metrics": metrics_by_step(rd)}
+        with open_regular(rd.recipe_path) as f:
+            raw = read_capped(f, MAX_RECIPE_BYTES)
+        if raw is None:
+            return None, f"recipe.yaml is larger than {MAX_RECIPE_BYTES >> 20} MiB"
+        recipe = parse_bounded(raw.decode(), max_bytes=MAX_RECIPE_BYTES)
+    except OSError as e:
+        return None, describe_open_error("recipe.yaml", rd.recipe_path, e)
+    except (UnicodeDecodeError, YamlLimit, yaml.YAMLError) as e:
+        what = e.message if isinstance(e, YamlLimit) else one_line(str(e), 80)
+        return None, f"recipe.yaml is not a readable recipe ({what})"
+    if recipe is None or isinstance(recipe, dict):
+        return flatten(recipe or {}), None
+    return None, f"recipe.yaml holds {type(recipe).__name__}, not a mapping"
+
+
+def load_run(rd: RunDir) -> dict[str, Any]:
+    """run.json (UnreadableRun if it cannot be read), the recipe flattened and the metrics by
+    step; `problems` says what else could not be read (then config or metrics are empty)."""
+    info = rd.read()
+    config, why = _recipe_config(rd)
+    problems = [why] if why else []
+    try:
+        metrics = metrics_by_step(rd)
+    except UnreadableRun as e:
+        metrics, problems = [], [*problems, e.why]
+    return {"rd": rd, "info": info, "config": config, "metrics": metrics, "problems": problems}
 
 
 def comparison(runs: list[RunDir], last: int = 5, group_by: str | None = None) -> dict[str, Any]:
-    loaded = [load_run(rd) for rd in runs]
-    out: dict[str, Any] = {"runs": [], "config": {}, "metrics": {}, "time": {}, "curves": {}}
+    loaded, unreadable = [], []
+    for rd in runs:
+        try:
+            loaded.append(load_run(rd))
+        except UnreadableRun as e:
+            unreadable.append({"id": rd.id, "path": str(rd.path), "why": e.why})
+    if not loaded:
+        raise UnreadableRun(unreadable[0]["id"], unreadable[0]["why"])
+    out: dict[str, Any] = {"runs": [], "config": _config_diff(loaded), "metrics": {}, "time": {}, "curves": {}}
     for i, r in enumerate(loaded):
         info = r["info"]
         out["runs"].append({
             "label": _label(i), "id": info["id"], "state": info["state"], "exit_reason": info.get("exit_reason"),
             "launcher": info.get("launcher"), "mode": info.get("mode"), "code": info.get("code") or {},
-            "steps": len(r["metrics"]), "path": str(r["rd"].path),
+            "steps": len(r["metrics"]), "path": str(r["rd"].path), **({"problems": r["problems"]} if r["problems"] else {}),
         })
-        out["curves"][_label(i)] = [m.get("reward_mean") for m in r["metrics"]]
-
-    keys = sorted(set().union(*(r["config"] for r in loaded)) - set(NOT_CONFIG))
-    missing = object()
-    differ = {}
-    for k in keys:
-        values = [r["config"].get(k, missing) for r in loaded]
-        if any(v != values[0] for v in values[1:]):
-            differ[k] = [None if v is missing else v for v in values]
-    out["config"] = {"keys_total": len(keys), "keys_differ": len(differ), "differ": differ}
-
+        out["curves"][_label(i)] = [m["reward_mean"] if finite(m.get("reward_mean")) else None for m in r["metrics"]]
     for name in QUALITY:
-        rows = []
-        for r in loaded:
-            values = [m[name] for m in r["metrics"] if isinstance(m.get(name), (int, float))]
-            rows.append({"last_mean": statistics.fmean(values[-last:]) if values else None,
-                         "best": max(values) if values else None})
-        base = rows[0]["last_mean"]
-        for row in rows:
-            ok = row["last_mean"] is not None and base is not None
-            row["diff"] = row["last_mean"] - base if ok else None
-            row["pct"] = (row["last_mean"] / base - 1) * 100 if ok and base else None
-        out["metrics"][name] = rows
-
+        out["metrics"][name] = _quality_rows(loaded, name, last)
     for name in TIME:
-        rows = []
-        for r in loaded:
-            values = [m[name] for m in r["metrics"] if isinstance(m.get(name), (int, float))]
-            rows.append({"median": statistics.median(values) if values else None})
+        rows = [{"median": statistics.median(v) if (v := _values(r["metrics"], name)) else None} for r in loaded]
         base = rows[0]["median"]
         for row in rows:
             row["ratio"] = row["median"] / base if row["median"] is not None and base else None
         out["time"][name] = rows
-
     if group_by:
         out["groups"] = _groups(loaded, group_by, last)
+    if unreadable:
+        out["unreadable"] = unreadable
     return out
 
 
+def _config_diff(loaded: list[dict[str, Any]]) -> dict[str, Any]:
+    """The recipe keys whose values differ; a run whose recipe cannot be read counts as having
+    none of them (its values are None) and does not by itself make a key differ."""
+    readable = [r["config"] for r in loaded if r["config"] is not None]
+    keys = sorted(set().union(*readable) - set(NOT_CONFIG))
+    missing = object()
+    differ = {}
+    for k in keys:
+        values = [missing if r["config"] is None else r["config"].get(k, missing) for r in loaded]
+        known = [v for v, r in zip(values, loaded) if r["config"] is not None]
+        if any(v != known[0] for v in known[1:]):
+            differ[k] = [None if v is missing else v for v in values]
+    return {"keys_total": len(keys), "keys_differ": len(differ), "differ": differ}
+
+
+def _quality_rows(loaded: list[dict[str, Any]], name: str, last: int) -> list[dict[str, Any]]:
+    rows = []
+    for r in loaded:
+        values = _values(r["metrics"], name)
+        rows.append({"last_mean": statistics.fmean(values[-last:]) if values else None,
+                     "best": max(values) if values else None})
+    base = rows[0]["last_mean"]
+    for row in rows:
+        ok = row["last_mean"] is not None and base is not None
+        row["diff"] = row["last_mean"] - base if ok else None
+        row["pct"] = (row["last_mean"] / base - 1) * 100 if ok and base else None
+    return rows
+
+
 def _groups(loaded: list[dict[str, Any]], key: str, last: int) -> dict[str, Any]:
-    if not any(key in r["config"] for r in loaded):
+    if not any(key in (r["config"] or {}) for r in loaded):
         from rlctl.errors import UsageError
 
         raise UsageError(f"--group-by {key}: no run has that recipe key (keys look like pipeline.mode, run.seed)")
     order: dict[str, list[int]] = {}
     for i, r in enumerate(loaded):
-        order.setdefault(json.dumps(r["config"].get(key)), []).append(i)
+        order.setdefault(json.dumps((r["config"] or {}).get(key)), []).append(i)
     groups = []
     for value, members in order.items():
         g: dict[str, Any] = {"value": json.loads(value), "runs": [_label(i) for i in members], "n": len(members)}
         for name in ("reward_mean", "step_time", "rollout_to_train_end", "trainer_wait_ratio"):
             per_run = []
             for i in members:
-                values = [m[name] for m in loaded[i]["metrics"] if isinstance(m.get(name), (int, float))]
+                values = _values(loaded[i]["metrics"], name)
                 if values:
                     per_run.append(statistics.fmean(values[-last:]) if name == "reward_mean" else statistics.median(values))
             if not per_run:

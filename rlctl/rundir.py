@@ -27,6 +27,7 @@ import enum
 import fcntl
 import json
 import os
+import re
 import secrets
 import socket
 import time
@@ -36,7 +37,9 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Iterator
 
-from rlctl.errors import UsageError
+from rlctl.errors import RunError, UsageError
+from rlctl.runcheck import info_problem, one_line
+from rlctl.tail import describe_open_error, open_regular, read_capped, read_jsonl_counted
 
 SCHEMA_VERSION = 1
 
@@ -53,6 +56,9 @@ class RunState(enum.StrEnum):
     @property
     def finished(self) -> bool:
         return self in (RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED, RunState.DRY_RUN)
+
+
+_STATES = tuple(s.value for s in RunState)
 
 
 def now_iso() -> str:
@@ -136,19 +142,25 @@ class EventLog:
             self._size = 0
 
 
+class UnreadableRun(RunError):
+    """A run directory that cannot be read: run.json (or the file a command needs) is missing,
+    not a file, not JSON or not what a run.json holds. A command naming the run prints one line
+    and exits 1; `rlctl status` and `rlctl compare` show the run as `unreadable: why` and go on."""
+
+    def __init__(self, run_id: str, why: str) -> None:
+        self.run_id, self.why = run_id, why
+        super().__init__(f"{one_line(run_id, 120)}: unreadable: {why}")
+
+
+MAX_RUN_JSON = 16 << 20
+"""A run.json larger than this (16 MiB; a real one is a few KiB) is not read."""
+RUN_ID = re.compile(r"^[^/]+-\d{8}-\d{6}-[0-9a-f]{4}$")
+"""What new_run_id makes: `<name>-<date>-<time>-<suffix>`."""
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written right now
-                continue
-    return out
+    """The records of a JSONL file; lines that are not JSON objects are skipped (read_jsonl_counted)."""
+    return read_jsonl_counted(path)[0]
 
 
 def pid_alive(pid: int | None, expect_in_cmdline: str | None = None) -> bool:
@@ -205,9 +217,9 @@ class RunDir:
         if local.exists():
             return local
         if role == "job":
-            outs = sorted(self.logs.glob("slurm-*.out"), key=lambda p: p.stat().st_mtime)
+            outs = sorted(self.logs.glob("slurm-*.out"), key=_mtime)
             return outs[-1] if outs else local
-        attempts = sorted(self.logs.glob("attempt-*"), key=lambda p: int(p.name.rpartition("-")[2] or 0))
+        attempts = sorted((p for p in self.logs.glob("attempt-*") if p.name[8:].isdigit()), key=lambda p: int(p.name[8:]))
         return attempts[-1] / f"{role}.log" if attempts else local
 
     def log_files(self) -> dict[str, Path]:
@@ -222,10 +234,29 @@ class RunDir:
     # -- run.json ------------------------------------------------------------------------------
 
     def read(self) -> dict[str, Any]:
+        """run.json, checked (rlctl/runcheck.py): it holds the keys and types readers rely on.
+        Raises UnreadableRun saying why when it is missing, not a regular file (a directory, a
+        FIFO, a dangling symlink: refused at once, never waited on), larger than MAX_RUN_JSON,
+        not UTF-8 JSON, or not what a run.json holds."""
         try:
-            return json.loads(self.run_json.read_text())
-        except FileNotFoundError:
-            raise UsageError(f"{self.path}: not a run directory (no run.json)") from None
+            with open_regular(self.run_json) as f:
+                raw = read_capped(f, MAX_RUN_JSON)
+        except OSError as e:
+            raise UnreadableRun(self.id, describe_open_error("run.json", self.run_json, e)) from None
+        if raw is None:
+            raise UnreadableRun(self.id, f"run.json is larger than {MAX_RUN_JSON >> 20} MiB")
+        if not raw.strip():
+            raise UnreadableRun(self.id, "run.json is empty")
+        try:
+            data = json.loads(raw.decode())  # decoded first: json.loads would take bytes for UTF-16 too
+        except ValueError as e:  # not UTF-8, not JSON
+            raise UnreadableRun(self.id, f"run.json is not UTF-8 JSON ({one_line(str(e), 80)})") from None
+        except RecursionError:
+            raise UnreadableRun(self.id, "run.json is nested too deep to be a run.json") from None
+        problem = info_problem(data, _STATES)
+        if problem:
+            raise UnreadableRun(self.id, problem)
+        return data
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -267,22 +298,37 @@ class RunDir:
         """Append one event, stamped now on this process's RunClock and with this host's name."""
         append_jsonl(self.events_path, {"t": PROCESS_CLOCK.now(), "event": kind, "host": HOST, **fields})
 
+    def jsonl(self, path: Path) -> tuple[list[dict[str, Any]], int]:
+        """A JSONL file of the run: its records, and how many lines are not JSON objects (skipped).
+        Raises UnreadableRun when the file cannot be read at all (a FIFO, a directory)."""
+        try:
+            return read_jsonl_counted(path)
+        except OSError as e:
+            raise UnreadableRun(self.id, describe_open_error(path.name, path, e)) from None
+
     def events(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.events_path)
+        return self.jsonl(self.events_path)[0]
 
     def metrics(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.metrics_path)
+        return self.jsonl(self.metrics_path)[0]
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         append_jsonl(self.metrics_path, record)
 
 
-def create_run_dir(output_dir: Path, name: str, recipe_yaml: str, info: dict[str, Any]) -> RunDir:
-    """Make runs/<id>/ with recipe.yaml and run.json (state starting)."""
+def create_run_dir(output_dir: Path, name: str, recipe_yaml: str, info: dict[str, Any], *,
+                   shared_group: bool = False) -> RunDir:
+    """Make runs/<id>/ with recipe.yaml, run.json (state starting) and the run's token (0600).
+    The directory is its owner's alone (0700), or readable by its group too (0750,
+    `run.shared_group`): the token file stays 0600 either way."""
+    from rlctl.door import create_token
+
     output_dir.mkdir(parents=True, exist_ok=True)
     run_id = new_run_id(name)
     path = output_dir / run_id
-    path.mkdir()
+    path.mkdir(mode=0o700)
+    path.chmod(0o750 if shared_group else 0o700)  # exactly, whatever the umask
+    create_token(path)
     (path / "logs").mkdir()
     rd = RunDir(path)
     write_atomic(rd.recipe_path, recipe_yaml)
@@ -303,27 +349,48 @@ def create_run_dir(output_dir: Path, name: str, recipe_yaml: str, info: dict[str
     return rd
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # a dangling symlink
+        return 0.0
+
+
+def is_run_entry(path: Path) -> bool:
+    """A run directory, readable or not: an entry with a run.json (of any kind: a file, a
+    directory, a dangling symlink), or an entry named like a run id (a run.json gone missing, a
+    file where the directory should be). Hidden entries are not runs."""
+    if path.name.startswith("."):
+        return False
+    return os.path.lexists(path / "run.json") or (RUN_ID.fullmatch(path.name) is not None and os.path.lexists(path))
+
+
 def find_run(ref: str, output_dir: Path) -> RunDir:
-    """A run by directory path, full id, or unique id prefix / name (newest wins for a name)."""
+    """A run by directory path, full id, or unique id prefix / name (newest wins for a name).
+    The run found may still be unreadable: RunDir.read() says why."""
     as_path = Path(ref)
-    if (as_path / "run.json").is_file():
+    if os.path.lexists(as_path / "run.json"):
         return RunDir(as_path)
-    if (output_dir / ref / "run.json").is_file():
+    if ref and is_run_entry(output_dir / ref):
         return RunDir(output_dir / ref)
-    candidates = sorted(
-        (p for p in output_dir.glob(f"{ref}*") if (p / "run.json").is_file()), key=lambda p: p.name
-    )
+    try:
+        candidates = sorted((p for p in output_dir.glob(f"{ref}*") if is_run_entry(p)), key=lambda p: p.name)
+    except (OSError, ValueError):  # a pattern glob cannot take
+        candidates = []
     if not candidates:
-        raise UsageError(f"no run '{ref}' in {output_dir}; `rlctl status` lists the runs")
+        raise UsageError(f"no run '{one_line(ref)}' in {output_dir}; `rlctl status` lists the runs")
     named = [p for p in candidates if p.name.rsplit("-", 3)[0] == ref]
     if named:
         return RunDir(named[-1])
     if len(candidates) > 1:
-        raise UsageError(f"'{ref}' matches {len(candidates)} runs in {output_dir}; give more of the id")
+        raise UsageError(f"'{one_line(ref)}' matches {len(candidates)} runs in {output_dir}; give more of the id")
     return RunDir(candidates[0])
 
 
 def list_runs(output_dir: Path) -> list[RunDir]:
-    if not output_dir.is_dir():
+    """Every run directory in output_dir (is_run_entry), readable or not, by id."""
+    try:
+        entries = list(output_dir.iterdir())
+    except OSError:  # missing, or not a directory
         return []
-    return sorted((RunDir(p) for p in output_dir.iterdir() if (p / "run.json").is_file()), key=lambda r: r.id)
+    return sorted((RunDir(p) for p in entries if is_run_entry(p)), key=lambda r: r.id)

@@ -5,6 +5,10 @@ A run's state is what run.json says, unless run.json says it is still going whil
 supervisor is gone: then it is failed, with the supervisor's log to read. Slurm runs are joined
 with Slurm's own state first (one batched squeue for all of them, rlctl/launchers/slurm/), and
 the job's state goes beside the run's.
+
+One damaged run directory never stops the listing: a run whose run.json cannot be read is a row
+with state `unreadable` and `unreadable: why`; lines of events.jsonl or metrics.jsonl that are
+not JSON objects are skipped, and `problems` says so (`rlctl status RUN`).
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from rlctl.rundir import RunDir, RunState, find_run, list_runs, pid_alive
-from rlctl.tail import last_jsonl_record, last_jsonl_records
+from rlctl.checkpoint import list_checkpoints
+from rlctl.rundir import RunDir, RunState, UnreadableRun, find_run, list_runs, pid_alive
+from rlctl.runcheck import one_line
+from rlctl.tail import jsonl_tail
 
 STARTING_GRACE_S = 30.0
 """A local run with no supervisor pid yet is still starting for this long, then failed."""
@@ -25,7 +31,7 @@ def effective_state(rd: RunDir, info: dict[str, Any]) -> tuple[RunState, str | N
     state = RunState(info["state"])
     if state.finished or info.get("launcher") == "slurm":
         return state, info.get("exit_reason")  # a Slurm run was joined with Slurm's state before
-    supervisor = info.get("processes", {}).get("supervisor", {}).get("pid")
+    supervisor = (info.get("processes") or {}).get("supervisor", {}).get("pid")
     if supervisor is None:
         created = dt.datetime.fromisoformat(info["created"])
         age = (dt.datetime.now(dt.UTC) - created).total_seconds()
@@ -43,26 +49,52 @@ def _elapsed(info: dict[str, Any]) -> float:
     return (end - start).total_seconds()
 
 
+def _number(value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """One row of `rlctl status`. `info`: run.json, when the caller has read it already."""
     info = info if info is not None else rd.read()
     state, reason = effective_state(rd, info)
-    last = last_jsonl_record(rd.metrics_path)
-    return {
+    records, problems = jsonl_tail(rd.metrics_path, 1)
+    last = records[-1] if records else {}
+    step = last.get("step")
+    row = {
         "id": info["id"],
         "name": info["name"],
         "mode": info.get("mode"),
         "launcher": info.get("launcher"),
         "state": state.value,
-        "step": (last["step"] + 1) if last else 0,
+        "step": step + 1 if isinstance(step, int) and not isinstance(step, bool) else 0,
         "steps_total": info.get("steps_total"),
-        "reward": last["reward_mean"] if last else None,
+        "reward": _number(last.get("reward_mean")),
         "elapsed_s": _elapsed(info),
         "created": info["created"],
         "exit_reason": reason,
         "path": str(rd.path),
         "slurm": _slurm_summary(info),
     }
+    return {**row, "problems": problems} if problems else row
+
+
+def unreadable_row(rd: RunDir, why: str) -> dict[str, Any]:
+    """The row of a run that cannot be read: the keys of a summary, empty, and why."""
+    return {"id": one_line(rd.id, 120), "name": None, "mode": None, "launcher": None, "state": "unreadable",
+            "step": None, "steps_total": None, "reward": None, "elapsed_s": None, "created": None,
+            "exit_reason": None, "path": str(rd.path), "slurm": None, "unreadable": why}
+
+
+def safe_summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """summary(), or the unreadable row when the run cannot be read. The checks of run.json
+    (rlctl/runcheck.py) cover what summary reads; a value they let through and a reader still
+    trips on marks the run too, so that one run never stops the listing of the others."""
+    try:
+        return summary(rd, info)
+    except UnreadableRun as e:
+        return unreadable_row(rd, e.why)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        return unreadable_row(rd, f"run.json: {e.__class__.__name__}: {one_line(str(e), 80)}")
 
 
 def _slurm_summary(info: dict[str, Any]) -> dict[str, Any] | None:
@@ -72,27 +104,47 @@ def _slurm_summary(info: dict[str, Any]) -> dict[str, Any] | None:
     from rlctl.launchers.slurm import JobInfo
 
     last = sl.get("last")
-    return {"job_id": sl["job_id"], **(last or {}),
-            "describe": JobInfo(**last).describe() if last else "submitted, not yet seen by squeue"}
+    try:
+        describe = JobInfo(**last).describe() if last else "submitted, not yet seen by squeue"
+    except TypeError as e:  # slurm.last with keys a JobInfo does not have
+        describe = f"slurm.last unreadable ({one_line(str(e), 80)})"
+    return {"job_id": sl["job_id"], **(last or {}), "describe": describe}
 
 
 def detail(rd: RunDir) -> dict[str, Any]:
-    """`rlctl status RUN`: the summary, every process, the last events and metrics, the logs."""
+    """`rlctl status RUN`: the summary, every process, the last events and metrics, the logs, and
+    `problems`: what is damaged in the run directory besides run.json (lines skipped, a file
+    that is not a file). Raises UnreadableRun when run.json cannot be read."""
     info = rd.read()
-    out = summary(rd)
+    out = summary(rd, info)
+    problems = out.pop("problems", [])
     procs = []
-    for role, p in info.get("processes", {}).items():
+    for role, p in (info.get("processes") or {}).items():
         procs.append({"role": role, "pid": p.get("pid"), "host": p.get("host"), "port": p.get("port"),
                       # a Slurm run's processes live on other nodes: no pid to check from here
                       "alive": None if info.get("launcher") == "slurm" else
                       pid_alive(p.get("pid"), expect_in_cmdline=rd.id) if p.get("pid") else False,
                       "log": p.get("log", str(rd.log_path(role)))})
     out["processes"] = procs
-    out["last_events"] = last_jsonl_records(rd.events_path, 10)  # not the whole log: it can be GBs
-    out["last_metrics"] = last_jsonl_record(rd.metrics_path)
+    out["last_events"], events_problems = jsonl_tail(rd.events_path, 10)  # not the whole log: it can be GBs
+    out["last_metrics"] = (jsonl_tail(rd.metrics_path, 1)[0] or [None])[-1]
     out["wandb"] = (info.get("tracking") or {}).get("wandb")
     out["logs"] = [str(p) for p in rd.log_files().values()]
+    out["checkpoints"] = [c.describe() for c in list_checkpoints(rd.path)]  # rlctl/checkpoint.py
+    out["attempts"] = len(info.get("attempts") or []) or 1
+    out["problems"] = problems + events_problems + _recipe_problems(rd)
     return out
+
+
+def _recipe_problems(rd: RunDir) -> list[str]:
+    """recipe.yaml missing or not a file (its content is read by `rlctl compare`, not here)."""
+    from rlctl.tail import describe_open_error, open_regular
+
+    try:
+        with open_regular(rd.recipe_path):
+            return []
+    except OSError as e:
+        return [describe_open_error("recipe.yaml", rd.recipe_path, e)]
 
 
 def _refresh_slurm(runs: list[RunDir], infos: dict[str, dict[str, Any]] | None = None) -> None:
@@ -111,8 +163,15 @@ def run_detail(ref: str, runs_dir: Path) -> dict[str, Any]:
 def summaries(runs_dir: Path) -> list[dict[str, Any]]:
     """Every run in runs_dir, one row each, joined with Slurm's state first (one query for all)."""
     runs = list_runs(runs_dir)
-    infos = {rd.id: rd.read() for rd in runs}
-    _refresh_slurm(runs, infos)
+    infos: dict[str, dict[str, Any]] = {}
+    unreadable: dict[str, str] = {}
+    for rd in runs:
+        try:
+            infos[rd.id] = rd.read()
+        except UnreadableRun as e:
+            unreadable[rd.id] = e.why
+    _refresh_slurm([rd for rd in runs if rd.id in infos], infos)
     # A run Slurm was asked about may have just been updated: read those again, no others.
-    stale = {rd.id for rd in runs if infos[rd.id].get("launcher") == "slurm"}
-    return [summary(rd, None if rd.id in stale else infos[rd.id]) for rd in runs]
+    stale = {rid for rid, info in infos.items() if info.get("launcher") == "slurm"}
+    return [unreadable_row(rd, unreadable[rd.id]) if rd.id in unreadable else
+            safe_summary(rd, None if rd.id in stale else infos[rd.id]) for rd in runs]

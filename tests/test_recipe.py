@@ -176,3 +176,72 @@ def test_a_cluster_recipes_paths_are_looked_for_on_the_cluster_not_here():
     with pytest.raises(RecipeError) as info:
         load_recipe(QUICKSTART, cluster)
     assert info.value.key == "model.path" and "no config.json" in info.value.message
+
+
+def _alias_bomb(flow: bool) -> str:
+    """A billion laughs: nine levels of nine aliases each, 10^9 values once expanded."""
+    levels = ["&a [x, x, x, x, x, x, x, x, x]"] + [
+        f"&{c} [{', '.join(['*' + p] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+    if flow:
+        return "[" + ", ".join(levels) + "]"
+    return "".join(f"l{i}: {level}\n" for i, level in enumerate(levels))
+
+
+HOSTILE = {
+    # case: (recipe text after the model section, overrides, what the one line says)
+    "alias-bomb-in-recipe": (_alias_bomb(flow=False), [], "aliases expand it to more than 10,000 values"),
+    "alias-bomb-in-override": ("", [f"rollout.sglang.extra_args={_alias_bomb(flow=True)}"],
+                               "rollout.sglang.extra_args: the value: aliases expand it"),
+    "recursive-alias": ("run: &r {name: x, again: *r}\n", [], "recursive structure"),
+    "10k-deep-recipe": ("run: " + "[" * 10_000 + "]" * 10_000 + "\n", [], "nested more than 32 levels deep"),
+    "10k-deep-override": ("", ["rollout.cpus=" + "[" * 10_000 + "]" * 10_000], "nested more than 32 levels deep"),
+    "50mb-value": ("run:\n  name: " + "x" * (50 << 20) + "\n", [], "<file>: larger than 1 MiB"),
+    "100kb-override": ("", ["run.name=" + "x" * (100 << 10)], "run.name: the value: 100 KiB, more than the 64 KiB"),
+    "huge-int": ("", ["run.steps=" + "9" * 5000], "run.steps: the value: a value cannot be read"),
+    "lr-inf": ("", ["train.lr=inf"], "train.lr: must be a finite number, got inf"),
+    "lr-nan": ("", ["train.lr=nan"], "train.lr: must be a finite number, got nan"),
+    "lr-inf-in-yaml": ("train:\n  lr: .inf\n", [], "train.lr: must be a finite number, got inf"),
+    "temperature-nan": ("", ["rollout.sampling.temperature=nan"], "rollout.sampling.temperature: must be a finite"),
+    "batch-1e12": ("", ["rollout.batch_size=1e12"], "rollout.batch_size:"),
+    "batch-10^12": ("", ["rollout.batch_size=1000000000000"], "rollout.batch_size: must be <= 65,536"),
+    "servers-100000": ("", ["rollout.servers=100000"], "rollout.servers: must be <= 1,024, got 100,000"),
+    "ranks-10^6": ("", ["train.ranks=1000000"], "train.ranks: must be <= 16,384"),
+    "steps-10^9": ("", ["run.steps=1000000000"], "run.steps: must be <= 10,000,000"),
+    "bucket-1e9-mb": ("", ["train.sync_bucket_mb=1e9"], "train.sync_bucket_mb: must be <= 16,384"),
+    "max-new-tokens-10^9": ("", ["rollout.sampling.max_new_tokens=1000000000"], "max_new_tokens: must be <= 1,048,576"),
+    "name-with-newline": ('run:\n  name: "a\\nb"\n', [], r"run.name: 'a\nb' is not a usable name"),
+    "name-ending-in-newline": ('run:\n  name: "abc\\n"\n', [], r"run.name: 'abc\n' is not a usable name"),
+    "name-with-quote": ("", ["run.name=it's"], "run.name: 'it's' is not a usable name"),
+    "name-with-space": ("", ["run.name=my run"], "is not a usable name"),
+    "name-as-option": ("", ["run.name=-x"], "is not a usable name"),
+    "long-name": ("", ["run.name=" + "n" * 500], "run.name: 'nnnnn"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_recipes_one_short_line_exit_2_at_once(case, tmp_path):
+    """Nothing a recipe or an override holds keeps the CLI busy or floods the terminal: one line
+    under 300 characters, exit 2, well within 2 s (asserted loosely, for a loaded machine)."""
+    import time
+
+    text, overrides, words = HOSTILE[case]
+    recipe = tmp_path / f"{case}.yaml"
+    recipe.write_text("model:\n  init: {}\n" + text)
+    out_dir = tmp_path / "runs-here"
+    start = time.monotonic()
+    res = rlctl("launch", str(recipe), f"run.output_dir={out_dir}", *overrides, cwd=tmp_path, timeout=120)
+    took = time.monotonic() - start
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) < 300, res.stderr[-2000:]
+    assert words in lines[0], lines[0]
+    assert took < 10, f"{took:.1f} s"
+    assert not out_dir.exists()
+
+
+def test_aliases_within_bounds_still_load(tmp_path):
+    """Anchors and aliases are plain YAML: a recipe that shares a block loads as before."""
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text("model:\n  init: {}\nrollout:\n  gpus: &g [0, 1]\ntrain:\n  gpus: *g\n  lr: 1e-3\n")
+    r = load_recipe(recipe, ["rollout.cpus=[0]", "train.lr=2e-4"])
+    assert r.rollout.gpus == r.train.gpus == [0, 1] and r.rollout.cpus == [0] and r.train.lr == 2e-4

@@ -101,3 +101,24 @@ def test_ctrl_c_in_launch_cancels_the_run(tmp_path):
     assert proc.wait(timeout=30) == 130
     assert rd.read()["state"] == "cancelled"
     assert processes_mentioning(rd.id) == []
+
+
+def test_one_unreadable_run_is_a_row_not_a_crash(tmp_path):
+    from rlctl.status import summaries
+
+    fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 100, [0.2, 0.7])
+    bad = fake_run(tmp_path, "broken-20260101-000001-bbbb", "completed", 100, [])
+    bad.run_json.write_bytes(b'{"id": "broken", "state": ')  # cut off mid-write
+    damaged = fake_run(tmp_path, "damaged-20260101-000002-cccc", "completed", 100, [0.5])
+    with damaged.metrics_path.open("ab") as f:
+        f.write(b"\xff\xfe not json\n")
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_table(summaries(tmp_path)), soft_wrap=True)
+    assert console.export_text() == (
+        "RUN                             MODE LAUNCHER STATE       STEP REWARD ELAPSED\n"
+        "broken-20260101-000001-bbbb     -    -        unreadable     -      -       -  "
+        "unreadable: run.json is not UTF-8 JSON (Expecting value: line 1 column 27 (char 26))\n"
+        "damaged-20260101-000002-cccc    sync local    completed  1/100  0.500    1:05  "
+        "damaged: metrics.jsonl: 1 line is not a JSON object\n"
+        "quickstart-20260101-000000-aaaa sync local    completed  2/100  0.700    1:05\n"
+    )

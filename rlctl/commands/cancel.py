@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from rlctl.errors import RunError
-from rlctl.rundir import RunDir, RunState, find_run, pid_alive
+from rlctl.rundir import RunDir, RunState, UnreadableRun, find_run, pid_alive
 
 WAIT_S = 30.0
 
@@ -21,14 +21,17 @@ def cancel(
 ) -> None:
     """Cancel a run: its supervisor (or Slurm: scancel) ends every process; waits until they are gone."""
     rd = find_run(run, runs_dir)
-    info = rd.read()
+    try:
+        info = rd.read()
+    except UnreadableRun as e:
+        raise UnreadableRun(e.run_id, f"{e.why}; not cancelled: which processes are the run's is not known") from None
     if RunState(info["state"]).finished:
         print(f"{rd.id} already {info['state']}")
         return
     if info.get("launcher") == "slurm":
         _cancel_slurm(rd, info)
         return
-    procs = info.get("processes", {})
+    procs = info.get("processes") or {}
     supervisor = procs.get("supervisor", {}).get("pid")
     if supervisor and pid_alive(supervisor, expect_in_cmdline=rd.id):
         os.kill(supervisor, signal.SIGTERM)

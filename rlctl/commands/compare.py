@@ -40,7 +40,17 @@ def _table(title: str, **options: Any) -> Table:
     return Table(box=None, pad_edge=False, title=title, title_justify="left", title_style="bold", **options)
 
 
-def _runs_table(runs: list[dict[str, Any]]) -> Table:
+def _cells(*values: Any) -> list[Text]:
+    """Table cells as Text: what a run directory says is shown as it is (control characters
+    escaped), never read as markup."""
+    from rich.text import Text
+
+    from rlctl.runcheck import one_line
+
+    return [Text(one_line(str(v), 2000)) for v in values]
+
+
+def _runs_table(runs: list[dict[str, Any]], unreadable: list[dict[str, Any]] = ()) -> Table:
     t = _table("runs", show_header=False)
     t.add_column("")
     t.add_column("", no_wrap=True)  # a run id stays whole: it is what the user copies
@@ -48,7 +58,11 @@ def _runs_table(runs: list[dict[str, Any]]) -> Table:
     t.add_column("", no_wrap=True)
     for r in runs:
         code = r["code"].get("commit", "")[:8] + ("+dirty" if r["code"].get("dirty") else "") if r["code"] else "-"
-        t.add_row(r["label"], r["id"], f"{r['state']} {r['mode']}/{r['launcher']} {r['steps']} steps", code or "-")
+        t.add_row(*_cells(r["label"], r["id"], f"{r['state']} {r['mode']}/{r['launcher']} {r['steps']} steps", code or "-"))
+        for problem in r.get("problems", []):
+            t.add_row(*_cells("", "", f"damaged: {problem}", ""))
+    for r in unreadable:  # left out of the comparison
+        t.add_row(*_cells("-", r["id"], f"unreadable: {r['why']}", ""))
     return t
 
 
@@ -58,8 +72,8 @@ def _config_table(config: dict[str, Any], labels: list[str]) -> Table:
     for label in labels:
         t.add_column(label, overflow="fold")
     for key, values in config["differ"].items():
-        t.add_row(key, *("(absent)" if v is None else json.dumps(v) if isinstance(v, (list, dict)) else str(v)
-                         for v in values))
+        t.add_row(*_cells(key, *("(absent)" if v is None else json.dumps(v) if isinstance(v, (list, dict)) else v
+                                 for v in values)))
     return t
 
 
@@ -126,17 +140,19 @@ def render(comp: dict[str, Any]) -> Group:
     from rich.text import Text
 
     labels = [r["label"] for r in comp["runs"]]
-    parts: list[Any] = [_runs_table(comp["runs"]), _config_table(comp["config"], labels),
+    parts: list[Any] = [_runs_table(comp["runs"], comp.get("unreadable", [])), _config_table(comp["config"], labels),
                         _learning_table(comp, labels), _time_table(comp["time"], labels)]
     if "groups" in comp:
         parts += _groups_parts(comp["groups"])
     parts += [Text(f"{r['label']} failed: {r['exit_reason']}", style="red") for r in comp["runs"] if r["state"] == "failed"]
+    parts += [Text(f"left out, unreadable: {r['id']}: {r['why']}", style="red") for r in comp.get("unreadable", [])]
     return Group(*parts)
 
 
-def plot(comp: dict[str, Any], runs: list[RunDir], path: Path) -> None:
+def plot(comp: dict[str, Any], path: Path) -> None:
     """--plot: reward against step and against the time the steps took, the step-time parts, and
-    the trainer's waiting ratio, one line or bar per run."""
+    the trainer's waiting ratio, one line or bar per run (the runs of the comparison: those that
+    could be read)."""
     try:
         import matplotlib
 
@@ -144,18 +160,19 @@ def plot(comp: dict[str, Any], runs: list[RunDir], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
-    from rlctl.compare import metrics_by_step
+    from rlctl.compare import finite, metrics_by_step
 
     labels = [r["label"] for r in comp["runs"]]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    for label, rd in zip(labels, runs):
-        ms = metrics_by_step(rd)
+    for label, run in zip(labels, comp["runs"]):
+        ms = [m for m in metrics_by_step(RunDir(Path(run["path"]))) if finite(m.get("reward_mean"))]
         steps = [m["step"] for m in ms]
         rewards = [m["reward_mean"] for m in ms]
-        wall = list(accumulate(m.get("step_time", 0.0) for m in ms))
+        wall = list(accumulate(m["step_time"] if finite(m.get("step_time")) else 0.0 for m in ms))
         axes[0][0].plot(steps, rewards, label=label)
         axes[0][1].plot(wall, rewards, label=label)
-        axes[1][1].plot(steps, [m.get("trainer_wait_ratio", 0.0) for m in ms], label=label)
+        axes[1][1].plot(steps, [m["trainer_wait_ratio"] if finite(m.get("trainer_wait_ratio")) else 0.0 for m in ms],
+                        label=label)
     axes[0][0].set(title="reward vs step", xlabel="step", ylabel="mean reward")
     axes[0][1].set(title="reward vs wall time", xlabel="seconds of steps", ylabel="mean reward")
     axes[1][1].set(title="trainer waiting ratio", xlabel="step", ylabel="waiting / rollout-to-train-end")
@@ -200,6 +217,12 @@ def compare(
     else:
         Console().print(render(comp))
     if plot_file:
-        plot(comp, dirs, plot_file)
+        plot(comp, plot_file)
     if hits:
         raise RunError(f"--fail-if {fail_if!r} holds: " + "; ".join(hits))
+    if comp.get("unreadable"):  # shown above, left out of the comparison: not a clean result
+        from rlctl.runcheck import one_line
+
+        first, *more = comp["unreadable"]
+        raise RunError(f"{one_line(first['id'], 120)}: unreadable: {first['why']} (left out of the comparison"
+                       + (f"; {len(more)} more unreadable runs)" if more else ")"))

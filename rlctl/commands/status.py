@@ -22,20 +22,27 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-STATE_STYLE = {"running": "cyan", "starting": "cyan", "completed": "green", "failed": "red", "cancelled": "yellow"}
+STATE_STYLE = {"running": "cyan", "starting": "cyan", "completed": "green", "failed": "red", "cancelled": "yellow",
+               "unreadable": "red"}
 
 
 def render_table(rows: list[dict[str, Any]]) -> Text:
     """Aligned columns as one Text: far cheaper than a rich Table for hundreds of runs."""
     from rich.text import Text
 
+    from rlctl.runcheck import one_line
+
     header: tuple[str, ...] = ("RUN", "MODE", "LAUNCHER", "STATE", "STEP", "REWARD", "ELAPSED")
     right = {4, 5, 6}
     cells = [
-        (r["id"], r["mode"] or "-", r["launcher"] or "-", r["state"], f"{r['step']}/{r['steps_total']}",
+        (one_line(r["id"], 120), "-", "-", r["state"], "-", "-", "-") if r.get("unreadable") else
+        (one_line(r["id"], 120), r["mode"] or "-", r["launcher"] or "-", r["state"], f"{r['step']}/{r['steps_total']}",
          "-" if r["reward"] is None else f"{r['reward']:.3f}", _fmt_duration(r["elapsed_s"]))
         for r in rows
     ]
+    # Why a run cannot be read, or what is damaged in it: after the row, outside the columns.
+    notes = [f"  unreadable: {r['unreadable']}" if r.get("unreadable") else
+             f"  damaged: {'; '.join(r['problems'])}" if r.get("problems") else "" for r in rows]
     if any(r.get("slurm") for r in rows):
         header += ("SLURM JOB",)  # the state word only; `rlctl status RUN` says more
         cells = [(*c, f"{r['slurm']['job_id']} {r['slurm'].get('state', 'SUBMITTED')}" if r.get("slurm") else "-")
@@ -53,9 +60,10 @@ def render_table(rows: list[dict[str, Any]]) -> Text:
 
     text = line(header)
     text.stylize("bold")
-    for row in cells:
+    for row, note in zip(cells, notes):
         text.append("\n")
         text.append_text(line(row, STATE_STYLE.get(row[3], "")))
+        text.append(note, style="red")
     return text
 
 
@@ -68,15 +76,38 @@ def _event_line(e: dict[str, Any]) -> str:
     return f"  {when} {e.get('event')} {extra}"
 
 
+def _metrics_lines(m: dict[str, Any]) -> list[str]:
+    """The last step's numbers, when they are all there; else the record as it is, cut."""
+    from rlctl.runcheck import one_line
+
+    def nums(*keys: str) -> bool:
+        return all(isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool) for k in keys)
+
+    if not nums("step", "reward_mean", "step_time", "rollout_time", "train_time", "sync_time", "trainer_wait_ratio"):
+        return [f"last metrics record: {one_line(json.dumps(m, default=str), 160)}"]
+    out = [f"last step {m['step']}: reward {m['reward_mean']:.3f}, step {m['step_time']:.2f} s "
+           f"(rollout {m['rollout_time']:.2f}, train {m['train_time']:.2f}, sync {m['sync_time']:.2f}), "
+           f"trainer waiting {m['trainer_wait_ratio']:.0%}"]
+    if nums("critical_path_bound", "rollout_to_train_end", "efficiency", "tokens_per_s"):
+        idle = m["rollout_idle_ratio"] if nums("rollout_idle_ratio") else 0.0
+        out.append(f"rollout-to-train-end {m['rollout_to_train_end']:.2f} s, efficiency {m['efficiency']:.2f} of the "
+                   f"critical-path bound, servers idle {idle:.0%}, "
+                   f"{m['tokens_per_s']:.0f} tokens/s, staleness max {m.get('staleness_max', 0)}")
+    return out
+
+
 def render_detail(d: dict[str, Any]) -> Group:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    head = Text.from_markup(
-        f"[bold]{d['id']}[/]  {d['mode']} / {d['launcher']}  [{STATE_STYLE.get(d['state'], '')}]{d['state']}[/]"
-        f"  step {d['step']}/{d['steps_total']}  elapsed {_fmt_duration(d['elapsed_s'])}\n{d['path']}"
-    )
+    from rlctl.runcheck import one_line
+
+    head = Text()  # built from parts, never markup: ids and paths are the run directory's, not ours
+    head.append(one_line(d["id"], 120), style="bold")
+    head.append(f"  {d['mode']} / {d['launcher']}  ")
+    head.append(d["state"], style=STATE_STYLE.get(d["state"], ""))
+    head.append(f"  step {d['step']}/{d['steps_total']}  elapsed {_fmt_duration(d['elapsed_s'])}\n{d['path']}")
     parts: list[Any] = [head]
     if d.get("slurm"):
         parts.append(Text(f"slurm job {d['slurm']['job_id']}: {d['slurm']['describe']}"))
@@ -84,26 +115,25 @@ def render_detail(d: dict[str, Any]) -> Group:
         parts.append(Text(f"reason: {d['exit_reason']}"))
     wb = d.get("wandb")
     if wb:
-        parts.append(Text(f"wandb ({wb['mode']}): run {wb['id']} " + (wb["url"] or f"in {wb['dir']}")))
-    m = d["last_metrics"]
-    if m:
-        parts.append(Text(
-            f"last step {m['step']}: reward {m['reward_mean']:.3f}, step {m['step_time']:.2f} s "
-            f"(rollout {m['rollout_time']:.2f}, train {m['train_time']:.2f}, sync {m['sync_time']:.2f}), "
-            f"trainer waiting {m['trainer_wait_ratio']:.0%}"))
-        if "critical_path_bound" in m:
-            parts.append(Text(
-                f"rollout-to-train-end {m['rollout_to_train_end']:.2f} s, efficiency {m['efficiency']:.2f} of the "
-                f"critical-path bound, servers idle {m.get('rollout_idle_ratio', 0.0):.0%}, "
-                f"{m['tokens_per_s']:.0f} tokens/s, staleness max {m.get('staleness_max', 0)}"))
+        where = wb.get("url") or f"in {wb.get('dir')}"
+        parts.append(Text(f"wandb ({wb.get('mode')}): run {wb.get('id')} {where}"))
+    parts.extend(Text(f"damaged: {p}", style="red") for p in d.get("problems", []))
+    if d["last_metrics"]:
+        parts.extend(Text(line) for line in _metrics_lines(d["last_metrics"]))
     procs = Table("ROLE", "PID", "HOST", "PORT", "ALIVE", "LOG", box=None, pad_edge=False, title_justify="left")
     for p in d["processes"]:
-        procs.add_row(p["role"], str(p["pid"] or "-"), p["host"] or "-", str(p["port"] or "-"),
-                      "-" if p["alive"] is None else "yes" if p["alive"] else "no", p["log"])
+        cells = (one_line(str(p["role"]), 60), str(p["pid"] or "-"), one_line(str(p["host"] or "-"), 60),
+                 str(p["port"] or "-"), "-" if p["alive"] is None else "yes" if p["alive"] else "no",
+                 one_line(str(p["log"]), 200))
+        procs.add_row(*(Text(c) for c in cells))  # Text: no markup is read in what run.json says
     parts.append(procs)
+    if d.get("checkpoints"):  # rlctl/checkpoint.py: step, size, when it was completed
+        parts.append(Text(f"checkpoints/ (attempt {d.get('attempts', 1)} of the run):"))
+        parts.extend(Text(f"  step {c['step']:>6}  {c['bytes'] / 2**20:9.1f} MiB  {c['time']}  {Path(c['path']).name}")
+                     for c in d["checkpoints"])
     if d["last_events"]:
         parts.append(Text("last events:"))
-        parts.extend(Text(_event_line(e)) for e in d["last_events"])
+        parts.extend(Text(one_line(_event_line(e), 300)) for e in d["last_events"])
     return Group(*parts)
 
 

@@ -1,10 +1,16 @@
-"""The run's timeline as Chrome trace JSON (opens in Perfetto / chrome://tracing)."""
+"""The run's timeline as Chrome trace JSON (opens in Perfetto / chrome://tracing).
+
+A damaged events.jsonl still gives a trace: events without a finite time `t` or a string
+`event`, and events whose fields have the wrong shape, are left out and counted
+(`otherData.skipped_events` in the trace, said by `rlctl trace`).
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from rlctl.metrics.spans import SpanKind, SpanPairer
+from rlctl.metrics.spans import Span, SpanKind, SpanPairer
 
 _INSTANTS = ("group_dropped", "server_up", "server_down")
 
@@ -19,44 +25,68 @@ def run_start_time(events: list[dict[str, Any]]) -> float:
     return min((e["t"] for e in events), default=0.0)
 
 
+def usable(event: Any) -> bool:
+    """An event the trace can place: an object with a finite number `t` and a string `event`."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return False
+    t = event.get("t")
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+
+
+def _servers(e: dict[str, Any]) -> list[str]:
+    servers = e.get("servers")
+    return [s for s in servers if isinstance(s, str)] if isinstance(servers, list) else []
+
+
 def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[str, Any]:
     """One track per rollout server (each sample's request), one per trainer rank (train batches,
     weight syncs), and one for the controller (steps). Time 0 is the run's start; instants from
-    before it (servers coming up, a Slurm submission) are left out, so the trace opens on the run."""
-    t0 = run_start_time(events)
-    out: list[dict[str, Any]] = []
-
-    def us(t: float) -> float:
-        return round((t - t0) * 1e6, 1)
-
-    def span(name: str, pid: int, tid: int, start: float, end: float, **args: Any) -> None:
-        out.append({"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": us(start),
-                    "dur": max(0.0, round((end - start) * 1e6, 1)), "args": args})
-
-    servers = sorted({s for e in events if e["event"] == "group_completed" for s in e.get("servers", [])})
+    before it (servers coming up, a Slurm submission) are left out, so the trace opens on the run.
+    Events it cannot place are left out and counted in `otherData.skipped_events`."""
+    placed = [e for e in events if usable(e)]
+    skipped = len(events) - len(placed)
+    t0 = run_start_time(placed)
+    servers = sorted({s for e in placed if e["event"] == "group_completed" for s in _servers(e)})
     tid_of = {s: i for i, s in enumerate(servers)}
-    out += _track_names(tid_of, trainer_ranks)
+    out = _track_names(tid_of, trainer_ranks)
     pairer = SpanPairer()
-    for e in sorted(events, key=lambda e: e["t"]):
-        kind = e["event"]
-        closed = pairer.observe(e)
-        if kind == "group_completed":
-            for i, (server, a, b) in enumerate(zip(e.get("servers", []), e.get("starts", []), e.get("ends", []))):
-                span(f"g{e['group']}", 1, tid_of[server], a, b, group=e["group"], sample=i, step=e["step"],
-                     tokens=e["lengths"][i], reward=e["rewards"][i], version=e["versions"][i])
-        elif closed is not None and closed.kind is SpanKind.STEP:
-            span(f"step {e['step']}", 3, 0, closed.start["t"], e["t"], step=e["step"], version=e.get("version"))
-        elif closed is not None:
-            label = {SpanKind.TRAIN: f"train batch {e.get('batch')}",
-                     SpanKind.ACCUMULATE: f"accumulate batch {e.get('batch')}",
-                     SpanKind.SYNC: f"weight sync v{e.get('version', '?')}"}[closed.kind]
-            for rank in range(trainer_ranks):
-                span(label, 2, rank, closed.start["t"], e["t"], step=e["step"], version=e.get("version"))
-        elif kind in _INSTANTS and e["t"] >= t0:
-            out.append({"name": kind, "ph": "i", "s": "p", "pid": 3 if kind == "group_dropped" else 1,
-                        "tid": tid_of.get(e.get("role"), 0), "ts": us(e["t"]),
-                        "args": {k: v for k, v in e.items() if k not in ("t", "event")}})
-    return {"traceEvents": out, "displayTimeUnit": "ms"}
+    for e in sorted(placed, key=lambda e: e["t"]):
+        try:
+            out += _entries(e, pairer.observe(e), t0, tid_of, trainer_ranks)
+        except (KeyError, IndexError, TypeError, ValueError):  # fields of the wrong shape
+            skipped += 1
+    trace: dict[str, Any] = {"traceEvents": out, "displayTimeUnit": "ms"}
+    if skipped:
+        trace["otherData"] = {"skipped_events": skipped}
+    return trace
+
+
+def _span(name: str, pid: int, tid: int, t0: float, start: float, end: float, **args: Any) -> dict[str, Any]:
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": round((start - t0) * 1e6, 1),
+            "dur": max(0.0, round((end - start) * 1e6, 1)), "args": args}
+
+
+def _entries(e: dict[str, Any], closed: Span | None, t0: float, tid_of: dict[str, int],
+             trainer_ranks: int) -> list[dict[str, Any]]:
+    """The trace entries of one event (none for most)."""
+    kind = e["event"]
+    if kind == "group_completed":
+        return [_span(f"g{e['group']}", 1, tid_of[server], t0, float(a), float(b), group=e["group"], sample=i,
+                      step=e["step"], tokens=e["lengths"][i], reward=e["rewards"][i], version=e["versions"][i])
+                for i, (server, a, b) in enumerate(zip(e.get("servers", []), e.get("starts", []), e.get("ends", [])))]
+    if closed is not None and closed.kind is SpanKind.STEP:
+        return [_span(f"step {e['step']}", 3, 0, t0, closed.start["t"], e["t"], step=e["step"], version=e.get("version"))]
+    if closed is not None:
+        label = {SpanKind.TRAIN: f"train batch {e.get('batch')}",
+                 SpanKind.ACCUMULATE: f"accumulate batch {e.get('batch')}",
+                 SpanKind.SYNC: f"weight sync v{e.get('version', '?')}"}[closed.kind]
+        return [_span(label, 2, rank, t0, closed.start["t"], e["t"], step=e["step"], version=e.get("version"))
+                for rank in range(trainer_ranks)]
+    if kind in _INSTANTS and e["t"] >= t0:
+        return [{"name": kind, "ph": "i", "s": "p", "pid": 3 if kind == "group_dropped" else 1,
+                 "tid": tid_of.get(e.get("role"), 0), "ts": round((e["t"] - t0) * 1e6, 1),
+                 "args": {k: v for k, v in e.items() if k not in ("t", "event")}}]
+    return []
 
 
 def _track_names(tid_of: dict[str, int], trainer_ranks: int) -> list[dict[str, Any]]:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
+import re
 import typing
+from dataclasses import fields
 
 
 class FieldError(ValueError):
@@ -50,6 +53,50 @@ class Section:
 def _enum_fields(cls: type) -> tuple[tuple[str, type[enum.Enum]], ...]:
     hints = typing.get_type_hints(cls)
     return tuple((name, t) for name, t in hints.items() if isinstance(t, type) and issubclass(t, enum.Enum))
+
+
+INT64 = (-(1 << 63), (1 << 63) - 1)
+"""Every int a recipe holds fits in 64 bits: it goes on to torch, numpy, Slurm and SGLang."""
+
+
+def check_numbers(section: Section) -> None:
+    """Every number of a section (and in its lists) usable at all: a float is finite (nan and inf
+    pass every comparison-based check, and train.lr=inf trains nothing), an int fits in 64 bits.
+    The loader runs this on every section before its own check(), so a new float key is covered
+    without a word."""
+    for f in fields(section):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
+        items = [(f"{f.name}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(f.name, value)]
+        for key, v in items:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise FieldError(key, f"must be a finite number, got {v}")
+            if isinstance(v, int) and not isinstance(v, bool) and not INT64[0] <= v <= INT64[1]:
+                raise FieldError(key, f"must fit in 64 bits, got a number of {len(str(abs(v)))} digits")
+
+
+def at_most(key: str, value: float, high: float, what: str = "") -> None:
+    """An upper bound that no real run reaches, there so that a typo (an extra three zeros) is an
+    error instead of a machine brought down by the processes or memory it asks for."""
+    if value > high:
+        raise FieldError(key, f"must be <= {high:,}{' ' + what if what else ''}, got {value:,}")
+
+
+_LONG_QUOTED = re.compile(r"(?<!\w)('[^']{81,}'|\"[^\"]{81,}\")(?!\w)")  # not from the ' of "run's"
+_LONG_WORD = re.compile(r"\S{101,}")
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """`text` on one line (control characters escaped) and at most `limit` characters, cut with "..."."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit * 4])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def clip_message(message: str, limit: int = 400) -> str:
+    """An error message on one line, every long value in it (quoted, or a run of 100 characters
+    without a space) cut to 80 characters, and the whole at most `limit`."""
+    message = _LONG_QUOTED.sub(lambda m: m[0][0] + clip(m[0][1:-1]) + m[0][0], message)
+    message = _LONG_WORD.sub(lambda m: clip(m[0]), message)
+    return clip(message, limit)
 
 
 def positive(key: str, value: float, *, zero_ok: bool = False) -> None:

@@ -7,13 +7,20 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 
-from rlctl.recipe.checks import FieldError, Section, divides, positive, within
+from rlctl.recipe.checks import FieldError, Section, at_most, divides, positive, within
 from rlctl.recipe.choices import GpuKind, WandbMode
 
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$")
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:+-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
+# Upper bounds no real run reaches, so that a typo is an error and not a job that asks for a whole
+# cluster (or a simulation that never ends): nodes per component 16,384, GPUs per node 64, CPUs per
+# task 4,096, servers per node 64, the health timeout a week; the simulated cluster 65,536 GPUs
+# per side, tp 64, 2^20 tokens of prompt or context, models of 100,000 B parameters.
+NODE_BOUNDS = {"nodes": 16_384, "gpus_per_node": 64, "cpus_per_task": 4096, "servers_per_node": 64}
+SIM_BOUNDS = {"rollout_gpus": 65_536, "trainer_gpus": 65_536, "tp": 64, "prompt_tokens": 1 << 20,
+              "context_tokens": 1 << 20, "params_b": 100_000.0, "layers": 1024, "kv_dim": 1 << 20}
 # sbatch flags the batch script sets itself: a recipe may not override them.
 _SBATCH_MANAGED_FLAGS = ("--job-name", "-J", "--output", "-o", "--error", "-e", "--nodes", "-N", "--het-group")
 
@@ -29,6 +36,12 @@ def _check_env(name: str, value: str) -> None:
                               "in the shell that runs `rlctl launch` instead (sbatch passes that environment on)")
     if "\n" in value or "\0" in value:
         raise FieldError(key, "one line, without NUL characters")
+
+
+def _bounded(section: Section) -> None:
+    for name, high in NODE_BOUNDS.items():
+        if hasattr(section, name):
+            at_most(name, getattr(section, name), high)
 
 
 def _slurm_name(key: str, value: str) -> None:
@@ -56,6 +69,7 @@ class SlurmTrainerConfig(Section):
         positive("nodes", self.nodes)
         positive("gpus_per_node", self.gpus_per_node, zero_ok=True)
         positive("cpus_per_task", self.cpus_per_task, zero_ok=True)
+        _bounded(self)
         _slurm_name("mem", self.mem)
 
 
@@ -82,6 +96,7 @@ class SlurmRolloutConfig(Section):
         positive("servers_per_node", self.servers_per_node)
         for name in ("nodes", "gpus_per_node", "cpus_per_task"):
             positive(name, getattr(self, name), zero_ok=True)
+        _bounded(self)
         _slurm_name("mem", self.mem)
 
 
@@ -124,6 +139,7 @@ class SlurmConfig(Section):
         if not _SLURM_TIME.match(self.time):
             raise FieldError("time", f"'{self.time}' is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS")
         positive("health_timeout_s", self.health_timeout_s)
+        at_most("health_timeout_s", self.health_timeout_s, 7 * 86400, "(a week)")
         positive("port_base", self.port_base, zero_ok=True)
         if self.port_base and not 1024 <= self.port_base <= 65000:
             raise FieldError("port_base", f"{self.port_base} is outside 1024..65000; use 0 to derive it from the job id")
@@ -172,6 +188,8 @@ class SimConfig(Section):
         for name in ("params_b", "rollout_gpus", "trainer_gpus", "tp", "prompt_tokens", "mfu_train", "mfu_prefill",
                      "decode_bw_efficiency"):
             positive(name, getattr(self, name))
+        for name, high in SIM_BOUNDS.items():
+            at_most(name, getattr(self, name), high)
         divides("tp", self.tp, "sim.rollout_gpus", self.rollout_gpus, "pick a tp that divides it")
         within("reward_rate", self.reward_rate, 0.0, 1.0)
 

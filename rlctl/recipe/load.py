@@ -3,26 +3,49 @@
 YAML (safe loader) -> OmegaConf merge onto the structured schema (unknown keys, wrong types and
 choices outside their enum fail here) -> dataclass instance -> every section's `check()`
 (values that are well-typed but impossible). Every failure raises `RecipeError(file, key,
-message)`, which the CLI prints as one line and exits 2.
+message)`, which the CLI prints as one line and exits 2: the key and every long value in the
+message are cut to 80 characters (checks.clip_message), control characters escaped.
+
+The YAML of the recipe and of each override's value is parsed within bounds first
+(rlctl/recipe/bounded_yaml.py: size, nesting depth, values with aliases expanded), so that no
+input keeps the command busy or fills the terminal: every refusal comes in well under a second.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from rlctl.errors import RecipeError
-from rlctl.recipe.checks import FieldError, Section
+from rlctl.recipe.bounded_yaml import MAX_OVERRIDE_BYTES, MAX_RECIPE_BYTES, SAFE_LOADER, YamlLimit, parse_bounded
+from rlctl.recipe.checks import FieldError, Section, check_numbers, clip, clip_message
 from rlctl.recipe.choices import Launcher
 from rlctl.recipe.schema import Recipe
 
 
+def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """RecipeErrors leave `fn` on one line: the key cut to 80 characters, long values in the
+    message cut (checks.clip_message), control characters escaped."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RecipeError as e:
+            file, key, message = clip(e.file, 300), clip(e.key, 80), clip_message(e.message)
+            if (file, key, message) == (e.file, e.key, e.message):
+                raise
+            raise RecipeError(file, key, message) from None
+    return wrapper
+
+
+@_one_line_errors
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), check_paths: bool = True) -> Recipe:
     """Read a recipe file, apply `key=value` overrides, and return a checked Recipe.
 
@@ -31,7 +54,11 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), che
     machine need not hold: the job checks them on its first node (rlctl/launchers/slurm_job.py)."""
     file = str(path)
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)  # never more: a recipe of 50 MB is refused unread
+        if len(raw) > MAX_RECIPE_BYTES:
+            raise RecipeError(file, "<file>", f"larger than {MAX_RECIPE_BYTES >> 20} MiB; a recipe is a few KiB")
+        text = raw.decode()
     except FileNotFoundError:
         raise RecipeError(file, "<file>", "no such file; check the path") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -42,10 +69,13 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), che
     return recipe
 
 
+@_one_line_errors
 def check_recipe(recipe: Recipe, file: str, check_paths: bool = True) -> None:
-    """Every section's own checks, top to bottom, then those spanning sections."""
+    """Every section's own checks, top to bottom (its numbers first: checks.check_numbers), then
+    those spanning sections."""
     for key, section in _sections(recipe, ""):
         try:
+            check_numbers(section)
             if section is not recipe:
                 section.check()
             if check_paths:
@@ -66,14 +96,17 @@ def _sections(obj: Section, key: str) -> Iterator[tuple[str, Section]]:
             yield from _sections(value, f"{key}.{f.name}" if key else f.name)
 
 
+@_one_line_errors
 def recipe_from_yaml(text: str, file: str, overrides: Sequence[str] = ()) -> Recipe:
-    """Parse and merge onto the schema; no value checks (see check_recipe)."""
+    """Parse (within bounds) and merge onto the schema; no value checks (see check_recipe)."""
     import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        data = yaml.safe_load(text)
+        data = parse_bounded(text, SAFE_LOADER, MAX_RECIPE_BYTES)
+    except YamlLimit as e:
+        raise RecipeError(file, _yaml_where(e) if e.problem_mark else "<file>", e.message) from None
     except yaml.constructor.ConstructorError as e:
         raise RecipeError(file, _yaml_where(e), f"unsafe or unknown YAML tag ({e.problem}); recipes are plain YAML") from None
     except yaml.YAMLError as e:
@@ -83,6 +116,7 @@ def recipe_from_yaml(text: str, file: str, overrides: Sequence[str] = ()) -> Rec
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(file, "<top level>", f"a recipe is a mapping of sections, got {type(data).__name__}")
+    overrides = _drop_retired_keys(data, overrides, file)
 
     current_file = file
     try:
@@ -91,12 +125,60 @@ def recipe_from_yaml(text: str, file: str, overrides: Sequence[str] = ()) -> Rec
         for item in overrides:
             if "=" not in item:
                 raise RecipeError(current_file, item, "an override is KEY=VALUE, e.g. run.steps=10")
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            cfg = OmegaConf.merge(cfg, _override(item))
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise _translate_omegaconf_error(e, file, current_file) from None
     assert isinstance(obj, Recipe)
     return obj
+
+
+def _drop_retired_keys(data: dict, overrides: Sequence[str], file: str) -> list[str]:
+    """A retired key (RETIRED_KEYS) set to something is an error that says why; left empty (an
+    older run's resolved recipe) it is dropped. Returns the overrides without those."""
+    from rlctl.recipe.rollout import RETIRED_KEYS
+
+    kept = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() in RETIRED_KEYS:
+            if value.strip() not in ("", "''", '""', "null"):
+                raise RecipeError("<overrides>", key.strip(), RETIRED_KEYS[key.strip()])
+            continue
+        kept.append(item)
+    for key, why in RETIRED_KEYS.items():
+        *parents, leaf = key.split(".")
+        section = data
+        for part in parents:
+            section = section.get(part) if isinstance(section, dict) else None
+        if isinstance(section, dict) and leaf in section:
+            if section.pop(leaf) not in (None, ""):
+                raise RecipeError(file, key, why)
+    return kept
+
+
+def _override(item: str) -> Any:
+    """One `key=value` as OmegaConf.from_dotlist makes it, the value parsed by OmegaConf's own
+    YAML loader (so `1e-3` is a float, as before) but within bounds (bounded_yaml.py)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        from omegaconf._yaml import get_yaml_loader
+        loader = get_yaml_loader()
+    except ImportError:  # another OmegaConf layout: the safe loader parses the same flow values
+        loader = SAFE_LOADER
+    key, _, value = item.partition("=")
+    try:
+        parsed = parse_bounded(value, loader, MAX_OVERRIDE_BYTES)
+    except YamlLimit as e:
+        raise RecipeError("<overrides>", key, f"the value: {e.message}") from None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError("<overrides>", key, f"malformed YAML value: {problem}") from None
+    part = OmegaConf.create()
+    OmegaConf.update(part, key, parsed)
+    return part
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

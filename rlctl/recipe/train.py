@@ -4,8 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlctl.recipe.checks import FieldError, Section, divides, positive
+from rlctl.recipe.checks import FieldError, Section, at_most, divides, positive
 from rlctl.recipe.choices import Admission, Device, InflightAtUpdate, MegatronDtype, PipelineMode, SyncBackend, TrainEngine
+
+
+TRAIN_BOUNDS = {
+    "ranks": 16_384,
+    "groups_per_batch": 65_536,
+    "micro_batch_tokens": 1 << 24,
+    "sync_bucket_mb": 16_384.0,
+}
+"""Upper bounds of the train section no real run reaches: 16,384 trainer ranks (GPUs), 65,536
+groups per train batch (rollout.batch_size's own bound), 2^24 tokens per micro-batch, and a
+16 GiB weight-sync bucket (each rank allocates one). They turn a typo into an error instead of a
+machine brought down by the processes or memory it asks for. megatron.tp is at most 64 and
+pipeline.max_staleness 1024, pipeline.sync_every 10^7 (run.steps' bound)."""
 
 
 @dataclass(kw_only=True)
@@ -21,6 +34,7 @@ class MegatronConfig(Section):
 
     def check(self) -> None:
         positive("tp", self.tp)
+        at_most("tp", self.tp, 64)
         if self.pp != 1:
             raise FieldError("pp", "pipeline parallelism is not supported yet; use pp=1 (and tp for large models)")
 
@@ -31,7 +45,7 @@ class TrainConfig(Section):
     """torch (transformers model; gradients all-reduced across ranks) or megatron (Megatron-core
     GPTModel; CUDA only)."""
     ranks: int = 1
-    """Data-parallel trainer processes (torch.distributed, gloo on CPU)."""
+    """Data-parallel trainer processes (torch.distributed, gloo on CPU); at most 16,384 (TRAIN_BOUNDS)."""
     cpus: list[int] = field(default_factory=list)
     """Pin trainer ranks to these CPU cores (empty = no pinning)."""
     device: Device = Device.CPU
@@ -51,7 +65,7 @@ class TrainConfig(Section):
     micro_batch_tokens: int = 8192
     """Most padded tokens per forward/backward; a train batch is split by length to fit."""
     sync_bucket_mb: float = 64.0
-    """Size of one weight-broadcast bucket in MiB."""
+    """Size of one weight-broadcast bucket in MiB; at most 16,384 (TRAIN_BOUNDS)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     sync_backend: SyncBackend = SyncBackend.AUTO
     """Weight-sync group: gloo (CPU staging), nccl (GPU to GPU, one GPU per rank), or auto: nccl
@@ -60,6 +74,8 @@ class TrainConfig(Section):
     def check(self) -> None:
         for name in ("ranks", "lr", "groups_per_batch", "clip_eps", "grad_clip", "micro_batch_tokens", "sync_bucket_mb"):
             positive(name, getattr(self, name))
+        for name, high in TRAIN_BOUNDS.items():
+            at_most(name, getattr(self, name), high)
         for name in ("weight_decay", "kl_coef"):
             positive(name, getattr(self, name), zero_ok=True)
         if any(g < 0 for g in self.gpus):
@@ -102,4 +118,6 @@ class PipelineConfig(Section):
 
     def check(self) -> None:
         positive("max_staleness", self.max_staleness, zero_ok=True)
+        at_most("max_staleness", self.max_staleness, 1024, "(versions of lag)")
         positive("sync_every", self.sync_every)
+        at_most("sync_every", self.sync_every, 10_000_000)
