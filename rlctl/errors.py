@@ -25,3 +25,8 @@ class RecipeError(UsageError):
 
 class RunError(RlctlError):
     """Something went wrong while a run was starting or running (exit 1)."""
+
+
+class ServerUnreachable(RunError):
+    """A server that did not answer at all: connection refused or reset, no reply. The controller
+    takes it out of the pool (rlctl/failover.py) instead of failing the run."""

@@ -21,10 +21,12 @@ class Role:
     """rollout | trainer | controller"""
     index: int
     host: str
-    """Where the others reach it (a node name on a cluster)."""
+    """Where the others reach it (a node name on a cluster), and where it listens: 127.0.0.1 in a
+    local run, the node's own address on a cluster (rlctl/door.py listen_address), never all."""
     port: int | None = None
     bind: str | None = None
-    """Address its server listens on when not `host` (0.0.0.0 on a cluster node)."""
+    """Address its server listens on when not `host`. Plans no longer set it (older run.json
+    files have 0.0.0.0 on cluster nodes)."""
 
     @property
     def listen(self) -> str:
@@ -98,7 +100,8 @@ def slurm_plan(recipe: Recipe, trainer_hosts: list[str], rollout_hosts: list[str
     Rollout servers fill the rollout nodes in order (servers_per_node each, ports port_base + k);
     trainer ranks fill the trainer nodes in order; trainer rank 0's node hosts the trainer service,
     the torch.distributed rendezvous, the weight-sync store and the controller. Ports are the
-    same on every node, which is fine: each node is a separate host.
+    same on every node, which is fine: each node is a separate host. Every server listens on its
+    node's own address (the node name resolved there), not on all of the node's addresses.
     """
     spn = recipe.slurm.rollout.servers_per_node
     n_servers, n_ranks = recipe.rollout.servers, recipe.train.ranks
@@ -107,10 +110,9 @@ def slurm_plan(recipe: Recipe, trainer_hosts: list[str], rollout_hosts: list[str
     if not trainer_hosts or n_ranks % len(trainer_hosts):
         raise ValueError(f"{n_ranks} trainer ranks do not spread evenly over {len(trainer_hosts)} nodes")
     per_node = n_ranks // len(trainer_hosts)
-    rollout = [Role(f"rollout-{i}", "rollout", i, rollout_hosts[i // spn], port_base + i % spn, bind="0.0.0.0")
+    rollout = [Role(f"rollout-{i}", "rollout", i, rollout_hosts[i // spn], port_base + i % spn)
                for i in range(n_servers)]
-    trainers = [Role(f"trainer-{r}", "trainer", r, trainer_hosts[r // per_node],
-                     port_base + spn if r == 0 else None, bind="0.0.0.0" if r == 0 else None)
+    trainers = [Role(f"trainer-{r}", "trainer", r, trainer_hosts[r // per_node], port_base + spn if r == 0 else None)
                 for r in range(n_ranks)]
     return RunPlan(
         rollout=rollout,

@@ -44,9 +44,7 @@ class WandbTracker:
 
         cfg = recipe.tracking.wandb
         os.environ.setdefault("WANDB_SILENT", "true")
-        config = recipe_to_dict(recipe)
-        if config["rollout"]["sglang"]["api_key"]:
-            config["rollout"]["sglang"]["api_key"] = "(set)"  # a secret stays out of the tracker
+        config = recipe_to_dict(recipe)  # holds no secret: the run's token is a file of its own (rlctl/door.py)
         self.run = wandb.init(
             project=cfg.project, entity=cfg.entity or None, group=cfg.group or None, tags=list(cfg.tags) or None,
             mode=cfg.mode, id=rd.id, name=rd.id, dir=str(rd.path), resume="allow",
@@ -55,7 +53,9 @@ class WandbTracker:
         info = {"id": self.run.id, "mode": cfg.mode, "project": cfg.project, "dir": self.run.dir,
                 "url": self.run.url if cfg.mode is WandbMode.ONLINE else None}
         rd.update(lambda d: d.setdefault("tracking", {}).update(wandb=info))
-        self.history: list[dict[str, Any]] = []
+        # A resumed run (`rlctl resume`) continues the same wandb run (id = run id, resume="allow");
+        # its summary covers the steps of the earlier attempts that metrics.jsonl kept too.
+        self.history: list[dict[str, Any]] = rd.metrics()
 
     def log_step(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import logging
 import os
 import sys
 from pathlib import Path
 
+from rlctl.door import listen_address, read_token, redact_output, sglang_config, token_path
 from rlctl.errors import RlctlError, RunError
-from rlctl.plan import RunPlan
+from rlctl.plan import Role, RunPlan
 from rlctl.recipe import Device, Launcher, Recipe, RolloutEngine, TrainEngine, recipe_from_yaml
 from rlctl.rundir import RunDir
 
@@ -89,19 +91,10 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         os.sched_setaffinity(0, recipe.rollout.cpus)
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
     if recipe.rollout.engine is RolloutEngine.SGLANG:
-        from rlctl.engines.rollout import sglang
-
-        sglang.require_sglang()
-        if recipe.launcher is Launcher.LOCAL:  # under Slurm the batch script has bound the task's GPUs
-            os.environ["CUDA_VISIBLE_DEVICES"] = sglang_gpus(recipe.rollout.gpus, recipe.rollout.sglang.tp_size, index)
-            log.info("rollout server %d on GPUs %s", index, os.environ["CUDA_VISIBLE_DEVICES"])
-        cmd = sglang.launch_command(sys.executable, info["model_path"], recipe.rollout.sglang, host=role.listen,
-                                    port=role.port, seed=recipe.run.seed * 1000 + index)
-        log.info("exec %s", " ".join(cmd))
-        sys.stdout.flush()
-        os.execv(cmd[0], cmd)  # the server takes this process over: same pid, log and parent-death signal
-    args = server.parser().parse_args([
-        "--model-path", info["model_path"], "--host", role.listen, "--port", str(role.port),
+        _exec_sglang(rd, recipe, role, info["model_path"])
+    args = server.parser().parse_args([  # a list in this process: the token file's path only, never the token
+        "--model-path", info["model_path"], "--host", listen_address(role.listen), "--port", str(role.port),
+        "--api-key-file", str(token_path(rd.path)), "--weight-group-master", plan.trainers[0].host,
         "--random-seed", str(recipe.run.seed * 1000 + index),
         "--max-running-requests", str(recipe.rollout.max_running_requests),
         "--threads", str(recipe.run.threads_per_process),
@@ -112,33 +105,68 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     server.serve(args)
 
 
+def _exec_sglang(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> None:
+    """The SGLang server takes this process over (same pid, log and parent-death signal), the run's
+    token its api key by a 0600 --config file; what it logs passes a filter that hides the token
+    (SGLang logs its server_args, api_key included)."""
+    from rlctl.engines.rollout import sglang
+
+    sglang.require_sglang()
+    if recipe.launcher is Launcher.LOCAL:  # under Slurm the batch script has bound the task's GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = sglang_gpus(recipe.rollout.gpus, recipe.rollout.sglang.tp_size, role.index)
+        log.info("rollout server %d on GPUs %s", role.index, os.environ["CUDA_VISIBLE_DEVICES"])
+    token = _run_token(rd)
+    config = sglang_config(rd.path / f"sglang-{role.name}.yaml", token)
+    cmd = sglang.launch_command(sys.executable, model_path, recipe.rollout.sglang, host=listen_address(role.listen),
+                                port=role.port, seed=recipe.run.seed * 1000 + role.index, config=str(config))
+    log.info("exec %s", " ".join(cmd))
+    redact_output(token)
+    os.execv(cmd[0], cmd)
+
+
+def _run_token(rd: RunDir) -> str:
+    try:
+        return read_token(rd.path)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+
+
 def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int) -> None:
     import torch.distributed as dist
     from aiohttp import web
 
     from rlctl.engines.train.service import TrainerService, follower_loop
     from rlctl.engines.train.torch_engine import TorchTrainEngine
+    from rlctl.engines.weightsync import tcp_store
 
     _threads(recipe, recipe.train.cpus)
     role = plan.trainers[rank]
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
+    token = _run_token(rd) if rank == 0 else None
     world = len(plan.trainers)
     init_method = f"tcp://{plan.trainers[0].host}:{plan.trainer_dist_port}"
-    if recipe.train.engine is TrainEngine.MEGATRON:
+    megatron = recipe.train.engine is TrainEngine.MEGATRON
+    if megatron:  # the GPU before the NCCL group, as the engine would do it
+        import torch
+
+        torch.cuda.set_device(torch.device(_device(Device.CUDA, rank, recipe.train.gpus)))
+    if megatron or world > 1:  # Megatron needs its NCCL group even for one rank
+        backend = "nccl" if megatron or recipe.train.device is Device.CUDA else "gloo"
+        store = tcp_store(init_method, rank, world, datetime.timedelta(minutes=30))  # on trainer 0's address only
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    if megatron:
         from rlctl.engines.train.megatron_engine import MegatronTrainEngine
 
-        # Megatron needs its NCCL group even for one rank; the engine makes it.
+        # The default group exists: the engine makes Megatron's TP x DP groups on it.
         engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
                                      world, device=_device(Device.CUDA, rank, recipe.train.gpus), init_method=init_method)
     else:
-        if world > 1:
-            backend = "nccl" if recipe.train.device is Device.CUDA else "gloo"
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
         engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
                                   device=_device(recipe.train.device, rank, recipe.train.gpus))
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
-        web.run_app(TrainerService(engine, world).app(), host=role.listen, port=role.port, print=None, access_log=None)
+        service = TrainerService(engine, world, token=token)
+        web.run_app(service.app(), host=listen_address(role.listen), port=role.port, print=None, access_log=None)
     else:
         follower_loop(engine)
     if dist.is_initialized():

@@ -42,11 +42,15 @@ INCLUDED_ROUTERS = {"/v1/loads"}
 
 
 def test_launch_command():
-    cfg = SGLangConfig(tp_size=2, mem_fraction_static=0.7, api_key="k3y", extra_args=["--attention-backend", "fa3"])
-    assert launch_command("/venv/bin/python", "/models/Qwen3-1.7B", cfg, host="0.0.0.0", port=30001, seed=7) == [
+    cfg = SGLangConfig(tp_size=2, mem_fraction_static=0.7, extra_args=["--attention-backend", "fa3"])
+    cmd = launch_command("/venv/bin/python", "/models/Qwen3-1.7B", cfg, host="10.0.0.7", port=30001, seed=7,
+                         config="/runs/r/sglang-rollout-0.yaml")
+    assert cmd == [
         "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/Qwen3-1.7B", "--tp-size", "2",
-        "--host", "0.0.0.0", "--port", "30001", "--mem-fraction-static", "0.7", "--dtype", "bfloat16",
-        "--random-seed", "7", "--skip-tokenizer-init", "--api-key", "k3y", "--attention-backend", "fa3"]
+        "--host", "10.0.0.7", "--port", "30001", "--mem-fraction-static", "0.7", "--dtype", "bfloat16",
+        "--random-seed", "7", "--skip-tokenizer-init", "--config", "/runs/r/sglang-rollout-0.yaml",
+        "--attention-backend", "fa3"]
+    assert "--api-key" not in cmd  # the key is in the --config file, never on the command line `ps` shows
 
 
 def test_versions_the_adapter_speaks():

@@ -205,9 +205,9 @@ def test_plan_places_servers_and_ranks_on_their_nodes():
     assert [(s.host, s.port) for s in plan.rollout] == [
         ("r1", 30000), ("r1", 30001), ("r2", 30000), ("r2", 30001),
         ("r3", 30000), ("r3", 30001), ("r4", 30000), ("r4", 30001)]
-    assert all(s.listen == "0.0.0.0" for s in plan.rollout)
+    assert all(s.listen == s.host for s in plan.rollout)  # the node's own address, not all of them
     assert [t.host for t in plan.trainers] == ["t1"] * 8 + ["t2"] * 8
-    assert plan.trainer_url == "http://t1:30002" and plan.trainers[0].listen == "0.0.0.0"
+    assert plan.trainer_url == "http://t1:30002" and plan.trainers[0].listen == "t1"
     assert (plan.trainer_dist_port, plan.weight_sync_port) == (30003, 30004)
     assert plan.controller.host == "t1"
     with pytest.raises(ValueError, match="need 4 nodes"):

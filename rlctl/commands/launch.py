@@ -83,7 +83,7 @@ def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
 
     _check_engines_importable(r)
     info = _run_info(r, recipe, overrides, local_plan(r).to_json())
-    rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), info)
+    rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), info, shared_group=r.run.shared_group)
     start_supervisor(rd)
     if detach:
         print(rd.id)
@@ -101,7 +101,8 @@ def launch_slurm(r, recipe: Path, overrides: list[str], *, detach: bool, dry_run
     from rlctl.rundir import create_run_dir
 
     python = r.slurm.python or sys.executable
-    rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), _run_info(r, recipe, overrides, None))
+    rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), _run_info(r, recipe, overrides, None),
+                        shared_group=r.run.shared_group)
     script = rd.path / "job.sbatch"
     script.write_text(slurm.render_batch_script(r, rd.path.resolve(), rd.id, python))
     rd.update(lambda d: d.update(slurm={"script": str(script)}))

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlctl.door import TOKEN_FILE, TOKEN_FILE_ENV
 from rlctl.launchers.health import healthy
 from rlctl.plan import Role, RunPlan
 from rlctl.recipe import Recipe, recipe_from_yaml
@@ -52,9 +53,20 @@ def spawn(cmd: list[str], log: Path, *, die_with_parent: bool, env: dict[str, st
         )
 
 
+def run_env(rd: RunDir) -> dict[str, str]:
+    """What a local run's processes get on top of this environment (the supervisor's children
+    inherit it): the path of the run's token file (rlctl/door.py), and loopback for the sockets
+    gloo and NCCL open for their peers, which are all on this host (unless already set)."""
+    env = {TOKEN_FILE_ENV: str(rd.path.resolve() / TOKEN_FILE)}
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env[name] = os.environ.get(name, "lo")
+    return env
+
+
 def start_supervisor(rd: RunDir) -> int:
     """Start the run's supervisor, detached from this terminal; returns its pid."""
-    proc = spawn(worker_command("supervisor", rd.path), rd.log_path("supervisor"), die_with_parent=False)
+    proc = spawn(worker_command("supervisor", rd.path), rd.log_path("supervisor"), die_with_parent=False,
+                 env=run_env(rd))
     return proc.pid
 
 
@@ -82,6 +94,9 @@ class Supervisor:
         self.children: list[Child] = []
         self.cancel_signal: int | None = None
         self.servers_down: set[str] = set()
+        self.running = False
+        """True once the controller runs: a server that dies then is restarted, not fatal."""
+        self.restarts: dict[str, int] = {}
 
     def _on_signal(self, signum: int, frame) -> None:
         self.cancel_signal = signum
@@ -109,17 +124,34 @@ class Supervisor:
     def _failure(self) -> tuple[RunState, str] | None:
         if self.cancel_signal is not None:
             return RunState.CANCELLED, f"cancelled ({signal.Signals(self.cancel_signal).name})"
-        for c in self.children:
+        for c in list(self.children):
             code = c.proc.poll()
             if code is not None and not (c.role.kind == "controller" and code == 0):
                 self.rd.event("process_exit", role=c.role.name, code=code)
                 if c.role.kind == "rollout":
                     self.servers_down.add(c.role.name)
                     self.rd.event("server_down", role=c.role.name)
+                    if self.running and self._replace(c, code):
+                        continue  # failover (rlctl/failover.py): the run goes on without it meanwhile
                 last = last_log_line(self.rd.log_path(c.role.name))
                 said = f": {last}" if last and code > 0 else ""
                 return RunState.FAILED, f"{c.role.name} (pid {c.proc.pid}) {describe_exit(code)}{said}; see {self.rd.log_path(c.role.name)}"
         return None
+
+    def _replace(self, c: Child, code: int) -> bool:
+        """A rollout server died while the run was running: start it again, up to
+        rollout.max_restarts times; after that the run goes on without it. The controller sends
+        its requests to the others and gives it the weights when it rejoins."""
+        self.children.remove(c)
+        name = c.role.name
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        if self.restarts[name] > self.recipe.rollout.max_restarts:
+            self.rd.event("server_given_up", role=name, restarts=self.recipe.rollout.max_restarts)
+            return True
+        self._start(c.role)
+        self.servers_down.discard(name)
+        self.rd.event("server_restarted", role=name, attempt=self.restarts[name], after=describe_exit(code))
+        return True
 
     def _run(self) -> tuple[RunState, str]:
         if self.recipe.model.init is not None:
@@ -151,6 +183,7 @@ class Supervisor:
             self._start(r)
         controller = self._start(self.plan.controller)
         self.rd.set_state(RunState.RUNNING)
+        self.running = True
         while True:
             failure = self._failure()
             if failure:

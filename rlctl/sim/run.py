@@ -98,7 +98,7 @@ def simulate_into_run_dir(recipe: Recipe, recipe_file: Path, overrides: list[str
         info = {"launcher": "simulate", "mode": recipe.pipeline.mode, "steps_total": recipe.run.steps,
                 "recipe_file": str(recipe_file), "overrides": overrides, "plan": None, "model_path": None,
                 "simulation": {"wall_seconds": result.wall_seconds, "virtual_seconds": result.virtual_seconds}}
-        rd = create_run_dir(output_dir, recipe.run.name, recipe_to_yaml(recipe), info)
+        rd = create_run_dir(output_dir, recipe.run.name, recipe_to_yaml(recipe), info, shared_group=recipe.run.shared_group)
         for recorded in (Path(staging) / "events.jsonl", Path(staging) / "metrics.jsonl"):
             if recorded.exists():
                 os.replace(recorded, rd.path / recorded.name)

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, GenerateOutput, SamplingRequest, parse_version
-from rlctl.errors import RunError
+from rlctl.errors import RunError, ServerUnreachable
 
 __all__ = ["GenerateOutput", "RolloutClient", "SamplingRequest", "healthy", "wait_healthy"]
 
@@ -83,7 +83,7 @@ class RolloutClient:
             async with await self._post(path, body) as resp:
                 status, text = resp.status, await resp.text()
         except aiohttp.ClientError as e:
-            raise RunError(f"{self.url}{path}: server unreachable ({e})") from None
+            raise ServerUnreachable(f"{self.url}{path}: server unreachable ({e})") from None
         try:
             data = json.loads(text) if text else {}
         except ValueError:
@@ -132,7 +132,7 @@ class RolloutClient:
                     raise RunError(f"{self.url}/generate: HTTP {resp.status}: {(await resp.text())[:200]}")
                 data = await resp.json()
         except aiohttp.ClientError as e:
-            raise RunError(f"{self.url}/generate: server unreachable ({e})") from None
+            raise ServerUnreachable(f"{self.url}/generate: server unreachable ({e})") from None
         meta = data["meta_info"]
         logprobs = [item[0] for item in meta.get("output_token_logprobs") or []]
         return GenerateOutput(

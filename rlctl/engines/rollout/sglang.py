@@ -23,16 +23,20 @@ from rlctl.recipe import SGLANG_OLDEST as OLDEST_SPOKEN
 from rlctl.recipe import SGLangConfig
 
 
-def launch_command(python: str, model_path: str, cfg: SGLangConfig, *, host: str, port: int, seed: int) -> list[str]:
-    """The command line of one SGLang server (the same on every node, its port from the plan)."""
+def launch_command(python: str, model_path: str, cfg: SGLangConfig, *, host: str, port: int, seed: int,
+                   config: str) -> list[str]:
+    """The command line of one SGLang server (the same on every node, its port from the plan).
+
+    `config` is a 0600 YAML file of SGLang options holding the run's token as `api-key`
+    (rlctl/door.py sglang_config): SGLang's `--config FILE` reads it (server_args.py
+    prepare_server_args, ConfigArgumentMerger, in 0.5.15 .. 0.5.23), so the key is never on a
+    command line that `ps` shows."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(cfg.tp_size),
            "--host", host, "--port", str(port), "--mem-fraction-static", str(cfg.mem_fraction_static),
            "--dtype", cfg.dtype, "--random-seed", str(seed)]
     if cfg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
-    if cfg.api_key:
-        cmd += ["--api-key", cfg.api_key]
-    return cmd + list(cfg.extra_args)
+    return cmd + ["--config", config, *cfg.extra_args]
 
 
 def speaks(version: str) -> str:

@@ -6,6 +6,11 @@ It listens at once and answers 503 on /health until the model is loaded, as SGLa
 module is the process: its flags, loading the model, health and info, and the route table. The
 routes live beside it by concern: generation_routes.py (/generate and its controls),
 weight_routes.py (the weight-update group and sessions); engine.py is the generation loop.
+
+With `--api-key-file FILE` (every rlctl run gives its token file) every route but /health asks for
+`Authorization: Bearer <token>`, 401 without it and 403 with a wrong one, and
+`--weight-group-master` names the only trainer address it joins a weight group at (rlctl/door.py).
+Without them the server is open, as SGLang is without --api-key: for ad-hoc use on one's own host.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 from aiohttp import web
 
+from rlctl.door import read_token_file, refusal
 from rlctl.engines.rollout.builtin.engine import Engine
 from rlctl.engines.rollout.builtin.generation_routes import GenerationRoutes
 from rlctl.engines.rollout.builtin.state import ServerState
@@ -67,6 +74,8 @@ class BuiltinServer:
         self.state = ServerState(args)
         self.generation = GenerationRoutes(self.state)
         self.weights = WeightRoutes(self.state)
+        # --api-key-file: every route but /health asks for this token (rlctl/door.py); none = open
+        self.token = read_token_file(args.api_key_file) if args.api_key_file else None
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -92,6 +101,8 @@ class BuiltinServer:
     async def health(self, request: web.Request) -> web.Response:
         if not self.state.ready():
             return web.Response(status=503, text=self.state.loading_error or "loading")
+        if not self.state.engine.thread.is_alive():  # the HTTP side alone answering is no health
+            return web.Response(status=503, text="the generation thread has died; see this server's log")
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -123,6 +134,14 @@ class BuiltinServer:
         if engine is None:
             return web.Response(status=503)
         return web.json_response(engine.load())
+
+    @web.middleware
+    async def _door(self, request: web.Request, handler):
+        """The run's token as a Bearer token, as SGLang checks its --api-key (its refusal body)."""
+        status = refusal(request.path, request.headers.get("Authorization"), self.token)
+        if status is not None:
+            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
+        return await handler(request)
 
     @web.middleware
     async def _record(self, request: web.Request, handler):
@@ -162,7 +181,8 @@ class BuiltinServer:
         return table
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30, middlewares=[self._record] if self.args.record_requests else [])
+        middlewares = [self._door] + ([self._record] if self.args.record_requests else [])
+        app = web.Application(client_max_size=1 << 30, middlewares=middlewares)
         for method, path, handler in self.routes():
             add = app.router.add_get if method == "GET" else app.router.add_post  # GET answers HEAD too, as before
             add(path, handler)
@@ -189,12 +209,22 @@ def parser() -> argparse.ArgumentParser:
                    help="answer /server_info and weight-update sessions as this SGLang version does (adapter tests)")
     p.add_argument("--record-requests", default="", metavar="FILE",
                    help="append every POST's path and JSON body to FILE (adapter contract tests)")
+    p.add_argument("--api-key-file", default="", metavar="FILE",
+                   help="every route but /health asks for `Authorization: Bearer` + the token in FILE (an rlctl "
+                        "run's token file); without it the server is open to anyone who reaches it")
+    p.add_argument("--weight-group-master", default="", metavar="ADDRESS",
+                   help="join weight-update groups whose master_address is this one only (the run's trainer)")
     return p
 
 
 def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(BuiltinServer(args).app(), host=args.host, port=args.port, print=None, access_log=None)
+    try:
+        server = BuiltinServer(args)
+    except ValueError as e:  # an unreadable --api-key-file
+        print(f"error: --api-key-file: {e}; give the run's token file", file=sys.stderr)
+        raise SystemExit(2) from None
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

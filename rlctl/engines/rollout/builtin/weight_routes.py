@@ -53,6 +53,10 @@ class WeightRoutes:
             rank_offset = int(body["rank_offset"])
         except (KeyError, TypeError, ValueError) as e:
             return fail(f"bad request: {e}")
+        trainer = self.state.args.weight_group_master
+        if trainer and body["master_address"] != trainer:  # only the run's own trainer sends weights
+            return fail(f"Failed to initialize custom process group: master_address {body['master_address']!r} "
+                        f"is not this run's trainer ({trainer}); refused.")
         engine = self.state.engine
         on_gpu = engine is not None and engine.device.type == "cuda"
         if group["backend"] == "nccl" and not on_gpu:

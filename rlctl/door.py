@@ -1,0 +1,189 @@
+"""The door: who may talk to a run's processes (README.md, "The door").
+
+Every run has a token, random and its own, in the 0600 file `token` of its (0700) run directory,
+written when the directory is created. A process of the run finds it through the environment
+variable RLCTL_TOKEN_FILE (the path of the file, never the token) or in its run directory; the
+token itself never goes on a command line, into a log, run.json or the recipe. Every HTTP
+endpoint of the run's servers but /health asks for `Authorization: Bearer <token>` (401 without
+it, 403 with a wrong one), SGLang's servers included: they get it as their api key from a 0600
+YAML file of options (`--config`). Listening sockets are bound to the address the others reach
+them at (127.0.0.1 in a local run), never to all addresses.
+
+Nothing here imports torch or aiohttp: `rlctl launch` creates the token through this module.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from rlctl.errors import RunError
+
+TOKEN_FILE_ENV = "RLCTL_TOKEN_FILE"
+TOKEN_FILE = "token"
+"""The token's file in the run directory."""
+OPEN_PATHS = ("/health",)
+"""Answered without a token: liveness probes (SGLang leaves /health open for them too)."""
+REDACTED = b"<run token>"
+
+log = logging.getLogger("rlctl.door")
+
+
+def new_token() -> str:
+    """A random token. One that begins with '-' is drawn again: SGLang's option parser would take
+    `--api-key -...` for a flag."""
+    while True:
+        token = secrets.token_urlsafe(32)
+        if token[0] != "-":
+            return token
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write a file only its owner can read (0600 from the start, then renamed into place)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # also when a stale temp file was there with another mode
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def create_token(run_dir: Path) -> None:
+    """A new run's token, in run_dir/token (0600)."""
+    write_secret(Path(run_dir) / TOKEN_FILE, new_token() + "\n")
+
+
+def token_path(run_dir: Path | None = None) -> Path:
+    """Where this process finds its run's token: RLCTL_TOKEN_FILE, else run_dir/token."""
+    env = os.environ.get(TOKEN_FILE_ENV)
+    if env:
+        return Path(env)
+    if run_dir is None:
+        raise ValueError(f"no run directory and no {TOKEN_FILE_ENV}: cannot find the run's token")
+    return Path(run_dir) / TOKEN_FILE
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token in a file, or a ValueError naming the file."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the run's token ({e.strerror or e})") from None
+    if not token:
+        raise ValueError(f"{path}: the token file is empty")
+    return token
+
+
+def read_token(run_dir: Path | None = None) -> str:
+    return read_token_file(token_path(run_dir))
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """The header that carries the token ({} without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def refusal(path: str, authorization: str | None, token: str | None) -> int | None:
+    """None when a request may pass, else its HTTP status: 401 without credentials, 403 with
+    wrong ones. No token configured = open (an ad-hoc server)."""
+    if not token or path in OPEN_PATHS:
+        return None
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return 401
+    return None if hmac.compare_digest(given.strip().encode(), token.encode()) else 403
+
+
+def sglang_config(path: Path, token: str) -> Path:
+    """A YAML file of SGLang server options (its `--config FILE`) holding the api key, 0600. JSON
+    quoting, which YAML reads the same, keeps the token a string whatever its characters."""
+    write_secret(path, f"api-key: {json.dumps(token)}\n")
+    return path
+
+
+def listen_address(host: str) -> str:
+    """The address to bind for `host`, the name the others reach this process by: an IP as it
+    is, a name resolved here. A name this node resolves to loopback only while it is not
+    `localhost` (Debian's 127.0.1.1 line for the own hostname) would shut the other nodes out:
+    then all addresses, with a warning."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise RunError(f"cannot resolve this node's name {host!r} to listen on it: {e}") from None
+    addrs = [i[4][0] for i in infos]
+    public = [a for a in addrs if not ipaddress.ip_address(a).is_loopback]
+    if public or host == "localhost":
+        return (public or addrs)[0]
+    log.warning("%s resolves to %s on this node only; listening on all addresses", host, addrs[0])
+    return "0.0.0.0"
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port only (for a torch TCPStore to take over)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((listen_address(host), port))
+        s.listen(1024)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def redact_output(secret: str) -> None:
+    """From now on, what this process and every child writes to its stdout and stderr reaches
+    them through a filter process that replaces `secret` with <run token>: for a program that
+    logs its own arguments (SGLang logs its server_args, api key included). Call it just before
+    exec; the filter ends when the last writer has closed the pipe. It is no child of the program
+    (forked twice), so a program that kills its children as it exits (SGLang's launch_server does)
+    does not cut off its own last words; it stays in the process group, which the launcher ends."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # os calls only from here, then _exit
+        if os.fork() == 0:  # the filter
+            os.close(w)
+            _filter(r, 1, secret.encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(r)
+    os.dup2(w, 1)
+    os.dup2(w, 2)
+    os.close(w)
+
+
+def _filter(src: int, dst: int, secret: bytes) -> None:
+    """Copy src to dst whole lines at a time (or all but a secret's length of a long line),
+    secrets replaced; never returns."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # end with the writers, after their last words
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        buf = b""
+        while chunk := os.read(src, 1 << 16):
+            buf += chunk
+            cut = buf.rfind(b"\n") + 1
+            if not cut and len(buf) > 1 << 16:
+                cut = len(buf) - len(secret) + 1
+            if cut:
+                os.write(dst, buf[:cut].replace(secret, REDACTED))
+                buf = buf[cut:]
+        if buf:
+            os.write(dst, buf.replace(secret, REDACTED))
+    finally:
+        os._exit(0)
