@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from rlctl.commands import cancel, compare, launch, logs, simulate, status, trace
+from rlctl.commands import cancel, compare, export, launch, logs, resume, simulate, status, trace
 from rlctl.errors import RlctlError
 
 app = typer.Typer(
@@ -36,6 +36,8 @@ app.command("logs", no_args_is_help=True)(logs.logs)
 app.command("simulate", no_args_is_help=True)(simulate.simulate)
 app.command("trace", no_args_is_help=True)(trace.trace)
 app.command("compare", no_args_is_help=True)(compare.compare)
+app.command("resume", no_args_is_help=True)(resume.resume)
+app.command("export", no_args_is_help=True)(export.export)
 
 
 def main() -> None:

@@ -18,6 +18,8 @@
    Qwen2-architecture model with random, nonzero biases, so that a dropped or misplaced bias shows.
 7. Weight-broadcast throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU,
    gloo with CPU staging, for 3 bucket sizes.
+8. Megatron checkpoint: dist_checkpointing save after a step, load into a fresh engine: weights and
+   version back exactly, the HF export loads in transformers, the next step within 1e-6.
 Prints one line per check and writes OUT_DIR/gpu_checks.json. Exit 1 if a check failed.
 """
 
@@ -118,6 +120,39 @@ def check_qwen2(work: Path) -> None:
     model_dir = build_model(work / "small-qwen2", torch.float32, arch="qwen2", **shape)
     check_round_trip(model_dir, tag="Qwen2, ")
     check_against_torch(model_dir, samples(shape["vocab_size"], seed=1), tag="Qwen2, ")
+
+
+def check_checkpoint(work: Path) -> None:
+    """8. Megatron's checkpoint (dist_checkpointing + the HF export): saved after a step and
+    loaded into a fresh engine, the weights and version come back exactly, the HF directory
+    loads in transformers, and the next step matches the saving engine's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+    model_dir = build_model(work / "small-ckpt", torch.float32, **shape)
+    batch = samples(shape["vocab_size"], seed=2)
+    half = len(batch) // 2
+    ckpt = work / "ckpt-megatron"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    saver = megatron_engine(model_dir, "float32", lr=1e-3)
+    saver.train_batch(batch[:half])
+    saver.save_checkpoint(str(ckpt))
+    saved = {n: t.detach().cpu().clone() for n, t in saver.hf_weights()}
+    saver.train_batch(batch[half:])
+    after = {n: t.detach().cpu().clone() for n, t in saver.hf_weights()}
+    del saver
+    loader = megatron_engine(model_dir, "float32", lr=1e-3)
+    info = loader.load_checkpoint(str(ckpt))
+    same = all(torch.equal(t.detach().cpu(), saved[n]) for n, t in loader.hf_weights())
+    exported = AutoModelForCausalLM.from_pretrained(ckpt / "hf", dtype=torch.float32).state_dict()
+    hf_same = all(torch.equal(exported[n], t) for n, t in saved.items() if n in exported)
+    loader.train_batch(batch[half:])
+    diff = max((t.detach().cpu() - after[n]).abs().max().item() for n, t in loader.hf_weights())
+    report("Megatron checkpoint: save, load, next step", same and hf_same and info["version"] == 1.0 and diff <= 1e-6,
+           weights_back_exactly=same, hf_export_equal=hf_same, version=info["version"], next_step_max_abs_diff=diff)
 
 
 def check_round_trip(model_dir: Path, tag: str = "") -> None:
@@ -276,14 +311,14 @@ def run_checks(steps: dict, names: list[str], out_file: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-checks-out")))
-    p.add_argument("--only", default="engines,qwen2,run,broadcast")
+    p.add_argument("--only", default="engines,qwen2,checkpoint,run,broadcast")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/rlctl-gpu-checks")
     work.mkdir(exist_ok=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
     steps = {"engines": lambda: check_engines(work), "qwen2": lambda: check_qwen2(work), "run": lambda: check_local_run(a.out),
-             "broadcast": lambda: check_broadcast(work)}
+             "broadcast": lambda: check_broadcast(work), "checkpoint": lambda: check_checkpoint(work)}
     run_checks(steps, a.only.split(","), a.out / "gpu_checks.json")
 
 

@@ -27,14 +27,15 @@ class AsyncPipeline(Pipeline):
         self.sync_every = sync_every
         self.inflight_at_update = inflight_at_update
 
-    async def run(self, steps: int) -> None:
+    async def run(self, steps: int, start: int = 0) -> None:
         stop = asyncio.Event()
+        self.producer.step = start
         # Enough open groups to fill the train batches of the next max_staleness + 1 broadcasts:
         # anything generated further ahead would go stale before it could be trained.
         limit = self.groups_per_batch * self.sync_every * (self.max_staleness + 1)
         producing = asyncio.ensure_future(self.producer.run_stream(limit, stop))
         try:
-            await super().run(steps)
+            await super().run(steps, start)
         finally:
             stop.set()
             await asyncio.gather(producing, return_exceptions=True)

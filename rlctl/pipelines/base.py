@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+from rlctl.data import rng_from_json, rng_to_json
 from rlctl.pipelines.core import Clock, EventSink, Group, GroupProducer, Trainer
 
 
@@ -22,13 +25,40 @@ class Pipeline:
         self.version = 0
         """The trainer's weight version: optimizer steps taken."""
         self.batches = 0
+        self.rngs: dict[str, random.Random] = {}
+        """The scheduler's own random generators (response lengths), kept by a checkpoint."""
+        self.after_step: Callable[[int], Awaitable[None]] | None = None
+        """Awaited after each step's end (the controller saves checkpoints there)."""
 
-    async def run(self, steps: int) -> None:
-        for step in range(steps):
+    async def run(self, steps: int, start: int = 0) -> None:
+        """Steps start .. steps-1 (a resumed run starts after its checkpoint's last step)."""
+        for step in range(start, steps):
             self.emit("step_start", self.clock.now(), step=step, version=self.version)
             await self.step(step)
             self.emit("step_end", self.clock.now(), step=step, version=self.version)
             self.on_step_end(step)
+            if self.after_step is not None:
+                await self.after_step(step)
+
+    def state(self) -> dict[str, Any]:
+        """The scheduler's part of a checkpoint, taken at a step's end (JSON): weight version, train
+        batches, next group id, the prompt cursor, the RNG states, and the groups still unfinished
+        (async: in flight or waiting), which the checkpoint does not keep."""
+        p = self.producer
+        prompts = p.prompts.state() if hasattr(p.prompts, "state") else None
+        return {"version": self.version, "batches": self.batches, "next_group": p.next_group, "prompts": prompts,
+                "rngs": {k: rng_to_json(r.getstate()) for k, r in self.rngs.items()},
+                "unfinished": [{"group": g.id, "step": g.step} for g in p.unfinished()]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state(); its unfinished groups are gone (the caller records them)."""
+        self.version, self.batches = int(state["version"]), int(state["batches"])
+        self.producer.next_group = int(state["next_group"])
+        if state.get("prompts") is not None:
+            self.producer.prompts.restore(state["prompts"])  # type: ignore[attr-defined]
+        for name, rng in state.get("rngs", {}).items():
+            if name in self.rngs:
+                self.rngs[name].setstate(rng_from_json(rng))
 
     async def step(self, step: int) -> None:
         raise NotImplementedError

@@ -10,6 +10,7 @@ One dataclass per section, each checking its own fields next to where they are d
     cluster.py   slurm, sim, tracking
     schema.py    Recipe: the sections, and the checks that span several
     load.py      YAML + overrides -> checked Recipe; Recipe -> YAML
+    bounded_yaml.py  YAML parsed within bounds (size, depth, aliases expanded)
 
 A new section is one dataclass with its `check()`, added as a field of Recipe. The schema
 imports nothing from the rest of rlctl but rlctl.errors.

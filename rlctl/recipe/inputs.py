@@ -4,31 +4,57 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlctl.recipe.checks import FieldError, Section, positive, within
+from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
 from rlctl.recipe.choices import DataSource, TaskName, Verifier
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,99}$")
+"""A run name: it begins the run id, which names the run's directory, its Slurm job (#SBATCH
+--job-name, rlctl/launchers/slurm/script.py) and its processes' command lines. Letters, digits
+and _.+- only (no space, quote, newline or other control character to break a shell line or a
+Slurm directive), not starting with - or . (an option, a hidden directory), 100 at most."""
+MAX_STEPS = 10_000_000
+"""run.steps and model.init.warmup_steps at most: more than any run takes (10^6 steps is a year
+of 30-second steps)."""
 
 
 @dataclass(kw_only=True)
 class RunConfig(Section):
     name: str = "run"
-    """Human name of the run; the run id is `<name>-<date>-<time>-<suffix>`."""
+    """Human name of the run; the run id is `<name>-<date>-<time>-<suffix>` (RUN_NAME says which
+    characters)."""
     seed: int = 0
     """Seeds data order, sampling on the rollout servers and model init."""
     steps: int = 20
-    """Number of rollout batches (each followed by its optimizer steps and a weight sync)."""
+    """Number of rollout batches (each followed by its optimizer steps and a weight sync); at
+    most MAX_STEPS."""
     output_dir: str = "runs"
     """Where run directories are created (relative to the current directory)."""
     threads_per_process: int = 1
-    """torch threads per worker process; keep low when several processes share a few cores."""
+    """torch threads per worker process; keep low when several processes share a few cores (at
+    most 1024)."""
+    shared_group: bool = False
+    """The run directory readable by its group too (0750, for a project group sharing runs)
+    instead of its owner's alone (0700); the run's token file stays 0600 either way."""
+    save_every: int = 0
+    """Write a checkpoint every this many steps and after the last step (0 = never): what `rlctl
+    resume` continues from and `rlctl export` exports (run_dir/checkpoints/step-NNNNNN/)."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep, the newest (0 = all)."""
 
     def check(self) -> None:
         positive("steps", self.steps)
+        at_most("steps", self.steps, MAX_STEPS)
         positive("threads_per_process", self.threads_per_process)
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise FieldError("name", f"'{self.name}' is not a usable name; use letters, digits, - and _")
+        at_most("threads_per_process", self.threads_per_process, 1024)
+        positive("save_every", self.save_every, zero_ok=True)
+        positive("keep_checkpoints", self.keep_checkpoints, zero_ok=True)
+        if not RUN_NAME.fullmatch(self.name):
+            raise FieldError("name", f"'{self.name}' is not a usable name; use up to 100 letters, digits and _.+- "
+                                     "(not - or . first)")
 
 
 @dataclass(kw_only=True)
@@ -37,6 +63,8 @@ class ModelInit(Section):
 
     It is given a short supervised warm-up on the run's task with noisy answers, so that it knows
     the answer format and is right only some of the time: the starting point RL then improves.
+    Its sizes are at most 65,536 (layers 1,024, positions 2^20, warm-up batch 65,536 samples):
+    a tiny model is built on this machine, and a typo there would take all its memory.
     """
 
     hidden_size: int = 128
@@ -59,9 +87,13 @@ class ModelInit(Section):
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                      "max_position_embeddings"):
             positive(name, getattr(self, name))
+            at_most(name, getattr(self, name), {"num_layers": 1024, "max_position_embeddings": 1 << 20}.get(name, 65_536))
         if self.num_heads % self.num_kv_heads:
             raise FieldError("num_kv_heads", f"must divide num_heads ({self.num_heads})")
         positive("warmup_steps", self.warmup_steps, zero_ok=True)
+        at_most("warmup_steps", self.warmup_steps, MAX_STEPS)
+        positive("warmup_batch_size", self.warmup_batch_size)
+        at_most("warmup_batch_size", self.warmup_batch_size, 65_536)
         within("warmup_correct_prob", self.warmup_correct_prob, 0.0, 1.0)
 
 

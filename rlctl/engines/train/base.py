@@ -137,3 +137,10 @@ class TrainEngine(Protocol):
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full weights with Hugging Face names, in a fixed order (meaningful on rank 0)."""
+
+    def save_checkpoint(self, path: str) -> dict[str, float]:
+        """Write this trainer's part of a checkpoint into the directory `path` (every rank is
+        called; rlctl/engines/train/ckpt_files.py has the files); returns {"version": ...}."""
+
+    def load_checkpoint(self, path: str) -> dict[str, float]:
+        """Continue from a checkpoint: weights, optimizer state, RNG states, weight version."""

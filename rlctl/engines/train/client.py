@@ -8,18 +8,21 @@ from typing import Any
 
 import aiohttp
 
+from rlctl.door import bearer
 from rlctl.engines.rollout.client import wait_healthy
 from rlctl.errors import RunError
 
 
 class TrainerClient:
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, token: str | None = None) -> None:
         self.url = url
         self.session = session
+        self.headers = bearer(token)
+        """The run's token (rlctl/door.py), asked by every route of the service but /health."""
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            async with self.session.post(self.url + path, json=body) as resp:
+            async with self.session.post(self.url + path, json=body, headers=self.headers) as resp:
                 text = await resp.text()
                 if resp.status != 200:  # the trainer's own errors are JSON, aiohttp's 500 page is not
                     raise RunError(f"trainer {path}: HTTP {resp.status}: {text.strip()[:300]}; see the trainer's log")
@@ -31,14 +34,14 @@ class TrainerClient:
         await wait_healthy(self.session, self.url, timeout_s)
 
     async def weight_checksums(self) -> dict[str, Any]:
-        async with self.session.get(self.url + "/weight_checksums") as resp:
+        async with self.session.get(self.url + "/weight_checksums", headers=self.headers) as resp:
             return await resp.json()
 
     async def init_weight_sync(self, servers: list[str], master_address: str, master_port: int,
-                               backend: str, bucket_mb: float, api_key: str = "") -> None:
+                               backend: str, bucket_mb: float) -> None:
         await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,
                                                "master_port": master_port, "backend": backend,
-                                               "bucket_mb": bucket_mb, "api_key": api_key})
+                                               "bucket_mb": bucket_mb})
 
     async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self._post("/accumulate", {"samples": samples})
@@ -48,3 +51,11 @@ class TrainerClient:
 
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
         return await self._post("/sync_weights", {"version": str(version), "pause_mode": pause_mode})
+
+    async def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """The trainer writes its part of a checkpoint (weights as HF, optimizer, RNG) into path."""
+        return await self._post("/save_checkpoint", {"dir": path})
+
+    async def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """The trainer continues from the checkpoint in path; returns its weight version."""
+        return await self._post("/load_checkpoint", {"dir": path})

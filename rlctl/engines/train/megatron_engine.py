@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss
+from rlctl.engines.train import ckpt_files
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, gather, hf_to_mcore, mcore_to_hf, shard,
                                                   tp_dim)
@@ -56,6 +58,7 @@ class MegatronTrainEngine(PieceTraining):
         from transformers import AutoConfig
 
         self.cfg, self.temperature = cfg, temperature
+        self.model_path = model_path
         self.rank, self.world_size = rank, world_size
         hf_cfg = AutoConfig.from_pretrained(model_path)
         self.layout = Layout.from_hf_config(hf_cfg)  # refuses what it cannot map, before any GPU work
@@ -175,6 +178,61 @@ class MegatronTrainEngine(PieceTraining):
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return mcore_to_hf(self.mcore_state(), self.layout)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    # Model and distributed optimizer through megatron.core.dist_checkpointing (every rank writes
+    # its shards; the optimizer's dp_reshardable format: no gathers, same TP on load), plus the
+    # policy exported as an HF directory for serving and `rlctl export`. Written against
+    # megatron-core 0.19.2; needs CUDA, so it is exercised on GPU machines only.
+
+    DIST_OPTIM = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
+        """Megatron-LM's layout: {"model": ..., "optimizer": ...}; the optimizer's sharded state is
+        matched to the model's ShardedTensors (which hold the parameters themselves)."""
+        state: dict[str, Any] = {"model": self.model.sharded_state_dict()}
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=self.DIST_OPTIM)
+        return state
+
+    def save_checkpoint(self, path: str) -> dict[str, float]:
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        root = Path(path)
+        dist_dir = root / ckpt_files.TRAINER_DIR / "megatron"
+        if self.dp_rank == 0:  # rank 0's TP group rebuilds the full tensors; rank 0 writes them
+            weights = list(self.hf_weights())
+            if self.rank == 0:
+                ckpt_files.write_safetensors(weights, root / ckpt_files.HF_DIR)
+                ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR, with_config=True)
+                dist_dir.mkdir(parents=True, exist_ok=True)
+            del weights
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(is_loading=False), str(dist_dir))
+        ckpt_files.save_rng(root, self.rank, megatron_cuda=tensor_parallel.get_cuda_rng_tracker().get_states())
+        if self.rank == 0:
+            ckpt_files.write_engine_info(root, engine="megatron", version=self.version, ranks=self.world_size,
+                                         tp=self.tp_size, dp=self.dp_size)
+        dist.barrier()
+        return {"version": float(self.version)}
+
+    def load_checkpoint(self, path: str) -> dict[str, float]:
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        root = Path(path)
+        info = ckpt_files.read_engine_info(root)
+        if info.get("engine") != "megatron" or info.get("tp") != self.tp_size:
+            raise RunError(f"{root}: written by the {info.get('engine')} engine with TP {info.get('tp')}; "
+                           f"this trainer is megatron with TP {self.tp_size}")
+        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True),
+                                         str(root / ckpt_files.TRAINER_DIR / "megatron"))
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        rng = ckpt_files.load_rng(root, self.rank)
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_cuda"])
+        self.version = int(info["version"])
+        self._acc = new_accumulator()
+        self.ddp.zero_grad_buffer()
+        return {"version": float(self.version)}
 
     # -- compute ------------------------------------------------------------------------------
 

@@ -18,12 +18,15 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss, k3_kl, token_logprobs
+from rlctl.engines.train import ckpt_files
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
+from rlctl.errors import RunError
 from rlctl.recipe import TrainConfig
 
 
@@ -33,6 +36,7 @@ class TorchTrainEngine(PieceTraining):
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.model_path = model_path
         self.temperature = temperature
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
@@ -131,3 +135,38 @@ class TorchTrainEngine(PieceTraining):
         # named_parameters() lists a tied lm_head once, under the embedding's name: the server's
         # state_dict shares that storage, so one copy updates both.
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    # -- checkpoints (rlctl/engines/train/ckpt_files.py has the files) ---------------------------
+
+    def save_checkpoint(self, path: str) -> dict[str, float]:
+        """Rank 0 writes the policy as an HF directory and the optimizer state; every rank its RNG
+        states. The ranks are replicas (the same all-reduced step on every rank), so one copy of
+        the weights and optimizer serves all of them."""
+        root = Path(path)
+        if self.rank == 0:
+            self.model.save_pretrained(root / ckpt_files.HF_DIR)
+            ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR)
+            torch.save(self.optimizer.state_dict(), ckpt_files.trainer_dir(root) / "optimizer.pt")
+            ckpt_files.write_engine_info(root, engine="torch", version=self.version, ranks=self.world_size)
+        ckpt_files.save_rng(root, self.rank)
+        if self.world_size > 1:
+            dist.barrier()
+        return {"version": float(self.version)}
+
+    def load_checkpoint(self, path: str) -> dict[str, float]:
+        """Weights, optimizer state, RNG states and weight version from a checkpoint (every rank
+        reads rank 0's weights and optimizer). The KL reference model stays the initial model."""
+        root = Path(path)
+        state = ckpt_files.read_safetensors(root / ckpt_files.HF_DIR, device=str(self.device))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise RunError(f"{root}: the checkpoint does not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]})")
+        opt = torch.load(ckpt_files.trainer_dir(root) / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(opt)
+        ckpt_files.load_rng(root, self.rank)
+        self.version = int(ckpt_files.read_engine_info(root)["version"])
+        self._acc = new_accumulator()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"version": float(self.version)}

@@ -1,0 +1,229 @@
+"""Checkpoints of a run, and what a resume does to the run directory.
+
+    runs/<id>/checkpoints/
+      step-000004/            the state after 4 steps (steps 0..3); a resume continues at step 4
+        hf/                   the policy as a Hugging Face model directory (config.json,
+                              *.safetensors, tokenizer files): `rlctl export` copies it
+        trainer/              engine.json (weight version), optimizer state (torch: optimizer.pt;
+                              Megatron: megatron/, dist_checkpointing), rng-rank-R.pt per rank
+        controller.json       steps done, weight version, the prompt cursor and the scheduler's
+                              RNG states, the groups left unfinished, the run clock at the save
+      .tmp-step-000006-PID/   a checkpoint being written: never listed, never loaded
+
+A checkpoint is written into a temporary directory inside checkpoints/ (the trainer writes hf/
+and trainer/, the controller controller.json), every file and directory is fsynced, and then it
+is renamed to step-NNNNNN: a checkpoint is visible complete or not at all. Old ones beyond
+run.keep_checkpoints are renamed out of sight before they are deleted.
+
+Nothing here imports torch: `rlctl status` lists checkpoints through this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlctl.errors import RunError, UsageError
+from rlctl.rundir import RunDir, now_iso, read_jsonl, write_atomic
+
+CHECKPOINTS = "checkpoints"
+CONTROLLER_FILE = "controller.json"
+HF_DIR = "hf"
+_NAME = re.compile(r"^step-(\d{6,})$")
+
+
+def checkpoint_name(steps: int) -> str:
+    return f"step-{steps:06d}"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    steps: int
+    """Steps done: the run continues at this step index."""
+    path: Path
+
+    @property
+    def hf(self) -> Path:
+        return self.path / HF_DIR
+
+    def controller_state(self) -> dict[str, Any]:
+        return json.loads((self.path / CONTROLLER_FILE).read_text())
+
+    def size_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+
+    def saved_at(self) -> float:
+        """When it was completed (the controller's file is written last)."""
+        return (self.path / CONTROLLER_FILE).stat().st_mtime
+
+    def describe(self) -> dict[str, Any]:
+        """One row of `rlctl status RUN`."""
+        return {"step": self.steps, "path": str(self.path), "bytes": self.size_bytes(),
+                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.saved_at()))}
+
+
+def list_checkpoints(run_path: Path) -> list[Checkpoint]:
+    """The run's complete checkpoints, oldest first."""
+    root = run_path / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _NAME.match(d.name)
+        if m and (d / CONTROLLER_FILE).is_file():
+            found.append(Checkpoint(int(m.group(1)), d))
+    return sorted(found, key=lambda c: c.steps)
+
+
+def find_checkpoint(run_path: Path, steps: int | None = None) -> Checkpoint:
+    """The checkpoint after `steps` steps, or the newest; a usage error naming what there is."""
+    found = list_checkpoints(run_path)
+    if not found:
+        raise UsageError(f"run {run_path.name} has no checkpoint; checkpoints are written every run.save_every "
+                         "steps (0, the default, writes none)")
+    if steps is None:
+        return found[-1]
+    for c in found:
+        if c.steps == steps:
+            return c
+    raise UsageError(f"run {run_path.name} has no checkpoint at step {steps}; it has "
+                     f"{', '.join(str(c.steps) for c in found)}")
+
+
+def should_save(steps_done: int, save_every: int, total_steps: int) -> bool:
+    """After every save_every steps, and after the last step (save_every 0: never)."""
+    return save_every > 0 and (steps_done % save_every == 0 or steps_done == total_steps)
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+class TrainerCheckpoints(Protocol):
+    async def save_checkpoint(self, path: str) -> dict[str, Any]: ...
+
+
+def fsync_tree(path: Path) -> None:
+    """Every file and directory under path (and path) on disk."""
+    for d, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(d))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def save_checkpoint(run_path: Path, steps: int, trainer: TrainerCheckpoints, controller_state: dict[str, Any],
+                          keep: int) -> dict[str, Any]:
+    """Write the checkpoint after `steps` steps: the trainer's part, then the controller's, then
+    fsync and rename into place; then drop the oldest beyond `keep` (0: keep all)."""
+    start = time.monotonic()
+    root = run_path / CHECKPOINTS
+    root.mkdir(exist_ok=True)
+    final = root / checkpoint_name(steps)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    await trainer.save_checkpoint(str(tmp.resolve()))
+    (tmp / CONTROLLER_FILE).write_text(json.dumps({"steps": steps, **controller_state}) + "\n")
+    fsync_tree(tmp)
+    if final.exists():  # written before by an attempt that then failed: the new one replaces it
+        _discard(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    removed = prune(run_path, keep)
+    size = Checkpoint(steps, final).size_bytes()
+    return {"path": str(final), "bytes": size, "seconds": time.monotonic() - start, "removed": removed}
+
+
+def _discard(path: Path) -> None:
+    """Out of sight first (one rename), then deleted."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune(run_path: Path, keep: int) -> list[int]:
+    """Delete all but the newest `keep` checkpoints (0: keep all); the steps deleted."""
+    found = list_checkpoints(run_path)
+    old = found[:-keep] if keep > 0 else []
+    for c in old:
+        _discard(c.path)
+    return [c.steps for c in old]
+
+
+def remove_leftovers(run_path: Path) -> None:
+    """Temporary and half-deleted checkpoint directories of processes that died."""
+    root = run_path / CHECKPOINTS
+    if root.is_dir():
+        for d in root.iterdir():
+            if d.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+# -- resuming --------------------------------------------------------------------------------
+
+
+def keep_lines(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Rewrite a JSONL file atomically with the records `keep` accepts; how many were removed."""
+    records = read_jsonl(path)
+    kept = [r for r in records if keep(r)]
+    write_atomic(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept))
+    return len(records) - len(kept)
+
+
+def prepare_resume(rd: RunDir, ckpt: Checkpoint) -> dict[str, Any]:
+    """Make the run directory continue from `ckpt`: metrics of the steps after it removed, the
+    pipeline's events after it (those that carry a step) removed, run.json reopened with the
+    new attempt and the checkpoint to start from. Returns the attempt's record."""
+    state = ckpt.controller_state()
+    remove_leftovers(rd.path)
+    metrics_removed = keep_lines(rd.metrics_path, lambda m: m.get("step", -1) < ckpt.steps)
+    t_cut = float(state["t"])
+    events_removed = keep_lines(rd.events_path, lambda e: "step" not in e or e.get("t", 0.0) <= t_cut)
+    attempt: dict[str, Any] = {}
+
+    def reopen(d: dict[str, Any]) -> None:
+        attempts = d.setdefault("attempts", [])
+        if not attempts:
+            attempts.append({"attempt": 1, "resumed_from": None, "started": d["created"]})
+        attempts[-1].update(ended=d.get("ended"), state=d["state"], exit_reason=d.get("exit_reason"),
+                            processes=d.get("processes", {}))
+        attempt.update(attempt=len(attempts) + 1, resumed_from=ckpt.steps, checkpoint=str(ckpt.path),
+                       started=now_iso())
+        attempts.append(dict(attempt))
+        d.update(state="starting", ended=None, exit_reason=None, processes={},
+                 resume={"checkpoint": str(ckpt.path.resolve()), "steps": ckpt.steps, "attempt": attempt["attempt"]})
+
+    rd.update(reopen)
+    rd.event("resume", attempt=attempt["attempt"], from_step=ckpt.steps, checkpoint=str(ckpt.path),
+             metrics_removed=metrics_removed, events_removed=events_removed)
+    return attempt
+
+
+def resume_point(info: dict[str, Any]) -> Checkpoint | None:
+    """The checkpoint this attempt starts from (run.json's `resume`), if it is a resumed one."""
+    resume = info.get("resume")
+    if not resume:
+        return None
+    ckpt = Checkpoint(int(resume["steps"]), Path(resume["checkpoint"]))
+    if not (ckpt.path / CONTROLLER_FILE).is_file():
+        raise RunError(f"{ckpt.path}: the checkpoint to resume from is gone")
+    return ckpt
