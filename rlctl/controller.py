@@ -5,6 +5,9 @@ It waits for every server and the trainer, has the trainer form the weight-sync 
 servers, and runs `run.steps` steps. The Recorder (rlctl/metrics/recorder.py) streams every event
 to events.jsonl and, at each step's end, writes the step's metrics to metrics.jsonl and the
 tracker; nothing is kept in memory from one step to the next but what the metrics need.
+With run.save_every it writes a checkpoint after every save_every steps and the last one
+(rlctl/checkpoint.py); an attempt started by `rlctl resume` first loads the newest one into the
+trainer and the scheduler and sends its weights to the servers.
 """
 
 from __future__ import annotations
@@ -14,16 +17,20 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+from rlctl.checkpoint import Checkpoint, resume_point, save_checkpoint, should_save
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.train.client import TrainerClient
 from rlctl.errors import RunError
+from rlctl.failover import FailoverTrainer, ServerWatch
 from rlctl.metrics import Recorder
+from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.core import Clock, EventSink
+from rlctl.pipelines.pool import RolloutPool
 from rlctl.pipelines.scoring import PooledScorer
 from rlctl.plan import RunPlan
 from rlctl.recipe import Device, Launcher, Recipe, RolloutEngine, SyncBackend
@@ -49,30 +56,47 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
     recorder = Recorder(events, rd.append_metrics, make_tracker(rd, recipe), wall_clock=time.time)
     make_verifier(recipe.reward)  # a reward function that cannot load fails here, saying why, not in a worker
     scorer = PooledScorer(model_path, recipe.reward)
+    resume_from = resume_point(rd.read())  # a resumed attempt (`rlctl resume`) starts from this checkpoint
+    start = resume_from.steps if resume_from else 0
     try:
         async with _http_session() as session:
-            servers = await connect_servers(recipe, plan, session)
-            trainer: TrainerClient | CheckedTrainer = await connect_trainer(recipe, plan, session)
+            token = _run_token(rd)
+            servers = await connect_servers(recipe, plan, session, token)
+            trainer: TrainerClient | CheckedTrainer = await connect_trainer(recipe, plan, session, token)
             await scorer.ready()
-            recorder.emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode, host=HOST)
+            recorder.emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode, host=HOST,
+                          **({"resumed_from": start} if resume_from else {}))
+            pool = RolloutPool(servers)
+            watch = ServerWatch(pool, servers, recipe, rd, recorder.emit, clock)
+            failover = FailoverTrainer(trainer, watch, weight_group_former(trainer, recipe, plan))
+            trainer = failover
             if recipe.pipeline.check_weights:
-                trainer = CheckedTrainer(trainer, servers, recorder.emit, clock)
-            await send_initial_weights(trainer, recorder.emit, clock)
+                trainer = CheckedTrainer(failover, failover.servers, recorder.emit, clock)
+            state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
+            await send_initial_weights(trainer, recorder.emit, clock, version=int(state["version"]) if state else 0)
             pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,
                                       on_step_end=lambda step: _log_step(recorder.last),
-                                      tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer)
-            await pipeline.run(recipe.run.steps)
+                                      tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer, pool=pool)
+            if state:
+                restore_pipeline(pipeline, state, recorder.emit, clock)
+            pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock)
+            watching = asyncio.create_task(watch.run())
+            try:
+                await pipeline.run(recipe.run.steps, start)
+            finally:
+                watching.cancel()
     finally:
         scorer.close()
-        recorder.close(completed=recorder.recorded == recipe.run.steps)
+        recorder.close(completed=start + recorder.recorded == recipe.run.steps)
 
 
 class CheckedTrainer:
     """pipeline.check_weights: after every weight sync, the sha256 of every tensor on each server
     must equal the trainer's (built-in servers; slow, for tests and debugging)."""
 
-    def __init__(self, trainer: TrainerClient, clients: list[RolloutClient], emit: EventSink, clock: Clock) -> None:
+    def __init__(self, trainer: Any, clients: Callable[[], list[RolloutClient]], emit: EventSink, clock: Clock) -> None:
         self.trainer, self.clients, self.emit, self.clock = trainer, clients, emit, clock
+        """clients(): the servers the syncs now go to (failover takes lost ones out)."""
 
     async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self.trainer.accumulate(samples)
@@ -80,28 +104,77 @@ class CheckedTrainer:
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self.trainer.train(samples)
 
+    async def save_checkpoint(self, path: str) -> dict[str, Any]:
+        return await self.trainer.save_checkpoint(path)
+
+    async def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return await self.trainer.load_checkpoint(path)
+
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
         stats = await self.trainer.sync_weights(version, pause_mode)
         want = (await self.trainer.weight_checksums())["checksums"]
-        for c in self.clients:
+        clients = self.clients()
+        for c in clients:
             got = await c.weight_checksums()
             for rank, sums in enumerate([got["checksums"], *got.get("tp_ranks", [])]):
                 wrong = [n for n, h in want.items() if sums.get(n) != h]
                 if wrong:
                     raise RunError(f"after the sync to version {version}, {c.url} (TP rank {rank}) differs from the "
                                    f"trainer in {len(wrong)} of {len(want)} tensors (first: {wrong[0]})")
-        self.emit("weights_checked", self.clock.now(), version=version, tensors=len(want), servers=len(self.clients))
+        self.emit("weights_checked", self.clock.now(), version=version, tensors=len(want), servers=len(clients))
         return stats
 
 
-async def send_initial_weights(trainer: TrainerClient | CheckedTrainer, emit: EventSink, clock: Clock) -> None:
-    """Version 0 reaches every server before step 0. What a server loaded from the model path is
-    not necessarily the trainer's weights (another dtype, a trainer that starts elsewhere), and
-    until its first update SGLang stamps its generations with its --weight-version ("default"),
-    which is no version of the run."""
+async def send_initial_weights(trainer: TrainerClient | CheckedTrainer, emit: EventSink, clock: Clock,
+                               version: int = 0) -> None:
+    """Version 0 (a resumed run: the checkpoint's version) reaches every server before the first
+    step. What a server loaded from the model path is not necessarily the trainer's weights
+    (another dtype, a trainer that starts elsewhere, a checkpoint), and until its first update
+    SGLang stamps its generations with its --weight-version ("default"), which is no version of
+    the run."""
     start = clock.now()
-    stats = await trainer.sync_weights(0)
+    stats = await trainer.sync_weights(version)
     emit("initial_sync", clock.now(), start=start, **{k: v for k, v in stats.items() if k not in ("version", "success")})
+
+
+async def load_checkpoint(trainer: TrainerClient | CheckedTrainer, ckpt: Checkpoint, emit: EventSink,
+                          clock: Clock) -> dict[str, Any]:
+    """The trainer continues from the checkpoint (weights, optimizer, RNG); returns the
+    controller's part of it (rlctl/checkpoint.py)."""
+    start = clock.now()
+    state = ckpt.controller_state()
+    loaded = await trainer.load_checkpoint(str(ckpt.path.resolve()))
+    if int(loaded["version"]) != int(state["version"]):
+        raise RunError(f"{ckpt.path}: the trainer's weight version is {int(loaded['version'])}, the controller's "
+                       f"{state['version']}; the checkpoint is inconsistent")
+    emit("checkpoint_loaded", clock.now(), start=start, steps=ckpt.steps, version=int(state["version"]),
+         path=str(ckpt.path), prompts=(state.get("prompts") or {}).get("position"))
+    return state
+
+
+def restore_pipeline(pipeline: Pipeline, state: dict[str, Any], emit: EventSink, clock: Clock) -> None:
+    """The scheduler where the checkpoint left it. Groups unfinished at the checkpoint (async:
+    in flight or waiting to be trained) are not in it: they are recorded as dropped."""
+    pipeline.restore(state)
+    for g in state.get("unfinished", []):
+        emit("group_dropped", clock.now(), step=g["step"], group=g["group"], reason="resumed")
+
+
+def checkpointer(rd: RunDir, recipe: Recipe, trainer: TrainerClient | CheckedTrainer, pipeline: Pipeline,
+                 recorder: Recorder, clock: Clock) -> Callable[[int], Awaitable[None]]:
+    """The pipeline's after_step: a checkpoint every run.save_every steps and after the last. The
+    scheduler's state is taken first, at the step's end, before anything else can move."""
+
+    async def after_step(step: int) -> None:
+        if not should_save(step + 1, recipe.run.save_every, recipe.run.steps):
+            return
+        state = {"t": clock.now(), **pipeline.state()}
+        stats = await save_checkpoint(rd.path, step + 1, trainer, state, recipe.run.keep_checkpoints)
+        recorder.emit("checkpoint", clock.now(), steps=step + 1, version=state["version"],
+                      unfinished_groups=len(state["unfinished"]), **stats)
+        recorder.events.flush()
+
+    return after_step
 
 
 def _flush_on_sigterm(events: EventLog) -> None:
@@ -125,13 +198,20 @@ async def _http_session() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-def _api_key(recipe: Recipe) -> str:
-    return recipe.rollout.sglang.api_key if recipe.rollout.engine is RolloutEngine.SGLANG else ""
+def _run_token(rd: RunDir) -> str:
+    """The run's token (rlctl/door.py): every server of the run, and the trainer, ask for it."""
+    from rlctl.door import read_token
+
+    try:
+        return read_token(rd.path)
+    except ValueError as e:
+        raise RunError(str(e)) from None
 
 
-async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession) -> list[RolloutClient]:
+async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession,
+                          token: str) -> list[RolloutClient]:
     """A client per rollout server, named by its role, once every server answers /health."""
-    clients = [RolloutClient(url, session, _api_key(recipe) or None, name=role.name)
+    clients = [RolloutClient(url, session, token, name=role.name)
                for role, url in zip(plan.rollout, plan.server_urls)]
     for c in clients:
         await c.wait_healthy(READY_TIMEOUT_S)
@@ -144,14 +224,21 @@ async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.Client
     return clients
 
 
-async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession) -> TrainerClient:
+async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession, token: str) -> TrainerClient:
     """The trainer service, once it answers /health and has formed the weight-sync group."""
-    trainer = TrainerClient(plan.trainer_url, session)
+    trainer = TrainerClient(plan.trainer_url, session, token)
     await trainer.wait_healthy(READY_TIMEOUT_S)
     await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
-                                   backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
-                                   api_key=_api_key(recipe))
+                                   backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb)
     return trainer
+
+
+def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan):
+    """connect(clients, port): the trainer forms the weight-sync group anew with these servers."""
+    async def connect(clients: list[RolloutClient], port: int) -> None:
+        await trainer.init_weight_sync([c.url for c in clients], plan.trainers[0].host, port,
+                                       backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb)
+    return connect
 
 
 def sync_backend(recipe: Recipe) -> SyncBackend:

@@ -67,6 +67,7 @@ LAYERS: dict[str, Layer] = {
     "rlctl.launchers": Layer.ORCHESTRATION,
     "rlctl.worker": Layer.ORCHESTRATION,
     "rlctl.controller": Layer.ORCHESTRATION,
+    "rlctl.failover": Layer.ORCHESTRATION,
     "rlctl.status": Layer.ORCHESTRATION,
     "rlctl.sim": Layer.SIMULATION,
     "rlctl.pipelines": Layer.SCHEDULING,

@@ -4,7 +4,9 @@ The group is made exactly as SGLang makes it (docs/sglang.md): a TCP rendezvous 
 tcp://master_address:master_port, the store wrapped in PrefixStore(group_name), then a new
 process group of world_size on it. The trainer is rank 0 and hosts the store; server i joins as
 rank_offset + tp_rank. Because both sides build the group the same way, rlctl's sender works
-against real SGLang servers and SGLang-style senders work against rlctl's built-in server.
+against real SGLang servers and SGLang-style senders work against rlctl's built-in server. The
+store rank 0 hosts listens on master_address only (tcp_store), where torch's own rendezvous
+would listen on every address of the host; the others connect as SGLang's recipe has them.
 
 A sync sends the weights in buckets. Each bucket is announced to every server over HTTP
 (names, dtypes, shapes), then broadcast either tensor by tensor or, with load_format
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+CLOSE_TIMEOUT_S = 10.0
 
 
 
@@ -58,7 +61,10 @@ def init_custom_process_group(
     )
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    if rank == 0:  # the host of the store: on the master address only
+        store = tcp_store(init_method, rank, world_size, timeout)
+    else:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
@@ -66,6 +72,25 @@ def init_custom_process_group(
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def tcp_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta):
+    """The store of a tcp://HOST:PORT rendezvous, as torch's rendezvous makes it, except that rank
+    0 hosts it on HOST's address only: torch binds its store to every address of the host, so a
+    socket bound here is handed to it (TCPStore's master_listen_fd). Other ranks connect."""
+    from urllib.parse import urlsplit
+
+    import torch.distributed as dist
+
+    from rlctl.door import listening_socket
+
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
+        raise ValueError(f"{init_method!r} is not a tcp://HOST:PORT rendezvous")
+    if rank != 0:
+        return dist.TCPStore(url.hostname, url.port, world_size, False, timeout)
+    fd = listening_socket(url.hostname, url.port).detach()  # the store owns and closes it
+    return dist.TCPStore(url.hostname, url.port, world_size, True, timeout, master_listen_fd=fd)
 
 
 def destroy_process_group(pg) -> None:
@@ -273,9 +298,15 @@ class WeightSender:
                 world_size=self.world_size, group_name=self.group_name, backend=self.backend))
             for c, offset in zip(self.clients, self.rank_offsets, strict=True)
         ]
-        self.group = await loop.run_in_executor(None, lambda: init_custom_process_group(
-            backend=self.backend, init_method=f"tcp://{self.master_address}:{self.master_port}",
-            world_size=self.world_size, rank=0, group_name=self.group_name))
+        try:
+            self.group = await loop.run_in_executor(None, lambda: init_custom_process_group(
+                backend=self.backend, init_method=f"tcp://{self.master_address}:{self.master_port}",
+                world_size=self.world_size, rank=0, group_name=self.group_name))
+        except BaseException:  # our side failed: the servers' answers no longer matter
+            for j in joins:
+                j.cancel()
+            await asyncio.gather(*joins, return_exceptions=True)
+            raise
         await asyncio.gather(*joins)
         self.session_needed = list(await asyncio.gather(*(c.needs_update_session() for c in self.clients)))
 
@@ -326,6 +357,8 @@ class WeightSender:
             self.broken = True
             for t in replies:
                 t.cancel()
+            if not broadcast.done():  # it fails later, when the group goes; nobody awaits it any more
+                broadcast.add_done_callback(lambda f: f.cancelled() or f.exception())
             error = failed[0].exception()
             if failed[0] is broadcast:
                 raise RunError(f"weight broadcast to the servers failed: {error}") from error
@@ -347,8 +380,20 @@ class WeightSender:
         if self.group is None:
             return
         group, self.group = self.group, None
-        if self.broken:
-            return  # a broadcast may still be blocked in this group: leave it to the process's exit
-        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.clients),
-                             return_exceptions=True)
-        destroy_process_group(group)
+        # A lost server may not answer: its peers' groups are destroyed all the same.
+        destroys = asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.clients),
+                                  return_exceptions=True)
+        try:
+            await asyncio.wait_for(destroys, CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            pass
+        if not self.broken:
+            destroy_process_group(group)
+            return
+        # A broadcast may still be blocked in a broken group: destroy it off this thread, and
+        # give up waiting after a while (the process's exit ends it then). Destroyed, its name is
+        # free again for the next group.
+        try:
+            await asyncio.wait_for(in_daemon_thread(destroy_process_group, group), CLOSE_TIMEOUT_S)
+        except (TimeoutError, RuntimeError, ValueError):
+            pass

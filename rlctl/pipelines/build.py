@@ -20,21 +20,23 @@ from rlctl.workloads import LengthDistribution
 
 def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
                    on_step_end: Callable[[int], None], *, tokenize: Callable[[str], list[int]],
-                   score: Score) -> Pipeline:
-    """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated)."""
+                   score: Score, pool: RolloutPool | None = None) -> Pipeline:
+    """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated).
+    `pool`: the servers' RolloutPool when the caller watches it (failover); one is made otherwise."""
     s = recipe.rollout.sampling
     sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
     lengths = None
+    rngs: dict[str, random.Random] = {}
     if s.long_tail.enabled:
         lt = s.long_tail
         dist = LengthDistribution(s.max_new_tokens, lt.median_fraction, lt.sigma, lt.min_tokens, lt.truncated_fraction)
-        rng = random.Random(recipe.run.seed)
+        rng = rngs["lengths"] = random.Random(recipe.run.seed)
         lengths = lambda: dist.sample(rng)  # noqa: E731
     p = recipe.pipeline
     admission = make_admission(p.admission, recipe.rollout.concurrency * len(servers))
     runner = GroupRunner(
-        RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize, score=score,
+        pool or RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize, score=score,
         clock=clock, emit=emit, lengths=lengths,
         resume_aborted=p.mode is PipelineMode.ASYNC and p.inflight_at_update is InflightAtUpdate.ABORT_RESUME,
     )
@@ -42,9 +44,13 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
                              dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit)
     common = dict(batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,
                   clock=clock, emit=emit, on_step_end=on_step_end, over_provision=recipe.rollout.over_provision)
+    pipeline: Pipeline
     if p.mode is PipelineMode.ASYNC:
-        return AsyncPipeline(producer, trainer, admission=admission, max_staleness=p.max_staleness,
-                             sync_every=p.sync_every, inflight_at_update=p.inflight_at_update, **common)
-    if p.mode is PipelineMode.SYNC:
-        return SyncPipeline(producer, trainer, **common)
-    return RolloutPipePipeline(producer, trainer, stream_train=p.stream_train, **common)
+        pipeline = AsyncPipeline(producer, trainer, admission=admission, max_staleness=p.max_staleness,
+                                 sync_every=p.sync_every, inflight_at_update=p.inflight_at_update, **common)
+    elif p.mode is PipelineMode.SYNC:
+        pipeline = SyncPipeline(producer, trainer, **common)
+    else:
+        pipeline = RolloutPipePipeline(producer, trainer, stream_train=p.stream_train, **common)
+    pipeline.rngs = rngs
+    return pipeline

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import heapq
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from rlctl.data import Prompt
 from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest, weight_version_number
 from rlctl.errors import RunError
 from rlctl.pipelines.admission import Admission
+from rlctl.pipelines.pool import RolloutPool
 from rlctl.pipelines.scoring import Score
 
 
@@ -109,52 +109,6 @@ class Group:
              "advantage": a, "logprobs": s.logprobs, "weight_version": s.weight_version}
             for s, a in zip(self.samples, advantages)
         ]
-
-
-class RolloutPool:
-    """Spreads requests over the servers (data parallelism = several servers): each request goes
-    to the server with the fewest requests in flight. How many go out is admission's business.
-
-    A heap of (load, order, server) with lazy deletion finds that server in O(log n), which
-    matters for simulated runs with hundreds of servers and tens of thousands of requests. Stale
-    entries of loads no server has any more would pile up over a long run, so the heap is rebuilt
-    from the live loads whenever it holds twice as many entries as there are servers."""
-
-    def __init__(self, servers: list[Rollout]) -> None:
-        self.servers = servers
-        self.in_flight = {s.name: 0 for s in servers}
-        self.where: dict[str, Rollout] = {}
-        self._heap = [(0, i, s.name) for i, s in enumerate(servers)]
-        self._order = {s.name: i for i, s in enumerate(servers)}
-        self._by_name = {s.name: s for s in servers}
-
-    def _least_busy(self) -> Rollout:
-        while True:
-            load, _, name = self._heap[0]
-            if load == self.in_flight[name]:
-                return self._by_name[name]
-            heapq.heappop(self._heap)  # stale entry
-
-    def _set_load(self, name: str, delta: int) -> None:
-        self.in_flight[name] += delta
-        heapq.heappush(self._heap, (self.in_flight[name], self._order[name], name))
-        if len(self._heap) > 2 * len(self._order) + 64:
-            self._heap = [(load, self._order[n], n) for n, load in self.in_flight.items()]
-            heapq.heapify(self._heap)
-
-    async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str) -> tuple[Rollout, GenerateOutput]:
-        server = self._least_busy()
-        self._set_load(server.name, +1)
-        self.where[rid] = server
-        try:
-            return server, await server.generate(input_ids, sampling, rid)
-        finally:
-            self._set_load(server.name, -1)
-            self.where.pop(rid, None)
-
-    async def abort(self, rids: list[str]) -> None:
-        targets = [(rid, self.where[rid]) for rid in rids if rid in self.where]
-        await asyncio.gather(*(server.abort(rid) for rid, server in targets), return_exceptions=True)
 
 
 class GroupRunner:
@@ -349,6 +303,11 @@ class GroupProducer:
                 raise item
             out.append(item)
         return out
+
+    def unfinished(self) -> list[Group]:
+        """Groups opened and not yet trained or dropped: open, or complete and waiting (a checkpoint
+        does not keep them; a resume records them as dropped)."""
+        return [g for g, _ in self.open.values()] + [g for g in list(self._ready._queue) if isinstance(g, Group)]  # type: ignore[attr-defined]
 
     def drop_ready(self, reason: str) -> None:
         """Record the complete groups nobody will train (async, at the end of the run)."""

@@ -5,13 +5,34 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from rlctl.recipe.checks import FieldError, Section, positive, within
+from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
 from rlctl.recipe.choices import Device, RolloutEngine, SGLangDtype
 
 # Flags the sglang engine sets itself (rlctl/engines/rollout/sglang.py).
+# --config carries the run's token as the api key (rlctl/door.py); SGLang takes one --config only,
+# and an admin key would lock the run's own token out of the weight routes.
 SGLANG_MANAGED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--random-seed", "--api-key",
                         "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp",
-                        "--base-gpu-id")
+                        "--base-gpu-id", "--config", "--admin-api-key")
+
+# Keys a recipe may no longer set: dotted key -> why, and what to do instead. An empty value (the
+# old default, in the recipe.yaml of an older run) is dropped without a word.
+RETIRED_KEYS = {
+    "rollout.sglang.api_key": "removed: the run's own token (the 0600 file `token` in its run directory) is "
+                              "every server's api key now; delete this key",
+}
+
+
+# Upper bounds no real run reaches, so that a typo (three zeros too many) is an error and not a
+# machine brought down by the processes, requests or memory it asks for.
+MAX_SERVERS = 1024
+"""rollout.servers: 1024 servers (8,192 GPUs at tp 8) is beyond the largest RL rollout fleets."""
+MAX_GROUP_SIZE = 1024
+"""rollout.group_size: GRPO groups are 4 to 64 samples."""
+MAX_BATCH = 65_536
+"""rollout.batch_size (groups), concurrency and max_running_requests (requests per server)."""
+MAX_NEW_TOKENS = 1 << 20
+"""rollout.sampling.max_new_tokens: 2^20 tokens, 8x the longest context of today's models."""
 
 
 @dataclass(kw_only=True)
@@ -58,6 +79,7 @@ class SamplingConfig(Section):
         if self.top_k == 0 or self.top_k < -1:
             raise FieldError("top_k", f"must be -1 (all) or >= 1, got {self.top_k}")
         positive("max_new_tokens", self.max_new_tokens)
+        at_most("max_new_tokens", self.max_new_tokens, MAX_NEW_TOKENS)
 
 
 # The SGLang releases rlctl's adapter speaks, oldest and newest (tests/test_sglang_contract.py
@@ -103,8 +125,6 @@ class SGLangConfig(Section):
     """GPUs per server (tensor parallel); data parallel = rollout.servers."""
     mem_fraction_static: float = 0.85
     dtype: SGLangDtype = SGLangDtype.BFLOAT16
-    api_key: str = ""
-    """Sent as a Bearer token on every request when set (--api-key)."""
     skip_tokenizer_init: bool = True
     """rlctl sends token ids and reads output_ids, so the server needs no tokenizer."""
     extra_args: list[str] = field(default_factory=list)
@@ -112,6 +132,7 @@ class SGLangConfig(Section):
 
     def check(self) -> None:
         positive("tp_size", self.tp_size)
+        at_most("tp_size", self.tp_size, 64, "(GPUs per server)")
         within("mem_fraction_static", self.mem_fraction_static, 0.0, 1.0, open_low=True, open_high=True)
         for i, arg in enumerate(self.extra_args):
             if arg.split("=")[0] in SGLANG_MANAGED_FLAGS:
@@ -123,11 +144,11 @@ class RolloutConfig(Section):
     engine: RolloutEngine = RolloutEngine.BUILTIN
     """builtin (rlctl's own server, CPU or GPU) or sglang."""
     servers: int = 2
-    """Rollout servers (data parallel: one per TP group)."""
+    """Rollout servers (data parallel: one per TP group); at most MAX_SERVERS."""
     group_size: int = 8
-    """Samples per prompt (G in GRPO)."""
+    """Samples per prompt (G in GRPO); at most MAX_GROUP_SIZE."""
     batch_size: int = 32
-    """Groups per rollout batch (B): all generated with one weight version."""
+    """Groups per rollout batch (B): all generated with one weight version; at most MAX_BATCH."""
     concurrency: int = 32
     """Requests in flight per server under frontier admission (fifo admission sends everything)."""
     max_running_requests: int = 128
@@ -137,6 +158,11 @@ class RolloutConfig(Section):
     over_provision: float = 0.0
     """With dynamic sampling: open this fraction more groups than still needed, so that drops do
     not leave the rollout batch waiting for late replacements. Leftovers are aborted."""
+    stall_timeout_s: float = 60.0
+    """A server whose /health has not answered 200 for this long is lost: its requests go to the
+    other servers, and a local one is killed and restarted (rlctl/failover.py)."""
+    max_restarts: int = 3
+    """How often the local launcher restarts each lost server (0: the run goes on without it)."""
     cpus: list[int] = field(default_factory=list)
     """Pin rollout servers to these CPU cores (empty = no pinning)."""
     device: Device = Device.CPU
@@ -151,11 +177,17 @@ class RolloutConfig(Section):
 
     def check(self) -> None:
         positive("servers", self.servers)
+        at_most("servers", self.servers, MAX_SERVERS)
         if self.group_size < 2:
             raise FieldError("group_size", f"GRPO needs at least 2 samples per group, got {self.group_size}")
+        at_most("group_size", self.group_size, MAX_GROUP_SIZE)
         for name in ("batch_size", "concurrency", "max_running_requests"):
             positive(name, getattr(self, name))
+            at_most(name, getattr(self, name), MAX_BATCH)
         positive("over_provision", self.over_provision, zero_ok=True)
+        at_most("over_provision", self.over_provision, 10.0)
+        within("stall_timeout_s", self.stall_timeout_s, 1.0, 86400.0)
+        within("max_restarts", self.max_restarts, 0, 1000)
         if self.engine is RolloutEngine.SGLANG and self.device is not Device.CUDA:
             raise FieldError("device", "SGLang runs on GPUs only; set rollout.device=cuda (or rollout.engine=builtin on CPU)")
         if self.builtin.tp_size > 1 and self.device is not Device.CPU:

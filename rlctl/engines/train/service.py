@@ -5,7 +5,12 @@
                                               step: one optimizer step on that train batch
     POST /init_weight_sync {servers, master_address, master_port, backend, bucket_mb}
     POST /sync_weights   {"version": "3"}     broadcast the working copy to every rollout server
+    POST /save_checkpoint, /load_checkpoint {"dir": D}   the trainer's part of a checkpoint
     GET  /health, /info, /weight_checksums;  POST /shutdown
+
+Given the run's token, every route but /health asks for `Authorization: Bearer <token>` (401
+without it, 403 with a wrong one; rlctl/door.py), and the service's own clients of the rollout
+servers send it too.
 
 Rank 0 forwards each train command to the other ranks with broadcast_object_list, then every
 rank runs it. Weight sync is rank 0's alone: every data-parallel replica takes the same optimizer
@@ -27,8 +32,9 @@ from typing import Any
 import torch.distributed as dist
 from aiohttp import web
 
+from rlctl.door import refusal
 from rlctl.engines.train.base import TrainEngine, TrainSample
-from rlctl.engines.weightsync import WeightSender, tensor_sha256
+from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, WeightSender, tensor_sha256
 from rlctl.errors import RunError
 
 log = logging.getLogger("rlctl.trainer")
@@ -48,15 +54,22 @@ def follower_loop(engine: TrainEngine) -> None:
             engine.accumulate(payload)
         elif command == "weights":
             list(engine.hf_weights())  # take part in the all-gathers that rebuild full tensors
+        elif command == "save_checkpoint":
+            engine.save_checkpoint(payload)
+        elif command == "load_checkpoint":
+            engine.load_checkpoint(payload)
 
 
 class TrainerService:
-    def __init__(self, engine: TrainEngine, world_size: int) -> None:
+    def __init__(self, engine: TrainEngine, world_size: int, token: str | None = None) -> None:
         self.engine = engine
         self.world_size = world_size
+        self.token = token
+        """The run's token: asked of every request but /health, and sent to the rollout servers."""
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.sender: WeightSender | None = None
         self.session = None
+        self.groups_formed = 0
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -77,6 +90,12 @@ class TrainerService:
         if self.world_size > 1 and getattr(self.engine, "collective_export", False):
             dist.broadcast_object_list([("weights", None)], src=0)
         return list(self.engine.hf_weights())
+
+    def _checkpoint(self, command: str, path: str) -> dict[str, float]:
+        """save_checkpoint or load_checkpoint on every rank (each writes or reads its part)."""
+        if self.world_size > 1:
+            dist.broadcast_object_list([(command, path)], src=0)
+        return getattr(self.engine, command)(path)
 
     def _stop_followers(self) -> None:
         if self.world_size > 1:
@@ -108,10 +127,17 @@ class TrainerService:
         body = await request.json()
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        clients = [RolloutClient(url, self.session, body.get("api_key") or None) for url in body["servers"]]
+        clients = [RolloutClient(url, self.session, self.token) for url in body["servers"]]
+        group = {}
+        if self.sender is not None:  # formed anew (failover: a server lost or back): leave the old group
+            old, self.sender = self.sender, None
+            await old.close()
+            # A new name each time: a group whose broadcast broke keeps its name in this process.
+            self.groups_formed += 1
+            group["group_name"] = f"{DEFAULT_GROUP_NAME}-{self.groups_formed}"
         self.sender = WeightSender(
             clients, master_address=body["master_address"], master_port=int(body["master_port"]),
-            backend=body.get("backend", "gloo"), bucket_bytes=int(float(body["bucket_mb"]) * 2**20),
+            backend=body.get("backend", "gloo"), bucket_bytes=int(float(body["bucket_mb"]) * 2**20), **group,
         )
         try:
             await self.sender.connect()
@@ -132,6 +158,22 @@ class TrainerService:
         return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
                                   "buckets": stats.buckets, "tensors": stats.tensors})
 
+    async def save_checkpoint(self, request: web.Request) -> web.Response:
+        """{"dir": D}: write the trainer's part of a checkpoint into D (rlctl/engines/train/ckpt_files.py)."""
+        body = await request.json()
+        start = asyncio.get_running_loop().time()
+        stats = await self._run(self._checkpoint, "save_checkpoint", str(body["dir"]))
+        return web.json_response({"success": True, "seconds": asyncio.get_running_loop().time() - start, **stats})
+
+    async def load_checkpoint(self, request: web.Request) -> web.Response:
+        """{"dir": D}: continue from the checkpoint in D; replies with its weight version."""
+        body = await request.json()
+        try:
+            stats = await self._run(self._checkpoint, "load_checkpoint", str(body["dir"]))
+        except RunError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        return web.json_response({"success": True, **stats})
+
     async def weight_checksums(self, request: web.Request) -> web.Response:
         sums = await self._run(lambda: {n: tensor_sha256(t) for n, t in self._weights()})
         return web.json_response({"version": self.engine.version, "checksums": sums})
@@ -151,8 +193,15 @@ class TrainerService:
         await self._run(self._stop_followers)
         self.worker.shutdown(wait=True)
 
+    @web.middleware
+    async def _door(self, request: web.Request, handler):
+        status = refusal(request.path, request.headers.get("Authorization"), self.token)
+        if status is not None:
+            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._door])
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.info)
         app.router.add_post("/accumulate", self.accumulate)
@@ -160,6 +209,8 @@ class TrainerService:
         app.router.add_post("/init_weight_sync", self.init_weight_sync)
         app.router.add_post("/sync_weights", self.sync_weights)
         app.router.add_get("/weight_checksums", self.weight_checksums)
+        app.router.add_post("/save_checkpoint", self.save_checkpoint)
+        app.router.add_post("/load_checkpoint", self.load_checkpoint)
         app.router.add_post("/shutdown", self.shutdown)
         app.on_cleanup.append(self.on_cleanup)
         return app

@@ -1,0 +1,186 @@
+"""Failover: a rollout server that dies or stops answering is taken out, and comes back.
+
+The controller's ServerWatch asks every server's /health once a second. A server is lost when
+a request to it finds nobody there (connection refused or reset: RolloutPool sees it first), or
+when /health has not answered 200 for rollout.stall_timeout_s: a frozen process (SIGSTOP, a hung
+kernel), or a server whose engine died (the built-in server's /health is 503 then, and SGLang's
+/health runs a generation). Losing a server:
+- the pool sends it no more requests, and the requests it had in flight go to the others, so no
+  sample is lost or generated twice, and in sync and rolloutpipe every sample of a step still
+  comes from the step's weights (every server holds them);
+- a local server process that is still there (frozen) is killed; the supervisor
+  (rlctl/launchers/local.py) restarts a dead one, up to rollout.max_restarts times.
+A lost server that answers /health again rejoins at the next weight sync: the trainer forms
+the weight-sync group anew with the servers then in it (a group cannot take new members), the
+sync gives it the current weights, and only then does it get requests again. Until then every
+sync goes to the servers left. Events: server_lost, server_rejoined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from rlctl.engines.rollout.client import RolloutClient
+from rlctl.errors import RunError
+from rlctl.pipelines.core import Clock, EventSink
+from rlctl.pipelines.pool import RolloutPool
+from rlctl.recipe import Launcher, Recipe
+
+if TYPE_CHECKING:
+    from rlctl.engines.train.client import TrainerClient
+    from rlctl.rundir import RunDir
+
+log = logging.getLogger("rlctl.failover")
+
+POLL_S = 1.0
+SYNC_TRIES = 3
+
+
+class ServerWatch:
+    """Polls the servers' /health; loses those that stall, and finds the lost ones back."""
+
+    def __init__(self, pool: RolloutPool, clients: list[RolloutClient], recipe: Recipe, rd: RunDir,
+                 emit: EventSink, clock: Clock) -> None:
+        self.pool, self.clients, self.recipe, self.rd = pool, clients, recipe, rd
+        self.emit, self.clock = emit, clock
+        self.stall_s = recipe.rollout.stall_timeout_s
+        self.last_ok = {c.name: clock.now() for c in clients}
+        self.probes: dict[str, asyncio.Task] = {}
+        self.back: set[str] = set()
+        """Lost servers that answer /health again: they rejoin at the next sync."""
+        pool.on_lost = self._on_lost
+
+    def _on_lost(self, name: str, reason: str, in_flight: int) -> None:
+        log.warning("%s lost (%s); %d requests in flight go to the other servers", name, reason, in_flight)
+        self.emit("server_lost", self.clock.now(), server=name, reason=reason, in_flight=in_flight)
+        self.back.discard(name)
+        probe = self.probes.pop(name, None)
+        if probe is not None:
+            probe.cancel()  # it may have started before the loss: its answer says nothing now
+
+    def _kill(self, name: str) -> None:
+        """A frozen local server cannot restart itself: end it, and the supervisor starts it again."""
+        pid = (self.rd.read().get("processes", {}).get(name) or {}).get("pid")
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    async def _probe(self, c: RolloutClient) -> bool:
+        try:
+            async with c.session.get(c.url + "/health", headers=c.headers,
+                                     timeout=aiohttp.ClientTimeout(total=self.stall_s)) as resp:
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    def check_once(self) -> None:
+        """One tick: start a /health probe where none is out, take in those that finished, and
+        lose the servers not seen healthy for stall_timeout_s. A probe that hangs (a frozen
+        process) does not delay the verdict: it is judged by the time since the last 200."""
+        now = self.clock.now()
+        for c in self.clients:
+            probe = self.probes.get(c.name)
+            if probe is not None and probe.done():
+                if not probe.cancelled() and probe.result():
+                    self.last_ok[c.name] = now
+                    if c.name in self.pool.lost and c.name not in self.back:
+                        self.back.add(c.name)
+                        self.emit("server_back", now, server=c.name)
+                probe = None
+            if probe is None:
+                self.probes[c.name] = asyncio.create_task(self._probe(c))
+            if c.name not in self.pool.lost and now - self.last_ok[c.name] > self.stall_s:
+                self.pool.lose(c.name, f"/health has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
+                if self.recipe.launcher is Launcher.LOCAL:
+                    self._kill(c.name)  # frozen, not dead: the supervisor restarts it once it is
+
+    async def lose_silent(self, names: list[str]) -> None:
+        """After a failed sync: lose at once each of these servers that does not answer /health."""
+        members = [c for c in self.clients if c.name in names]
+        results = await asyncio.gather(*(self._probe(c) for c in members))
+        for c, ok in zip(members, results, strict=True):
+            if ok:
+                continue
+            if c.name in self.pool.lost:
+                self.back.discard(c.name)  # it was back, and is gone again
+            else:
+                self.pool.lose(c.name, "did not answer during a weight sync")
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(POLL_S)
+                self.check_once()
+        finally:
+            for probe in self.probes.values():
+                probe.cancel()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class FailoverTrainer:
+    """The trainer as the pipeline sees it, with syncs that follow the pool's membership: before
+    a sync, a group whose members are no longer the servers in the pool (one lost, one back) is
+    formed anew; after it, the servers that came back rejoin the pool."""
+
+    def __init__(self, trainer: Any, watch: ServerWatch, connect: Any) -> None:
+        self.trainer, self.watch = trainer, watch
+        self.connect = connect
+        """connect(clients, port): has the trainer form the weight-sync group with those servers."""
+        self.members = [c.name for c in watch.clients]
+
+    def __getattr__(self, name: str) -> Any:  # accumulate, train, weight_checksums ...
+        return getattr(self.trainer, name)
+
+    def servers(self) -> list[RolloutClient]:
+        """The servers a sync now goes to: those in the pool and those back from the dead."""
+        pool = self.watch.pool
+        return [c for c in self.watch.clients if c.name not in pool.lost or c.name in self.watch.back]
+
+    async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
+        """Sync the servers in the pool; a sync that fails because a server was lost meanwhile
+        is done again without it (up to SYNC_TRIES times)."""
+        for attempt in range(1, SYNC_TRIES + 1):
+            before = [c.name for c in self.servers()]
+            try:
+                return await self._sync(version, pause_mode)
+            except RunError:
+                await self.watch.lose_silent(before)
+                if [c.name for c in self.servers()] == before or attempt == SYNC_TRIES:
+                    raise
+                log.warning("the sync to version %d failed with a server lost; again without it", version)
+        raise AssertionError("unreachable")
+
+    async def _sync(self, version: int, pause_mode: str) -> dict[str, Any]:
+        targets = self.servers()
+        if not targets:
+            raise RunError("every rollout server is lost; see their logs")
+        names = [c.name for c in targets]
+        if names != self.members:
+            await self.connect(targets, free_port())
+            self.members = names
+            self.watch.emit("weight_group_formed", self.watch.clock.now(), servers=names, version=version)
+        stats = await self.trainer.sync_weights(version, pause_mode)
+        for name in [n for n in names if n in self.watch.back]:
+            self.watch.back.discard(name)
+            self.watch.pool.rejoin(name)
+            self.watch.emit("server_rejoined", self.watch.clock.now(), server=name, version=version)
+        return stats
+
+
+async def reconnect(trainer: TrainerClient, clients: list[RolloutClient], host: str, port: int, **group: Any) -> None:
+    """Form the weight-sync group anew with these servers (the trainer closes the old one)."""
+    await trainer.init_weight_sync([c.url for c in clients], host, port, **group)
