@@ -191,6 +191,12 @@ class MegatronTrainEngine(PieceTraining):
         """Megatron-LM's layout: {"model": ..., "optimizer": ...}; the optimizer's sharded state is
         matched to the model's ShardedTensors (which hold the parameters themselves)."""
         state: dict[str, Any] = {"model": self.model.sharded_state_dict()}
+        if is_loading:  # a fresh distributed optimizer has no Adam state to load into yet (without
+            # Apex/TE its state_dict() needs a step): Megatron's own dummy step makes it; the load
+            # then replaces it, and the parameters, in place.
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if not opt.optimizer.state:
+                    opt._init_optimizer_states_with_dummy_values()
         state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=self.DIST_OPTIM)
         return state
 
@@ -223,10 +229,11 @@ class MegatronTrainEngine(PieceTraining):
         if info.get("engine") != "megatron" or info.get("tp") != self.tp_size:
             raise RunError(f"{root}: written by the {info.get('engine')} engine with TP {info.get('tp')}; "
                            f"this trainer is megatron with TP {self.tp_size}")
-        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True),
-                                         str(root / ckpt_files.TRAINER_DIR / "megatron"))
-        self.model.load_state_dict(loaded["model"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # the optimizer's fp32 shards are views of parameters that need grad
+            loaded = dist_checkpointing.load(self._sharded_state(is_loading=True),
+                                             str(root / ckpt_files.TRAINER_DIR / "megatron"))
+            self.model.load_state_dict(loaded["model"])
+            self.optimizer.load_state_dict(loaded["optimizer"])
         rng = ckpt_files.load_rng(root, self.rank)
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_cuda"])
         self.version = int(info["version"])
