@@ -71,7 +71,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             failover = FailoverTrainer(trainer, watch, weight_group_former(trainer, recipe, plan))
             trainer = failover
             if recipe.pipeline.check_weights:
-                trainer = CheckedTrainer(failover, failover.servers, recorder.emit, clock)
+                trainer = CheckedTrainer(failover, failover.synced, recorder.emit, clock)
             state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
             await send_initial_weights(trainer, recorder.emit, clock, version=int(state["version"]) if state else 0)
             pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,

@@ -145,6 +145,11 @@ class FailoverTrainer:
     def __getattr__(self, name: str) -> Any:  # accumulate, train, weight_checksums ...
         return getattr(self.trainer, name)
 
+    def synced(self) -> list[RolloutClient]:
+        """The servers the last sync went to and not lost since (a server may come back, or be
+        lost, while a sync runs)."""
+        return [c for c in self.servers() if c.name in self.members]
+
     def servers(self) -> list[RolloutClient]:
         """The servers a sync now goes to: those in the pool and those back from the dead."""
         pool = self.watch.pool
