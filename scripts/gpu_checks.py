@@ -18,8 +18,9 @@
    Qwen2-architecture model with random, nonzero biases, so that a dropped or misplaced bias shows.
 7. Weight-broadcast throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU,
    gloo with CPU staging, for 3 bucket sizes.
-8. Megatron checkpoint: dist_checkpointing save after a step, load into a fresh engine: weights and
-   version back exactly, the HF export loads in transformers, the next step within 1e-6.
+8. Megatron checkpoint: dist_checkpointing save after a step, load into a fresh engine: weights,
+   every Adam state tensor and the version back exactly, the HF export loads in transformers, and
+   the next step as close to the saving engine's as a rerun without a checkpoint is.
 Prints one line per check and writes OUT_DIR/gpu_checks.json. Exit 1 if a check failed.
 """
 
@@ -122,10 +123,24 @@ def check_qwen2(work: Path) -> None:
     check_against_torch(model_dir, samples(shape["vocab_size"], seed=1), tag="Qwen2, ")
 
 
+def adam_states(engine) -> list[dict]:
+    """Every Adam state tensor of a Megatron engine's (distributed) optimizer, on the CPU."""
+    out = []
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                state = opt.optimizer.state[p]
+                out.append({k: v.detach().float().cpu().clone() for k, v in state.items() if torch.is_tensor(v)}
+                           | {"param": p.detach().float().cpu().clone()})
+    return out
+
+
 def check_checkpoint(work: Path) -> None:
     """8. Megatron's checkpoint (dist_checkpointing + the HF export): saved after a step and
-    loaded into a fresh engine, the weights and version come back exactly, the HF directory
-    loads in transformers, and the next step matches the saving engine's."""
+    loaded into a fresh engine, the weights, every Adam state tensor (exp_avg, exp_avg_sq, step,
+    the fp32 shard) and the version come back exactly, and the HF directory loads in
+    transformers; and the next step matches the saving engine's as closely as the same two
+    steps run again without a checkpoint do (they are bit-identical on the H200)."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -141,18 +156,30 @@ def check_checkpoint(work: Path) -> None:
     saver.train_batch(batch[:half])
     saver.save_checkpoint(str(ckpt))
     saved = {n: t.detach().cpu().clone() for n, t in saver.hf_weights()}
+    saved_adam = adam_states(saver)
     saver.train_batch(batch[half:])
     after = {n: t.detach().cpu().clone() for n, t in saver.hf_weights()}
     del saver
     loader = megatron_engine(model_dir, "float32", lr=1e-3)
     info = loader.load_checkpoint(str(ckpt))
     same = all(torch.equal(t.detach().cpu(), saved[n]) for n, t in loader.hf_weights())
+    loaded_adam = adam_states(loader)
+    adam_same = len(loaded_adam) == len(saved_adam) and all(
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(saved_adam, loaded_adam))
     exported = AutoModelForCausalLM.from_pretrained(ckpt / "hf", dtype=torch.float32).state_dict()
     hf_same = all(torch.equal(exported[n], t) for n, t in saved.items() if n in exported)
     loader.train_batch(batch[half:])
     diff = max((t.detach().cpu() - after[n]).abs().max().item() for n, t in loader.hf_weights())
-    report("Megatron checkpoint: save, load, next step", same and hf_same and info["version"] == 1.0 and diff <= 1e-6,
-           weights_back_exactly=same, hf_export_equal=hf_same, version=info["version"], next_step_max_abs_diff=diff)
+    del loader
+    again = megatron_engine(model_dir, "float32", lr=1e-3)  # the same two steps with no checkpoint between
+    again.train_batch(batch[:half])
+    again.train_batch(batch[half:])
+    noise = max((t.detach().cpu() - after[n]).abs().max().item() for n, t in again.hf_weights())
+    exact = same and adam_same and hf_same and info["version"] == 1.0
+    report("Megatron checkpoint: save, load, next step", exact and diff <= max(noise, 1e-6),
+           weights_back_exactly=same, adam_state_back_exactly=adam_same, adam_tensors=len(saved_adam),
+           hf_export_equal=hf_same, version=info["version"], next_step_max_abs_diff=diff,
+           same_two_steps_rerun_max_abs_diff=noise)
 
 
 def check_round_trip(model_dir: Path, tag: str = "") -> None:
