@@ -30,8 +30,9 @@ from rlctl.errors import RunError
 TOKEN_FILE_ENV = "RLCTL_TOKEN_FILE"
 TOKEN_FILE = "token"
 """The token's file in the run directory."""
-OPEN_PATHS = ("/health",)
-"""Answered without a token: liveness probes (SGLang leaves /health open for them too)."""
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+"""Paths answered without a token: probes. SGLang leaves exactly these prefixes open
+(sglang/srt/utils/auth.py; tests/test_sglang_contract.py reads them from its wheels)."""
 REDACTED = b"<run token>"
 
 log = logging.getLogger("rlctl.door")
@@ -95,13 +96,28 @@ def bearer(token: str | None) -> dict[str, str]:
 
 def refusal(path: str, authorization: str | None, token: str | None) -> int | None:
     """None when a request may pass, else its HTTP status: 401 without credentials, 403 with
-    wrong ones. No token configured = open (an ad-hoc server)."""
-    if not token or path in OPEN_PATHS:
+    wrong ones (SGLang answers 401 to both). No token configured = open (an ad-hoc server)."""
+    if not token or path.startswith(OPEN_PREFIXES):
         return None
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         return 401
     return None if hmac.compare_digest(given.strip().encode(), token.encode()) else 403
+
+
+def token_middleware(token: str | None):
+    """The aiohttp middleware of a run's HTTP servers (the built-in rollout server, the trainer
+    service): refusal() as a reply, with SGLang's refusal body."""
+    from aiohttp import web
+
+    @web.middleware
+    async def door(request: web.Request, handler):
+        status = refusal(request.path, request.headers.get("Authorization"), token)
+        if status is not None:
+            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
+        return await handler(request)
+
+    return door
 
 
 def sglang_config(path: Path, token: str) -> Path:

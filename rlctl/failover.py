@@ -22,7 +22,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -34,7 +33,6 @@ from rlctl.pipelines.pool import RolloutPool
 from rlctl.recipe import Launcher, Recipe
 
 if TYPE_CHECKING:
-    from rlctl.engines.train.client import TrainerClient
     from rlctl.rundir import RunDir
 
 log = logging.getLogger("rlctl.failover")
@@ -125,12 +123,6 @@ class ServerWatch:
                 probe.cancel()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class FailoverTrainer:
     """The trainer as the pipeline sees it, with syncs that follow the pool's membership: before
     a sync, a group whose members are no longer the servers in the pool (one lost, one back) is
@@ -139,7 +131,7 @@ class FailoverTrainer:
     def __init__(self, trainer: Any, watch: ServerWatch, connect: Any) -> None:
         self.trainer, self.watch = trainer, watch
         self.connect = connect
-        """connect(clients, port): has the trainer form the weight-sync group with those servers."""
+        """connect(clients): has the trainer form the weight-sync group anew with those servers."""
         self.members = [c.name for c in watch.clients]
 
     def __getattr__(self, name: str) -> Any:  # accumulate, train, weight_checksums ...
@@ -175,7 +167,7 @@ class FailoverTrainer:
             raise RunError("every rollout server is lost; see their logs")
         names = [c.name for c in targets]
         if names != self.members:
-            await self.connect(targets, free_port())
+            await self.connect(targets)
             self.members = names
             self.watch.emit("weight_group_formed", self.watch.clock.now(), servers=names, version=version)
         stats = await self.trainer.sync_weights(version, pause_mode)
@@ -184,8 +176,3 @@ class FailoverTrainer:
             self.watch.pool.rejoin(name)
             self.watch.emit("server_rejoined", self.watch.clock.now(), server=name, version=version)
         return stats
-
-
-async def reconnect(trainer: TrainerClient, clients: list[RolloutClient], host: str, port: int, **group: Any) -> None:
-    """Form the weight-sync group anew with these servers (the trainer closes the old one)."""
-    await trainer.init_weight_sync([c.url for c in clients], host, port, **group)

@@ -290,3 +290,22 @@ def test_an_unaligned_bucket_is_refused_as_sglang_refuses_it(sglang):
         flatten_bucket([t for _, t in named])
     with pytest.raises(ValueError, match="Unaligned received tensor b"):
         list(unflatten_bucket(torch.zeros(11, dtype=torch.uint8), [("a", torch.int8, (3,)), ("b", torch.float32, (2,))]))
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_door_opens_what_sglang_opens(sglang, version):
+    """The paths SGLang answers without its api key (utils/auth.py: path.startswith(...)) are
+    the ones rlctl's servers answer without the run's token; both refuse with {"error": ...}."""
+    from rlctl.door import OPEN_PREFIXES
+
+    tree = sglang(version).module("sglang/srt/utils/auth.py")
+    opened = {call.args[0].value for call in ast.walk(tree) if isinstance(call, ast.Call)
+              and isinstance(call.func, ast.Attribute) and call.func.attr == "startswith"
+              and isinstance(call.func.value, ast.Name) and call.func.value.id == "path"
+              and isinstance(call.args[0], ast.Constant)}
+    assert opened and opened <= set(OPEN_PREFIXES), opened  # 0.5.15 has no /ready yet
+    if version != "0.5.15.post1":
+        assert opened == set(OPEN_PREFIXES)
+    bodies = [set(ast.literal_eval(k) for k in node.keys) for node in ast.walk(tree) if isinstance(node, ast.Dict)
+              and node.keys and all(isinstance(k, ast.Constant) for k in node.keys)]
+    assert {"error"} in bodies

@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 from aiohttp import web
 
-from rlctl.door import refusal
+from rlctl.door import token_middleware
 from rlctl.engines.train.base import TrainEngine, TrainSample
 from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, WeightSender, tensor_sha256
 from rlctl.errors import RunError
@@ -193,15 +193,8 @@ class TrainerService:
         await self._run(self._stop_followers)
         self.worker.shutdown(wait=True)
 
-    @web.middleware
-    async def _door(self, request: web.Request, handler):
-        status = refusal(request.path, request.headers.get("Authorization"), self.token)
-        if status is not None:
-            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
-        return await handler(request)
-
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30, middlewares=[self._door])
+        app = web.Application(client_max_size=1 << 30, middlewares=[token_middleware(self.token)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.info)
         app.router.add_post("/accumulate", self.accumulate)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from rlctl.door import read_token_file, refusal
+from rlctl.door import read_token_file, token_middleware
 from rlctl.engines.rollout.builtin.engine import Engine
 from rlctl.engines.rollout.builtin.generation_routes import GenerationRoutes
 from rlctl.engines.rollout.builtin.state import ServerState
@@ -136,14 +136,6 @@ class BuiltinServer:
         return web.json_response(engine.load())
 
     @web.middleware
-    async def _door(self, request: web.Request, handler):
-        """The run's token as a Bearer token, as SGLang checks its --api-key (its refusal body)."""
-        status = refusal(request.path, request.headers.get("Authorization"), self.token)
-        if status is not None:
-            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
-        return await handler(request)
-
-    @web.middleware
     async def _record(self, request: web.Request, handler):
         """--record-requests: what a client sent, for checking it against SGLang's field lists."""
         if request.method == "POST":
@@ -181,7 +173,7 @@ class BuiltinServer:
         return table
 
     def app(self) -> web.Application:
-        middlewares = [self._door] + ([self._record] if self.args.record_requests else [])
+        middlewares = [token_middleware(self.token)] + ([self._record] if self.args.record_requests else [])
         app = web.Application(client_max_size=1 << 30, middlewares=middlewares)
         for method, path, handler in self.routes():
             add = app.router.add_get if method == "GET" else app.router.add_post  # GET answers HEAD too, as before
