@@ -37,6 +37,19 @@ CHECKPOINTS = "checkpoints"
 CONTROLLER_FILE = "controller.json"
 HF_DIR = "hf"
 _NAME = re.compile(r"^step-(\d{6,})$")
+SLURM_ATTEMPT_KEYS = ("job_id", "restart_count", "trainer_nodes", "rollout_nodes")
+"""What an attempt's record keeps of run.json's `slurm` (the job, where it ran)."""
+PREEMPTED_EXIT = 75
+"""The controller's exit code after it checkpointed and stopped on request (SIGUSR1): the run is
+not over, its job requeues itself (EX_TEMPFAIL: try again later)."""
+
+
+class Preempted(Exception):
+    """The controller wrote a checkpoint after `steps` steps and stopped, as asked."""
+
+    def __init__(self, steps: int, path: str) -> None:
+        super().__init__(f"stopped after a checkpoint at step {steps} ({path}), as asked (SIGUSR1)")
+        self.steps, self.path = steps, path
 
 
 def checkpoint_name(steps: int) -> str:
@@ -189,14 +202,15 @@ def keep_lines(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
     return len(records) - len(kept)
 
 
-def prepare_resume(rd: RunDir, ckpt: Checkpoint) -> dict[str, Any]:
-    """Make the run directory continue from `ckpt`: metrics of the steps after it removed, the
-    pipeline's events after it (those that carry a step) removed, run.json reopened with the
-    new attempt and the checkpoint to start from. Returns the attempt's record."""
-    state = ckpt.controller_state()
+def prepare_resume(rd: RunDir, ckpt: Checkpoint | None) -> dict[str, Any]:
+    """Make the run directory continue from `ckpt` (None: start over, as a Slurm job requeued
+    before its first checkpoint does): metrics of the steps after it removed, the pipeline's
+    events after it (those that carry a step) removed, run.json reopened with the new attempt and
+    the checkpoint to start from. Returns the attempt's record."""
     remove_leftovers(rd.path)
-    metrics_removed = keep_lines(rd.metrics_path, lambda m: m.get("step", -1) < ckpt.steps)
-    t_cut = float(state["t"])
+    steps = ckpt.steps if ckpt else 0
+    metrics_removed = keep_lines(rd.metrics_path, lambda m: m.get("step", -1) < steps)
+    t_cut = float(ckpt.controller_state()["t"]) if ckpt else float("-inf")
     events_removed = keep_lines(rd.events_path, lambda e: "step" not in e or e.get("t", 0.0) <= t_cut)
     attempt: dict[str, Any] = {}
 
@@ -204,16 +218,21 @@ def prepare_resume(rd: RunDir, ckpt: Checkpoint) -> dict[str, Any]:
         attempts = d.setdefault("attempts", [])
         if not attempts:
             attempts.append({"attempt": 1, "resumed_from": None, "started": d["created"]})
-        attempts[-1].update(ended=d.get("ended"), state=d["state"], exit_reason=d.get("exit_reason"),
-                            processes=d.get("processes", {}))
-        attempt.update(attempt=len(attempts) + 1, resumed_from=ckpt.steps, checkpoint=str(ckpt.path),
-                       started=now_iso())
+        ended = d.pop("attempt_end", None) or {}  # a Slurm job requeued or submitted again: how it ended
+        attempts[-1].update(ended=ended.get("at", d.get("ended")), state=ended.get("state", d["state"]),
+                            exit_reason=ended.get("reason", d.get("exit_reason")), processes=d.get("processes", {}))
+        slurm = ended.get("slurm") or d.get("slurm") or {}  # the ended attempt's job
+        if slurm.get("job_id"):
+            attempts[-1]["slurm"] = {k: slurm.get(k) for k in SLURM_ATTEMPT_KEYS}
+        attempt.update(attempt=len(attempts) + 1, resumed_from=ckpt.steps if ckpt else None,
+                       checkpoint=str(ckpt.path) if ckpt else None, started=now_iso())
         attempts.append(dict(attempt))
         d.update(state="starting", ended=None, exit_reason=None, processes={},
-                 resume={"checkpoint": str(ckpt.path.resolve()), "steps": ckpt.steps, "attempt": attempt["attempt"]})
+                 resume={"checkpoint": str(ckpt.path.resolve()), "steps": ckpt.steps, "attempt": attempt["attempt"]}
+                 if ckpt else None)
 
     rd.update(reopen)
-    rd.event("resume", attempt=attempt["attempt"], from_step=ckpt.steps, checkpoint=str(ckpt.path),
+    rd.event("resume", attempt=attempt["attempt"], from_step=steps, checkpoint=str(ckpt.path) if ckpt else None,
              metrics_removed=metrics_removed, events_removed=events_removed)
     return attempt
 

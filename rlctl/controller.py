@@ -7,7 +7,10 @@ to events.jsonl and, at each step's end, writes the step's metrics to metrics.js
 tracker; nothing is kept in memory from one step to the next but what the metrics need.
 With run.save_every it writes a checkpoint after every save_every steps and the last one
 (rlctl/checkpoint.py); an attempt started by `rlctl resume` first loads the newest one into the
-trainer and the scheduler and sends its weights to the servers.
+trainer and the scheduler and sends its weights to the servers. SIGUSR1 (a Slurm job's warning
+before its time limit, passed on by the batch script) asks for a checkpoint at the end of the
+step in progress, after which the controller stops with exit code PREEMPTED_EXIT and the job
+requeues itself (rlctl/launchers/slurm/script.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from rlctl.checkpoint import Checkpoint, resume_point, save_checkpoint, should_save
+from rlctl.checkpoint import Checkpoint, Preempted, resume_point, save_checkpoint, should_save
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.train.client import TrainerClient
 from rlctl.errors import RunError
@@ -53,6 +56,8 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
     clock = PROCESS_CLOCK
     events = EventLog(rd.events_path)
     _flush_on_sigterm(events)
+    preempt = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _asked_to_stop(preempt))
     recorder = Recorder(events, rd.append_metrics, make_tracker(rd, recipe), wall_clock=time.time)
     make_verifier(recipe.reward)  # a reward function that cannot load fails here, saying why, not in a worker
     scorer = PooledScorer(model_path, recipe.reward)
@@ -79,7 +84,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
                                       tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer, pool=pool)
             if state:
                 restore_pipeline(pipeline, state, recorder.emit, clock)
-            pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock)
+            pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock, preempt)
             watching = asyncio.create_task(watch.run())
             try:
                 await pipeline.run(recipe.run.steps, start)
@@ -160,19 +165,33 @@ def restore_pipeline(pipeline: Pipeline, state: dict[str, Any], emit: EventSink,
         emit("group_dropped", clock.now(), step=g["step"], group=g["group"], reason="resumed")
 
 
+def _asked_to_stop(preempt: asyncio.Event) -> Callable[[], None]:
+    def handler() -> None:
+        log.info("SIGUSR1: a checkpoint at the end of this step, then stop (the job requeues itself)")
+        preempt.set()
+    return handler
+
+
 def checkpointer(rd: RunDir, recipe: Recipe, trainer: TrainerClient | CheckedTrainer, pipeline: Pipeline,
-                 recorder: Recorder, clock: Clock) -> Callable[[int], Awaitable[None]]:
-    """The pipeline's after_step: a checkpoint every run.save_every steps and after the last. The
-    scheduler's state is taken first, at the step's end, before anything else can move."""
+                 recorder: Recorder, clock: Clock, preempt: asyncio.Event) -> Callable[[int], Awaitable[None]]:
+    """The pipeline's after_step: a checkpoint every run.save_every steps and after the last, and
+    one when `preempt` is set, after which the run stops (Preempted) unless that was its last step.
+    The scheduler's state is taken first, at the step's end, before anything else can move."""
 
     async def after_step(step: int) -> None:
-        if not should_save(step + 1, recipe.run.save_every, recipe.run.steps):
+        last = step + 1 == recipe.run.steps
+        stopping = preempt.is_set() and not last
+        if not (stopping or should_save(step + 1, recipe.run.save_every, recipe.run.steps)):
             return
         state = {"t": clock.now(), **pipeline.state()}
         stats = await save_checkpoint(rd.path, step + 1, trainer, state, recipe.run.keep_checkpoints)
         recorder.emit("checkpoint", clock.now(), steps=step + 1, version=state["version"],
                       unfinished_groups=len(state["unfinished"]), **stats)
+        if stopping:
+            recorder.emit("preempted", clock.now(), steps=step + 1, checkpoint=stats["path"])
         recorder.events.flush()
+        if stopping:
+            raise Preempted(step + 1, stats["path"])
 
     return after_step
 

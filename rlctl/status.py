@@ -131,8 +131,27 @@ def detail(rd: RunDir) -> dict[str, Any]:
     out["wandb"] = (info.get("tracking") or {}).get("wandb")
     out["logs"] = [str(p) for p in rd.log_files().values()]
     out["checkpoints"] = [c.describe() for c in list_checkpoints(rd.path)]  # rlctl/checkpoint.py
-    out["attempts"] = len(info.get("attempts") or []) or 1
+    out["attempts"] = attempts(info)
     out["problems"] = problems + events_problems + _recipe_problems(rd)
+    return out
+
+
+def attempts(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every attempt of the run, the current one last: where it started (a checkpoint's step),
+    when, how it ended and why (requeued, failed, cancelled), and its Slurm job."""
+    records = [a for a in (info.get("attempts") or []) if isinstance(a, dict)]
+    if not records:
+        records = [{"attempt": 1, "resumed_from": None, "started": info.get("created")}]
+    out = []
+    for i, a in enumerate(records):
+        current = i == len(records) - 1
+        row = {k: a.get(k) for k in ("attempt", "resumed_from", "started", "ended", "state", "exit_reason")}
+        if current:  # the current attempt's end is the run's own
+            row.update(ended=info.get("ended"), state=info.get("state"), exit_reason=info.get("exit_reason"))
+        slurm = a.get("slurm") or ((info.get("slurm") or {}) if current else {})
+        row["slurm_job"] = slurm.get("job_id")
+        row["slurm_restart"] = slurm.get("restart_count")
+        out.append(row)
     return out
 
 

@@ -16,9 +16,11 @@ import asyncio
 import datetime
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
+from rlctl.checkpoint import PREEMPTED_EXIT, Preempted
 from rlctl.door import listen_address, read_token, redact_output, sglang_config, token_path
 from rlctl.errors import RlctlError, RunError
 from rlctl.plan import Role, RunPlan
@@ -177,7 +179,12 @@ def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict) -> Non
     from rlctl.controller import run_controller as main
 
     rd.record_process("controller", pid=os.getpid())
-    asyncio.run(main(rd, recipe, plan, info["model_path"]))
+    try:
+        asyncio.run(main(rd, recipe, plan, info["model_path"]))
+    finally:
+        # The loop's SIGUSR1 handler (a checkpoint, then stop) is gone with it; a warning sent
+        # again now (the batch script repeats it until the controller exits) must not kill it.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def run_supervisor(rd: RunDir) -> int:
@@ -188,7 +195,8 @@ def run_supervisor(rd: RunDir) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlctl.worker")
-    p.add_argument("role", choices=["supervisor", "prepare", "rollout", "trainer", "controller", "plan", "health", "state"])
+    p.add_argument("role", choices=["supervisor", "prepare", "rollout", "trainer", "controller", "plan", "health", "state",
+                                     "attempt", "requeue"])
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--index", type=int, default=int(os.environ.get("SLURM_PROCID", 0)))
     p.add_argument("--trainer-nodes", default="", help="plan: the trainer component's hostnames")
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s {args.role}-{args.index}: %(message)s")
     if args.role == "supervisor":
         return run_supervisor(RunDir(args.run_dir))
-    if args.role in ("plan", "health", "state"):
+    if args.role in ("plan", "health", "state", "attempt", "requeue"):
         from rlctl.launchers import slurm_job
 
         return slurm_job.main(args)
@@ -216,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             run_trainer(rd, recipe, plan, info, args.index)
         else:
             run_controller(rd, recipe, plan, info)
+    except Preempted as e:
+        print(f"preempted: {e}", flush=True)
+        return PREEMPTED_EXIT
     except RlctlError as e:
         # One line the supervisor can quote as the run's exit reason.
         log.debug("traceback", exc_info=True)

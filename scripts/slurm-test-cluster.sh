@@ -90,7 +90,9 @@ write_conf() {
     echo "SlurmdUser=root"
     echo "AuthType=auth/munge"
     echo "CredType=cred/munge"
-    echo "AuthInfo=socket=$DIR/munge/socket"
+    # cred_expire: how long Slurm holds a requeued job before it starts it again (120 s by default);
+    # short, so that the requeue test's attempts follow each other quickly.
+    echo "AuthInfo=socket=$DIR/munge/socket,cred_expire=10"
     echo "StateSaveLocation=$DIR/state"
     echo "SlurmdSpoolDir=$DIR/spool/%n"
     echo "SlurmctldPidFile=$DIR/run/slurmctld.pid"
@@ -105,7 +107,8 @@ write_conf() {
     echo "GresTypes=gpu"
     # heterogeneous jobs start only from the backfill scheduler: run it every second
     echo "SchedulerType=sched/backfill"
-    echo "SchedulerParameters=bf_interval=1"
+    # sched_interval: the main scheduler every 2 s (60 by default), which starts a requeued job
+    echo "SchedulerParameters=bf_interval=1,sched_interval=2"
     echo "SlurmdParameters=config_overrides"
     echo "ReturnToService=2"
     echo "KillWait=5"

@@ -282,3 +282,38 @@ def test_the_torch_engine_continues_exactly_from_its_checkpoint(tiny_model_dir, 
     after = dict(saver.hf_weights())
     assert all(t.equal(after[n]) for n, t in loader.hf_weights()) and loader.version == 2
     assert not all(t.equal(after[n]) for n, t in fresh.hf_weights())
+
+
+@pytest.mark.slow
+def test_sigusr1_checkpoints_and_stops_and_launch_resume_continues(tmp_path):
+    """SIGUSR1 to the controller (what a Slurm job's batch script passes on before the time limit):
+    a checkpoint at the end of the step in progress, then the run stops, cancelled, with no
+    checkpoint from run.save_every (0). `rlctl launch RECIPE --resume` with the same recipe
+    continues it; a changed recipe is refused, naming the key."""
+    steps, runs = 10, tmp_path / "runs"
+    args = launch_args(runs, f"run.steps={steps}")
+    launching = subprocess.Popen([sys.executable, "-m", "rlctl", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    rd = wait_for(lambda: (runs.is_dir() and any(runs.iterdir())) and the_run(runs), 60, "the run directory")
+    wait_for(lambda: len(rd.metrics()) >= 2, 240, "two steps")
+    os.kill(rd.read()["processes"]["controller"]["pid"], signal.SIGUSR1)
+    out, err = launching.communicate(timeout=120)
+    assert launching.returncode == 1, err
+    info = rd.read()
+    assert info["state"] == "cancelled" and "rlctl resume" in info["exit_reason"], info["exit_reason"]
+    (ckpt,) = list_checkpoints(rd.path)
+    assert 2 <= ckpt.steps < steps and len(rd.metrics()) == ckpt.steps
+    (stopped,) = [e for e in rd.events() if e["event"] == "preempted"]
+    assert stopped["steps"] == ckpt.steps
+    wait_for(lambda: not processes_mentioning(rd.id), 10, "every process of the run to exit")
+
+    changed = rlctl(*args, "train.lr=1e-3", "--resume", cwd=tmp_path)
+    assert changed.returncode == 2 and "train.lr" in changed.stderr and rd.id in changed.stderr, changed.stderr
+    res = rlctl(*args, "--resume", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert [p.name for p in runs.iterdir()] == [rd.id]  # the same run, not a new one
+    info = rd.read()
+    assert info["state"] == "completed" and info["attempts"][1]["resumed_from"] == ckpt.steps
+    assert [m["step"] for m in rd.metrics()] == list(range(steps))
+    again = rlctl(*args, "--resume", cwd=tmp_path)  # completed: nothing to do, no new run
+    assert again.returncode == 0 and "nothing to do" in again.stderr and len(list(runs.iterdir())) == 1

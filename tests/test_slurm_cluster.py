@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, wait_for
+from rlctl.checkpoint import list_checkpoints
 from rlctl.rundir import RunDir
 
 if not os.environ.get("RLCTL_SLURM_TESTS"):
@@ -125,10 +126,10 @@ def test_sigkill_of_a_rollout_server_ends_the_job(tmp_path):
     wait_for(lambda: not processes_mentioning(rd.id), 15, "every process of the run to exit")
 
 
-def test_cancel_leaves_no_process_on_any_node(tmp_path):
-    rd = launch(tmp_path, "run.steps=400", *FAST[1:], detach=True)
+def test_cancel_leaves_no_process_on_any_node_and_resume_submits_again(tmp_path):
+    rd = launch(tmp_path, "run.steps=400", "run.save_every=3", *FAST[1:], detach=True)
     job_id = rd.read()["slurm"]["job_id"]
-    wait_for(lambda: rd.metrics(), 120, "the first step")
+    wait_for(lambda: list_checkpoints(rd.path), 120, "the first checkpoint")
     assert processes_mentioning(rd.id)
     res = rlctl("cancel", rd.id, "--runs-dir", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -137,6 +138,60 @@ def test_cancel_leaves_no_process_on_any_node(tmp_path):
     assert squeue_state(job_id) == scontrol(job_id)["JobState"] == "CANCELLED"
     st = status_json(tmp_path, rd.id)
     assert st["state"] == "cancelled" and st["slurm"]["state"] == "CANCELLED"
+
+    # rlctl resume submits the batch script again; the new job continues from the newest checkpoint.
+    ckpt = list_checkpoints(rd.path)[-1]
+    res = rlctl("resume", rd.id, "--runs-dir", str(tmp_path), "--detach", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    new_job = rd.read()["slurm"]["job_id"]
+    assert new_job != job_id
+    wait_for(lambda: len(rd.metrics()) > ckpt.steps + 1, 120, "steps of the new job")
+    assert rlctl("cancel", rd.id, "--runs-dir", str(tmp_path), cwd=tmp_path).returncode == 0
+    attempts = status_json(tmp_path, rd.id)["attempts"]
+    assert [(a["attempt"], a["resumed_from"], a["slurm_job"], a["state"]) for a in attempts] == [
+        (1, None, job_id, "cancelled"), (2, ckpt.steps, new_job, "cancelled")]
+    steps = [m["step"] for m in rd.metrics()]
+    assert steps == list(range(len(steps)))  # the steps after the checkpoint once, not twice
+    assert (rd.logs / "attempt-2" / "controller.log").is_file()
+
+
+def test_the_time_limit_checkpoints_and_requeues_until_the_run_completes(tmp_path):
+    """slurm.time=2 (minutes) with the warning 50 s before it: Slurm looks at time limits every
+    30 s and sends SIGUSR1 at its first look past 70 - 60 = 10 s... in practice 40-70 s into an
+    attempt; 100 steps of about 0.6 s do not fit in one. Each attempt checkpoints, the job requeues
+    itself (the same job id, Slurm's restart count up by one), and the next attempt resumes."""
+    steps = 100
+    rd = launch(tmp_path, f"run.steps={steps}", "slurm.time=2", "slurm.signal_before_s=50", detach=True)
+    job_id = rd.read()["slurm"]["job_id"]
+    wait_for(lambda: rd.read()["state"] in ("completed", "failed", "cancelled"), 540, "the run to end")
+    info = rd.read()
+    assert info["state"] == "completed", info.get("exit_reason")
+    attempts = status_json(tmp_path, rd.id)["attempts"]
+    assert len(attempts) >= 2, attempts
+    assert [a["slurm_job"] for a in attempts] == [job_id] * len(attempts)
+    assert [a["slurm_restart"] for a in attempts] == list(range(len(attempts)))
+    assert [a["state"] for a in attempts] == ["requeued"] * (len(attempts) - 1) + ["completed"]
+    resumed = [a["resumed_from"] for a in attempts]
+    chain = resumed[1:] + [steps]  # each attempt starts past the one before, and the last ends the run
+    assert resumed[0] is None and all(0 < a < b for a, b in zip(chain, chain[1:])), resumed
+    events = rd.events()
+    assert [e["steps"] for e in events if e["event"] == "preempted"] == resumed[1:]
+    assert [e["checkpoint_steps"] for e in events if e["event"] == "requeue"] == resumed[1:]
+
+    # Every step once; the weights went on from each checkpoint (version = optimizer steps before).
+    metrics = rd.metrics()
+    assert [m["step"] for m in metrics] == list(range(steps))
+    optimizer_steps = [sum(m["train_batches"] for m in metrics[:k]) for k in range(steps)]
+    assert [m["weight_version_min"] for m in metrics] == optimizer_steps
+    first = sum(m["reward_mean"] for m in metrics[:5]) / 5
+    last = sum(m["reward_mean"] for m in metrics[-5:]) / 5
+    assert last > first + 0.08, (first, last)
+
+    wait_for(lambda: squeue_state(job_id) == "COMPLETED", 60, "the job to be COMPLETED")
+    assert scontrol(job_id)["Restarts"] == str(len(attempts) - 1)
+    assert sorted(p.name for p in rd.logs.glob("attempt-*")) == [f"attempt-{i + 1}" for i in range(len(attempts))]
+    shown = rlctl("status", rd.id, "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert shown.returncode == 0 and shown.stdout.count("requeued") >= len(attempts) - 1, shown.stdout
 
 
 def task_env(pid: int) -> dict[str, str]:

@@ -29,9 +29,9 @@ CASES = {
 }
 
 
-def render(name: str) -> str:
+def render(name: str, *extra: str) -> str:
     recipe_file, overrides = CASES[name]
-    r = load_recipe(recipe_file, overrides, check_paths=False)
+    r = load_recipe(recipe_file, [*overrides, *extra], check_paths=False)
     return render_batch_script(r, RUN_DIR, "RUN-ID", r.slurm.python or PYTHON)
 
 
@@ -55,7 +55,12 @@ def test_batch_script_structure():
         assert "#SBATCH --job-name=RUN-ID" in part
         assert "#SBATCH --partition=gpu" in part and "#SBATCH --account=rl-team" in part and "#SBATCH --qos=high" in part
     assert "#SBATCH --output=/shared/runs/RUN-ID/logs/slurm-%j.out" in head
-    assert 'RLCTL_LOGS="$RUN_DIR/logs/attempt-${SLURM_RESTART_COUNT:-0}"' in text
+    assert 'RLCTL_LOGS="$RUN_DIR/logs/attempt-$ATTEMPT"' in text
+    assert text.index("ATTEMPT=$(rlctl_step attempt") < text.index("rlctl_step plan")
+    # Before the time limit: a checkpoint, then the job requeues itself (slurm.requeue, the default)
+    assert "#SBATCH --signal=B:USR1@300" in head and "#SBATCH --requeue" in head and "#SBATCH --open-mode=append" in head
+    assert "trap on_usr1 USR1" in text and '[ "$code" = 75 ] && requeue_run' in text
+    assert "(trap '' USR1; exec \"$PY\" -m rlctl.worker controller" in text  # USR1 cannot kill it while it starts
     assert 'SLURM_JOB_NODELIST_HET_GROUP_0' in text and 'SLURM_JOB_NODELIST_HET_GROUP_1' in text
     # servers before trainers, and every process is `python -m rlctl.worker ROLE`
     servers = text.index("srun --het-group=1 --nodes=4 --ntasks=8 --ntasks-per-node=2")
@@ -375,3 +380,4 @@ def test_the_users_squeue_and_sacct_settings_are_ignored(monkeypatch):
     client.query(["5"])
     assert not [k for k in seen if k.startswith(("SQUEUE_", "SACCT_", "SLURM_TIME"))]
     assert seen["SLURM_CONF"] == "/etc/slurm/slurm.conf"
+

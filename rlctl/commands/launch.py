@@ -18,11 +18,19 @@ def launch(
     overrides: list[str] | None = typer.Argument(None, help="KEY=VALUE overrides, e.g. run.steps=10."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return at once; the run goes on in the background."),
     dry_run: bool = typer.Option(False, "--dry-run", help="launcher=slurm: write and print the batch script, submit nothing."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the recipe's newest run (same run.name) from its "
+                                "newest checkpoint if it stopped early; start a new run if there is none."),
 ) -> None:
     """Start a run from a recipe."""
     from rlctl.recipe import Launcher, load_recipe
 
     r = load_recipe(recipe, overrides or [])
+    if resume and not dry_run:
+        from rlctl.commands.resume import resume_recipe
+
+        code = resume_recipe(r, recipe, detach)
+        if code is not None:
+            raise typer.Exit(code)
     if r.launcher is Launcher.SLURM:
         code = launch_slurm(r, recipe, overrides or [], detach=detach, dry_run=dry_run)
         raise typer.Exit(code)

@@ -96,6 +96,20 @@ def _metrics_lines(m: dict[str, Any]) -> list[str]:
     return out
 
 
+def _attempt_line(a: dict[str, Any]) -> str:
+    """  2  from step 44   job 250 (restart 1)  19:45:54 -> 19:46:56  requeued: why"""
+    start = "the start" if a.get("resumed_from") is None else f"step {a['resumed_from']}"
+    job = f"  job {a['slurm_job']} (restart {a.get('slurm_restart')})" if a.get("slurm_job") else ""
+    times = f"{_clock(a.get('started'))} -> {_clock(a.get('ended')) or '...'}"
+    end = f"  {a.get('state')}" + (f": {a['exit_reason']}" if a.get("exit_reason") else "")
+    return f"  {a.get('attempt')}  from {start}{job}  {times}{end}"
+
+
+def _clock(iso: Any) -> str:
+    """The time of day of an ISO timestamp in run.json ('' if none)."""
+    return str(iso)[11:19] if isinstance(iso, str) and len(iso) >= 19 else ""
+
+
 def render_detail(d: dict[str, Any]) -> Group:
     from rich.console import Group
     from rich.table import Table
@@ -127,8 +141,11 @@ def render_detail(d: dict[str, Any]) -> Group:
                  one_line(str(p["log"]), 200))
         procs.add_row(*(Text(c) for c in cells))  # Text: no markup is read in what run.json says
     parts.append(procs)
+    if len(d.get("attempts") or []) > 1:
+        parts.append(Text("attempts:"))
+        parts.extend(Text(one_line(_attempt_line(a), 300)) for a in d["attempts"])
     if d.get("checkpoints"):  # rlctl/checkpoint.py: step, size, when it was completed
-        parts.append(Text(f"checkpoints/ (attempt {d.get('attempts', 1)} of the run):"))
+        parts.append(Text(f"checkpoints/ (attempt {len(d.get('attempts') or [1])} of the run):"))
         parts.extend(Text(f"  step {c['step']:>6}  {c['bytes'] / 2**20:9.1f} MiB  {c['time']}  {Path(c['path']).name}")
                      for c in d["checkpoints"])
     if d["last_events"]:

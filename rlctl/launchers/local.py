@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlctl.checkpoint import PREEMPTED_EXIT
 from rlctl.door import TOKEN_FILE, TOKEN_FILE_ENV
 from rlctl.launchers.health import healthy
 from rlctl.plan import Role, RunPlan
@@ -134,6 +135,8 @@ class Supervisor:
                     if self.running and self._replace(c, code):
                         continue  # failover (rlctl/failover.py): the run goes on without it meanwhile
                 last = last_log_line(self.rd.log_path(c.role.name))
+                if c.role.kind == "controller" and code == PREEMPTED_EXIT:  # SIGUSR1: checkpointed, as asked
+                    return RunState.CANCELLED, f"{last or 'stopped after a checkpoint'}; `rlctl resume` continues it"
                 said = f": {last}" if last and code > 0 else ""
                 return RunState.FAILED, f"{c.role.name} (pid {c.proc.pid}) {describe_exit(code)}{said}; see {self.rd.log_path(c.role.name)}"
         return None

@@ -1,8 +1,11 @@
 """The rlctl steps a Slurm batch script runs besides the roles (see rlctl/launchers/slurm/script.py).
 
-    python -m rlctl.worker plan   --run-dir D --trainer-nodes "n1" --rollout-nodes "n2 n3" --port-base P
-    python -m rlctl.worker health --run-dir D      exit 0 when every rollout server answers /health
-    python -m rlctl.worker state  --run-dir D --state failed --failed rollout [--reason ...]
+    python -m rlctl.worker attempt --run-dir D     prints the attempt's number; a later attempt (a
+                                                   requeue, a resubmission) resumes from the newest checkpoint
+    python -m rlctl.worker plan    --run-dir D --trainer-nodes "n1" --rollout-nodes "n2 n3" --port-base P
+    python -m rlctl.worker health  --run-dir D     exit 0 when every rollout server answers /health
+    python -m rlctl.worker requeue --run-dir D     exit 0 when the job should requeue itself (recorded)
+    python -m rlctl.worker state   --run-dir D --state failed --failed rollout [--reason ...]
 
 They run on the job's first trainer node and write to the run directory (a shared filesystem),
 so the run directory stays the source of truth for `rlctl status` as with the local launcher.
@@ -16,10 +19,11 @@ import re
 import socket
 from pathlib import Path
 
+from rlctl.checkpoint import list_checkpoints, prepare_resume
 from rlctl.launchers.health import healthy
 from rlctl.plan import RunPlan, slurm_plan
 from rlctl.recipe import FieldError, recipe_from_yaml
-from rlctl.rundir import RunDir, RunState
+from rlctl.rundir import RunDir, RunState, now_iso
 from rlctl.tail import last_log_line
 
 # What srun says on its own stderr when a task of its step ends badly.
@@ -33,6 +37,11 @@ def main(args: argparse.Namespace) -> int:
     if args.role == "health":
         plan = RunPlan.from_json(rd.read()["plan"])
         return 0 if all(healthy(url) for url in plan.server_urls) else 1
+    if args.role == "attempt":
+        print(start_attempt(rd), flush=True)
+        return 0
+    if args.role == "requeue":
+        return requeue(rd)
     return record_state(rd, RunState(args.state), args.reason, args.failed)
 
 
@@ -65,6 +74,44 @@ def write_plan(rd: RunDir, trainer_nodes: list[str], rollout_nodes: list[str], p
     print(f"plan: trainers on {' '.join(trainer_nodes)}, rollout servers on {' '.join(rollout_nodes)}, ports from {port_base}",
           flush=True)
     return 0
+
+
+def start_attempt(rd: RunDir) -> int:
+    """The number of the attempt this job starts (1, 2, ...). The run's first starts it; any later
+    one (Slurm requeued the job, or `rlctl resume` submitted it again) continues from the newest
+    checkpoint, or from the start where there is none yet."""
+    started = int((rd.read().get("slurm") or {}).get("attempts_started", 0))
+    if started:
+        found = list_checkpoints(rd.path)
+        prepare_resume(rd, found[-1] if found else None)
+    rd.update(lambda d: d.setdefault("slurm", {}).update(attempts_started=started + 1))
+    return started + 1
+
+
+def requeue(rd: RunDir) -> int:
+    """Before the time limit (the controller has checkpointed and stopped, or the warning came
+    before it started): 0 and the requeue recorded when the job should requeue itself; 1 and the
+    run failed, saying why, when slurm.max_requeues is reached or the attempt made no progress."""
+    info = rd.read()
+    recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    began = int((info.get("resume") or {}).get("steps", 0))
+    found = list_checkpoints(rd.path)
+    newest = found[-1].steps if found else 0
+    limit = recipe.slurm.max_requeues
+    if restarts >= limit:
+        why = f"the time limit came again and the job was requeued slurm.max_requeues={limit} times already"
+    elif newest <= began:
+        why = (f"the time limit came before this attempt wrote a checkpoint beyond step {began}: raise slurm.time "
+               f"or slurm.signal_before_s (now {recipe.slurm.signal_before_s} s)")
+    else:
+        reason = f"the time limit was near: a checkpoint at step {newest}, then requeued"
+        rd.event("requeue", restart_count=restarts, checkpoint_steps=newest, reason=reason)
+        end = {"state": "requeued", "at": now_iso(), "reason": reason}
+        rd.update(lambda d: d.update(state=RunState.STARTING.value, attempt_end=end))
+        return 0
+    record_state(rd, RunState.FAILED, why + (f"; `rlctl resume {rd.id}` continues from step {newest}" if found else ""), "")
+    return 1
 
 
 def record_state(rd: RunDir, state: RunState, reason: str, failed: str) -> int:

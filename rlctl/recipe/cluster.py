@@ -25,6 +25,20 @@ SIM_BOUNDS = {"rollout_gpus": 65_536, "trainer_gpus": 65_536, "tp": 64, "prompt_
 _SBATCH_MANAGED_FLAGS = ("--job-name", "-J", "--output", "-o", "--error", "-e", "--nodes", "-N", "--het-group")
 
 
+def slurm_time_seconds(time: str) -> int | None:
+    """A Slurm time limit in seconds (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS); None when
+    unlimited. Assumes the form was checked against _SLURM_TIME."""
+    if time in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, rest = time.rpartition("-") if "-" in time else ("0", "", time)
+    parts = [int(x) for x in rest.split(":")]
+    if "-" in time:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:  # MM, MM:SS, HH:MM:SS
+        hours, minutes, seconds = ([0] + parts if len(parts) < 3 else parts) if len(parts) > 1 else (0, parts[0], 0)
+    return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 def _check_env(name: str, value: str) -> None:
     key = f"env.{name}"
     if not _ENV_NAME.match(name):
@@ -132,6 +146,18 @@ class SlurmConfig(Section):
     """First port the run's servers listen on; 0 = 20000 + job id % 20000, so jobs sharing a node differ."""
     health_timeout_s: int = 600
     """How long the job waits for every rollout server's /health before it gives up."""
+    requeue: bool = True
+    """Survive the time limit: Slurm signals the job signal_before_s before it (--signal), the run
+    writes a checkpoint at the end of the step in progress, and the job requeues itself; the new
+    attempt (like one Slurm requeues after a node failure) continues from the newest checkpoint.
+    Slurm holds a requeued job for its credential lifetime (AuthInfo cred_expire, 120 s by
+    default) before it can start again. false: the job ends at its time limit."""
+    signal_before_s: int = 300
+    """How long before the time limit the warning comes: enough for one step and a checkpoint.
+    Slurm sends it up to a minute early (it looks at time limits every 30 s or so)."""
+    max_requeues: int = 20
+    """The most attempts a run requeues itself after the first; an attempt that ends without a
+    newer checkpoint than the one it started from is not requeued either (no progress)."""
 
     def check(self) -> None:
         for name in ("partition", "account", "qos"):
@@ -139,6 +165,14 @@ class SlurmConfig(Section):
         if not _SLURM_TIME.match(self.time):
             raise FieldError("time", f"'{self.time}' is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS")
         positive("health_timeout_s", self.health_timeout_s)
+        positive("signal_before_s", self.signal_before_s)
+        at_most("signal_before_s", self.signal_before_s, 65535, "(Slurm's --signal limit)")
+        limit = slurm_time_seconds(self.time)
+        if self.requeue and limit is not None and self.signal_before_s >= limit:
+            raise FieldError("signal_before_s", f"{self.signal_before_s} s is not before the time limit "
+                             f"(slurm.time={self.time}, {limit} s); lower it or raise slurm.time")
+        positive("max_requeues", self.max_requeues, zero_ok=True)
+        at_most("max_requeues", self.max_requeues, 1000)
         at_most("health_timeout_s", self.health_timeout_s, 7 * 86400, "(a week)")
         positive("port_base", self.port_base, zero_ok=True)
         if self.port_base and not 1024 <= self.port_base <= 65000:

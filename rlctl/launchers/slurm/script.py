@@ -29,6 +29,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from rlctl.checkpoint import PREEMPTED_EXIT
 from rlctl.recipe import Device, Recipe, RolloutEngine, SlurmConfig, TrainEngine, slurm_rollout_nodes
 
 CPUS_PER_GPU = 4
@@ -116,6 +117,52 @@ if ! "$PY" -c 'import rlctl' 2>/dev/null; then
 fi"""
 
 
+# With slurm.requeue: Slurm sends the batch shell SIGUSR1 signal_before_s before the time limit.
+_REQUEUE_FNS = r"""
+# Slurm's warning before the time limit (--signal=B:USR1): the controller writes a checkpoint at
+# the end of the step in progress and exits with code {preempted}; then the job requeues itself.
+PREEMPT=""
+on_usr1() {{
+  echo "rlctl: SIGUSR1 at $(date -Is): the time limit is near; checkpoint, then requeue"
+  PREEMPT=1
+  [ -n "$CONTROLLER" ] && kill -USR1 "$CONTROLLER" 2>/dev/null
+}}
+trap on_usr1 USR1
+
+# requeue_run: stop every component, and requeue this job unless rlctl_step requeue says not to
+# (it records why: slurm.max_requeues, or no progress). Slurm holds the job for its credential
+# lifetime, then starts it again, and the new attempt resumes from the newest checkpoint.
+requeue_run() {{
+  trap - USR1 INT
+  trap 'exit 0' TERM  # scontrol requeue ends this script
+  stop_pids 15 ${{CONTROLLER:+"$CONTROLLER"}} ${{TRAINER:+"$TRAINER"}}
+  stop_pids 10 ${{ROLLOUT:+"$ROLLOUT"}}
+  rlctl_step requeue || exit 1
+  scontrol requeue "$SLURM_JOB_ID" || end_run failed job "scontrol requeue $SLURM_JOB_ID failed"
+  sleep 60
+  exit 0
+}}
+"""
+
+
+_CONTROLLER = '"$PY" -m rlctl.worker controller --run-dir "$RUN_DIR" >"$RLCTL_LOGS/controller.log" 2>&1 &'
+
+
+def _requeue_parts(requeue: bool) -> dict[str, str]:
+    """The batch script's lines for slurm.requeue: its functions; the check while the servers
+    start; the controller started with SIGUSR1 ignored until it sets its own handler (the default
+    action would end it), and the warning sent again every second until it stops; the case of a
+    controller that stopped after a checkpoint."""
+    if not requeue:
+        return {"requeue_fns": "", "requeue_early": "", "controller_start": _CONTROLLER, "requeue_resend": "",
+                "requeue_after": ""}
+    return {"requeue_fns": _REQUEUE_FNS.format(preempted=PREEMPTED_EXIT),
+            "requeue_early": '[ -n "$PREEMPT" ] && requeue_run\n  ',
+            "controller_start": f"(trap '' USR1; exec {_CONTROLLER[:-2]}) &",
+            "requeue_resend": '[ -n "$PREEMPT" ] && kill -USR1 "$CONTROLLER" 2>/dev/null\n  ',
+            "requeue_after": f'[ "$code" = {PREEMPTED_EXIT} ] && requeue_run\n'}
+
+
 def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str) -> str:
     """The batch script of a run. Pure: same recipe, paths and interpreter -> same text.
 
@@ -147,7 +194,9 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
         f"#   component 0: {t_nodes} trainer node(s), {n_ranks} trainer rank(s); the controller runs on the first",
         f"#   component 1: {r_nodes} rollout node(s), {n_servers} rollout server(s), {spn} per node",
         f"#SBATCH --output={run_dir}/logs/slurm-%j.out",
+        "#SBATCH --open-mode=append",
         f"#SBATCH --time={sl.time}",
+        *([f"#SBATCH --signal=B:USR1@{sl.signal_before_s}", "#SBATCH --requeue"] if sl.requeue else ["#SBATCH --no-requeue"]),
         *component(t_nodes, ranks_per_node, sl.trainer.gpus_per_node, t_cpus, sl.trainer.mem),
         "#SBATCH hetjob",
         *component(r_nodes, spn, sl.rollout.gpus_per_node, r_cpus, sl.rollout.mem),
@@ -166,13 +215,13 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
         '|| end_run failed prepare "building the model failed; see $RLCTL_LOGS/prepare.log"\n'
         if recipe.model.init is not None else ""
     )
+    rq = _requeue_parts(sl.requeue)
     body = f"""\
 set -uo pipefail
 
 RUN_DIR={run_dir_q}
-export RLCTL_LOGS="$RUN_DIR/logs/attempt-${{SLURM_RESTART_COUNT:-0}}"
 export PYTHONUNBUFFERED=1
-mkdir -p "$RLCTL_LOGS"
+echo "rlctl: job ${{SLURM_JOB_ID:-}} starts on $HOSTNAME (Slurm restart count ${{SLURM_RESTART_COUNT:-0}})"
 
 # slurm.setup
 {setup}
@@ -183,6 +232,12 @@ mkdir -p "$RLCTL_LOGS"
 {python_lines(sl, python)}
 {bind_fn}
 rlctl_step() {{ "$PY" -m rlctl.worker "$1" --run-dir "$RUN_DIR" "${{@:2}}"; }}
+
+# The attempt's number; a later attempt (requeued, or submitted again by rlctl resume) continues
+# from the run's newest checkpoint. Each attempt logs into its own folder.
+ATTEMPT=$(rlctl_step attempt | tail -n 1) || {{ echo "error: could not start the attempt in $RUN_DIR" >&2; exit 1; }}
+export RLCTL_LOGS="$RUN_DIR/logs/attempt-$ATTEMPT"
+mkdir -p "$RLCTL_LOGS"
 
 # stop_pids GRACE PID...: SIGTERM (srun passes it to its tasks), SIGKILL after GRACE seconds.
 stop_pids() {{
@@ -216,7 +271,7 @@ end_run() {{
 }}
 trap 'end_run cancelled job "SIGTERM from Slurm (scancel or the time limit)"' TERM
 trap 'end_run cancelled job "SIGINT from Slurm"' INT
-
+{rq['requeue_fns']}
 TRAINER_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | tr '\\n' ' ')
 ROLLOUT_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1" | tr '\\n' ' ')
 rlctl_step plan --trainer-nodes "$TRAINER_NODES" --rollout-nodes "$ROLLOUT_NODES" --port-base "{port_base}" \\
@@ -233,7 +288,7 @@ until rlctl_step health; do
     wait "$ROLLOUT"
     end_run failed rollout "the servers' srun step exited with code $? before all were healthy"
   fi
-  if [ "$SECONDS" -ge "$deadline" ]; then
+  {rq['requeue_early']}if [ "$SECONDS" -ge "$deadline" ]; then
     end_run failed rollout "not every server answered /health within {sl.health_timeout_s} s"
   fi
   sleep 1
@@ -244,7 +299,7 @@ srun --het-group=0 --nodes={t_nodes} --ntasks={n_ranks} --ntasks-per-node={ranks
   --export=ALL --kill-on-bad-exit=1 --output="$RLCTL_LOGS/trainer-%t.log" \\
   "$PY" -m rlctl.worker trainer --run-dir "$RUN_DIR" 2>"$RLCTL_LOGS/trainer.srun.log" &
 TRAINER=$!
-"$PY" -m rlctl.worker controller --run-dir "$RUN_DIR" >"$RLCTL_LOGS/controller.log" 2>&1 &
+{rq['controller_start']}
 CONTROLLER=$!
 rlctl_step state --state running
 
@@ -257,13 +312,13 @@ step_exited() {{  # step_exited COMPONENT PID: end the run if that srun step has
   fi
 }}
 while sleep 1; do
-  step_exited rollout "$ROLLOUT"
+  {rq['requeue_resend']}step_exited rollout "$ROLLOUT"
   step_exited trainer "$TRAINER"
   if ! kill -0 "$CONTROLLER" 2>/dev/null; then
     wait "$CONTROLLER"
     code=$?
     [ "$code" = 0 ] && end_run completed controller "all steps done"
-    for _ in 1 2 3 4 5; do
+    {rq['requeue_after']}    for _ in 1 2 3 4 5; do
       sleep 1
       step_exited rollout "$ROLLOUT"
       step_exited trainer "$TRAINER"
