@@ -234,6 +234,7 @@ class MegatronTrainEngine(PieceTraining):
                                              str(root / ckpt_files.TRAINER_DIR / "megatron"))
             self.model.load_state_dict(loaded["model"])
             self.optimizer.load_state_dict(loaded["optimizer"])
+            _own_step_counters(self.optimizer)
         rng = ckpt_files.load_rng(root, self.rank)
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_cuda"])
         self.version = int(info["version"])
@@ -329,3 +330,16 @@ class MegatronTrainEngine(PieceTraining):
             "seconds": acc["seconds"] + time.monotonic() - start, "version": float(self.version),
             "update_ok": float(bool(ok)),
         }
+
+
+def _own_step_counters(optimizer) -> None:
+    """Give every parameter's Adam state its own `step` tensor. Without Apex or Transformer Engine,
+    megatron-core's DistributedOptimizer.load_state_dict (0.19.2) puts ONE step tensor into every
+    parameter's state; torch's Adam then adds 1 to it once per parameter in each step, so the
+    bias correction of a resumed run is off (19 parameters: step 1 counted as 20, updates about a
+    third smaller; scripts/gpu_checks.py --only checkpoint measures the next step against a run
+    that never stopped)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
