@@ -196,7 +196,7 @@ def run_supervisor(rd: RunDir) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlctl.worker")
     p.add_argument("role", choices=["supervisor", "prepare", "rollout", "trainer", "controller", "plan", "health", "state",
-                                     "attempt", "requeue"])
+                                     "attempt", "requeue", "server-exit"])
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--index", type=int, default=int(os.environ.get("SLURM_PROCID", 0)))
     p.add_argument("--trainer-nodes", default="", help="plan: the trainer component's hostnames")
@@ -205,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state", default="", help="state: running | completed | failed | cancelled")
     p.add_argument("--reason", default="", help="state: why the run ended")
     p.add_argument("--failed", default="", help="state: the component that failed (rollout | trainer | controller)")
+    p.add_argument("--code", type=int, default=0, help="server-exit: the exit code of the server's srun step")
+    p.add_argument("--restarts", type=int, default=0, help="server-exit: how many times it has now exited")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format=f"%(asctime)s %(levelname)s {args.role}-{args.index}: %(message)s")
     if args.role == "supervisor":
         return run_supervisor(RunDir(args.run_dir))
-    if args.role in ("plan", "health", "state", "attempt", "requeue"):
+    if args.role in ("plan", "health", "state", "attempt", "requeue", "server-exit"):
         from rlctl.launchers import slurm_job
 
         return slurm_job.main(args)

@@ -63,53 +63,55 @@ def test_batch_script_structure():
     assert "(trap '' USR1; exec \"$PY\" -m rlctl.worker controller" in text  # USR1 cannot kill it while it starts
     assert 'SLURM_JOB_NODELIST_HET_GROUP_0' in text and 'SLURM_JOB_NODELIST_HET_GROUP_1' in text
     # servers before trainers, and every process is `python -m rlctl.worker ROLE`
-    servers = text.index("srun --het-group=1 --nodes=4 --ntasks=8 --ntasks-per-node=2")
+    # each server its own step on its node (restarted alone after a failure), with its own GPUs
+    servers = text.index('srun --het-group=1 --nodes=1 --ntasks=1 --nodelist="${ROLLOUT_NODE[$1 / 2]}"')
+    assert "--gres=gpu:1 --exact" in text and 'for ((i = 0; i < 8; i++)); do RESTARTS[i]=0; start_server "$i"; done' in text
+    assert 'SLURM_MEM_PER_NODE_HET_GROUP_1 / 2))M' in text  # steps share the node's memory limit
     trainers = text.index("srun --het-group=0 --nodes=2 --ntasks=16 --ntasks-per-node=8")
     assert servers < text.index("until rlctl_step health") < trainers
     assert text.count("-m rlctl.worker") == 4  # rlctl_step, rollout, trainer, controller
-    assert text.count("--kill-on-bad-exit=1") == 2
+    assert text.count("--kill-on-bad-exit=1") == 1  # the trainer ranks: one dead rank ends them all
     # CPUs per task on sbatch and srun (srun 22.05 and 23.02 do not inherit them), the nodes' memory,
     # and every task gets the script's environment whatever the submitting shell's SLURM_EXPORT_ENV
     assert head.count("#SBATCH --cpus-per-task=4") == rest.count("#SBATCH --cpus-per-task=4") == 1
     assert "#SBATCH --mem=0" in head and "#SBATCH --mem=0" in rest
-    assert text.count("--cpus-per-task=4 \\\n  --export=ALL --kill-on-bad-exit=1") == 2
+    assert text.count("--cpus-per-task=4 \\\n  --export=ALL --kill-on-bad-exit=1") == 1
+    assert text.count("--cpus-per-task=4 \\\n    --gres=gpu:1 --exact ${STEP_MEM[@]+\"${STEP_MEM[@]}\"} --export=ALL") == 1
     assert "bash -c 'rlctl_own_gpus 1 \"$@\"' rlctl_own_gpus" in text  # one GPU per built-in server
 
 
-def own_gpus(text: str, n: int, local_id: int, visible: str | None, step: str | None = None) -> subprocess.CompletedProcess:
-    """Run the script's rlctl_own_gpus in bash as a rollout task with this SLURM_LOCALID, the
-    CUDA_VISIBLE_DEVICES Slurm gave it (None: Slurm set none) and its step's SLURM_STEP_GPUS."""
+def own_gpus(text: str, n: int, visible: str | None) -> subprocess.CompletedProcess:
+    """Run the script's rlctl_own_gpus in bash as a server step with the CUDA_VISIBLE_DEVICES Slurm
+    gave it (None: Slurm set none)."""
     fn = text[text.index("rlctl_own_gpus() {"):text.index("\n}\n", text.index("rlctl_own_gpus() {")) + 3]
-    env = {"PATH": os.environ["PATH"], "SLURM_LOCALID": str(local_id), "SLURM_PROCID": str(10 + local_id)}
-    for name, value in (("CUDA_VISIBLE_DEVICES", visible), ("SLURM_STEP_GPUS", step or visible)):
-        if value is not None:
-            env[name] = value
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     return subprocess.run(["bash", "-c", f"{fn}\nrlctl_own_gpus {n} bash -c 'echo \"$CUDA_VISIBLE_DEVICES\"'"],
                           capture_output=True, text=True, env=env)
 
 
-@pytest.mark.parametrize("local_id, visible, step, expected", [
-    (0, "0,1,2,3,4,5,6,7", None, "0,1,2,3"),
-    (1, "0,1,2,3,4,5,6,7", None, "4,5,6,7"),
-    (1, "8,9,10,11,12,13,14,15", None, "12,13,14,15"),  # Slurm's numbering as it is (a shared node, no cgroup)
-    (1, "0,1,2,3,4,5,6,7", "8,9,10,11,12,13,14,15", "4,5,6,7"),  # renumbered from 0 (ConstrainDevices)
-    (1, None, None, "4,5,6,7"),  # no CUDA_VISIBLE_DEVICES from Slurm: the node's GPUs from 0
-    (1, "4,5,6,7", "0,1,2,3,4,5,6,7", "4,5,6,7"),  # Slurm bound the task itself (a site's --gpu-bind)
+@pytest.mark.parametrize("visible, expected", [
+    ("0,1,2,3", "0,1,2,3"),
+    ("4,5,6,7", "4,5,6,7"),  # Slurm's numbering as it is (a shared node, no cgroup)
+    ("12,13,14,15", "12,13,14,15"),
+    (None, "0,1,2,3"),  # no CUDA_VISIBLE_DEVICES from Slurm: 0..n-1
 ])
-def test_each_sglang_server_of_a_node_gets_its_own_gpus(local_id, visible, step, expected):
+def test_each_sglang_server_runs_on_the_gpus_slurm_gave_its_step(visible, expected):
     text = render("example-qwen3-1.7b")  # 2 servers of tp 4 per 8-GPU node
     assert "bash -c 'rlctl_own_gpus 4 \"$@\"' rlctl_own_gpus" in text and "--base-gpu-id" not in text
-    res = own_gpus(text, 4, local_id, visible, step)
+    assert "--gres=gpu:4 --exact" in text
+    res = own_gpus(text, 4, visible)
     assert res.returncode == 0, res.stderr
     said, cvd = res.stdout.splitlines()
-    assert cvd == expected and f"runs on GPUs {expected} " in said
+    assert cvd == expected and f"runs this server on GPUs {expected} " in said and "step 7.3" in said
 
 
-def test_too_few_gpus_for_the_servers_of_a_node_is_one_line_in_the_servers_log():
-    res = own_gpus(render("example-qwen3-1.7b"), 4, 1, "0,1,2,3")
+def test_too_few_gpus_for_a_server_is_one_line_in_its_log():
+    res = own_gpus(render("example-qwen3-1.7b"), 4, "0,1")
     assert res.returncode == 1 and res.stdout == ""
     assert res.stderr.strip().splitlines() == [
-        "error: task 11 on " + os.uname().nodename + " needs GPUs 4..7 of the 4 Slurm gave it here (0 1 2 3): "
+        "error: " + os.uname().nodename + " gave this server 2 GPU(s) (0 1), it needs 4: "
         "raise slurm.rollout.gpus_per_node or lower servers_per_node"]
 
 

@@ -5,6 +5,8 @@
     python -m rlctl.worker plan    --run-dir D --trainer-nodes "n1" --rollout-nodes "n2 n3" --port-base P
     python -m rlctl.worker health  --run-dir D     exit 0 when every rollout server answers /health
     python -m rlctl.worker requeue --run-dir D     exit 0 when the job should requeue itself (recorded)
+    python -m rlctl.worker server-exit --run-dir D --index I --code C --restarts K
+                                                   rollout server I's step exited; the K-th restart
     python -m rlctl.worker state   --run-dir D --state failed --failed rollout [--reason ...]
 
 They run on the job's first trainer node and write to the run directory (a shared filesystem),
@@ -42,6 +44,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.role == "requeue":
         return requeue(rd)
+    if args.role == "server-exit":
+        return server_exit(rd, args.index, args.code, args.restarts)
     return record_state(rd, RunState(args.state), args.reason, args.failed)
 
 
@@ -73,6 +77,21 @@ def write_plan(rd: RunDir, trainer_nodes: list[str], rollout_nodes: list[str], p
     rd.update(apply)
     print(f"plan: trainers on {' '.join(trainer_nodes)}, rollout servers on {' '.join(rollout_nodes)}, ports from {port_base}",
           flush=True)
+    return 0
+
+
+def server_exit(rd: RunDir, index: int, code: int, restarts: int) -> int:
+    """Record that rollout server `index`'s step exited with `code` while the run was running, and
+    what the batch script does about it: start it again (restart number `restarts`), or give it
+    up after rollout.max_restarts. The same events as the local supervisor's."""
+    recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
+    role, limit = f"rollout-{index}", recipe.rollout.max_restarts
+    rd.event("process_exit", role=role, code=code)
+    rd.event("server_down", role=role)
+    if restarts > limit:
+        rd.event("server_given_up", role=role, restarts=limit)
+    else:
+        rd.event("server_restarted", role=role, attempt=restarts, after=f"its srun step exited with code {code}")
     return 0
 
 
@@ -135,7 +154,7 @@ def failure_reason(rd: RunDir, component: str, what: str) -> str:
         m = _SRUN_TASK_ERROR.search(line)
         if m:
             task = re.split(r"[,-]", m["tasks"])[0]
-            role = f"{component}-{task}"
+            role = component if component[-1].isdigit() else f"{component}-{task}"  # rollout-3: a step of its own
             said = last_log_line(logs / f"{role}.log")
             tail = f"; it said: {said}" if said and "Killed" not in m["what"] else ""
             return f"{role} on {m['node']}: {m['what'].strip()} ({what}){tail}; see {logs / f'{role}.log'}"

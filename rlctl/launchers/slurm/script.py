@@ -36,25 +36,22 @@ CPUS_PER_GPU = 4
 """Default CPUs per GPU of a task: SGLang runs a scheduler process per GPU besides its HTTP and
 detokenizer processes; 4 per GPU fits every GPU node with 8 GPUs and 32 CPUs or more."""
 
-# Exported to the rollout tasks (srun --export=ALL), which run `bash -c 'rlctl_own_gpus N "$@"' ...`.
+# Exported to the rollout steps (srun --export=ALL), which run `bash -c 'rlctl_own_gpus N "$@"' ...`.
 _OWN_GPUS = r"""
-# rlctl_own_gpus N CMD...: exec CMD on this task's own N GPUs: the SLURM_LOCALID-th N of those Slurm
-# gave the step on this node (its CUDA_VISIBLE_DEVICES; 0..{fallback} where it set none), so that
-# the servers of a node never share a GPU and each counts its own from 0. A task that sees fewer
-# GPUs than its step has was bound by Slurm itself (a site's --gpu-bind default): it keeps those.
+# rlctl_own_gpus N CMD...: exec CMD on the N GPUs Slurm gave this server's step (--gres=gpu:N, so
+# the servers of a node never share one: Slurm gives concurrent steps different GPUs), counted
+# from 0 by the server; 0..N-1 where Slurm set no CUDA_VISIBLE_DEVICES.
 rlctl_own_gpus() {{
-  local n=$1 first=0 mine all step
+  local n=$1 all mine
   shift
-  IFS=, read -r -a all <<<"${{CUDA_VISIBLE_DEVICES:-$(seq -s, 0 {fallback})}}"
-  IFS=, read -r -a step <<<"${{SLURM_STEP_GPUS:-}}"
-  ((${{#all[@]}} < ${{#step[@]}})) || first=$((SLURM_LOCALID * n))
-  if ((first + n > ${{#all[@]}})); then
-    echo "error: task $SLURM_PROCID on $(hostname) needs GPUs $first..$((first + n - 1)) of the ${{#all[@]}}" \
-      "Slurm gave it here (${{all[*]}}): raise slurm.rollout.gpus_per_node or lower servers_per_node" >&2
+  IFS=, read -r -a all <<<"${{CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))}}"
+  if ((${{#all[@]}} < n)); then
+    echo "error: $(hostname) gave this server ${{#all[@]}} GPU(s) (${{all[*]}}), it needs $n:" \
+      "raise slurm.rollout.gpus_per_node or lower servers_per_node" >&2
     exit 1
   fi
-  mine=$(IFS=,; echo "${{all[*]:first:n}}")
-  echo "rlctl: task $SLURM_PROCID on $(hostname) runs on GPUs $mine (CUDA_VISIBLE_DEVICES; Slurm gave it ${{all[*]}})"
+  mine=$(IFS=,; echo "${{all[*]:0:n}}")
+  echo "rlctl: $(hostname) runs this server on GPUs $mine (CUDA_VISIBLE_DEVICES; step $SLURM_JOB_ID.$SLURM_STEP_ID)"
   export CUDA_VISIBLE_DEVICES=$mine
   exec "$@"
 }}
@@ -136,7 +133,7 @@ requeue_run() {{
   trap - USR1 INT
   trap 'exit 0' TERM  # scontrol requeue ends this script
   stop_pids 15 ${{CONTROLLER:+"$CONTROLLER"}} ${{TRAINER:+"$TRAINER"}}
-  stop_pids 10 ${{ROLLOUT:+"$ROLLOUT"}}
+  stop_pids 10 ${{SERVER[@]+"${{SERVER[@]}}"}}
   rlctl_step requeue || exit 1
   scontrol requeue "$SLURM_JOB_ID" || end_run failed job "scontrol requeue $SLURM_JOB_ID failed"
   sleep 60
@@ -204,11 +201,12 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
     setup = "\n".join(sl.setup) if sl.setup else "# (no slurm.setup lines)"
     env = "\n".join(f"export {name}={_quoted(value)}" for name, value in sl.env.items()) or "# (no slurm.env)"
     if own_gpus:
-        bind_fn = _OWN_GPUS.format(fallback=(sl.rollout.gpus_per_node or spn * own_gpus) - 1)
-        bind_note = '# shellcheck disable=SC2016  # "$@" is expanded by each task\'s own shell\n'
-        bind = f"bash -c 'rlctl_own_gpus {own_gpus} \"$@\"' rlctl_own_gpus \\\n  "
+        bind_fn = _OWN_GPUS.format()
+        bind_note = '  # shellcheck disable=SC2016  # "$@" is expanded by the step\'s own shell\n'
+        bind = f"bash -c 'rlctl_own_gpus {own_gpus} \"$@\"' rlctl_own_gpus \\\n    "
+        gres = f"--gres=gpu:{own_gpus} "
     else:
-        bind_fn, bind_note, bind = "", "", ""
+        bind_fn, bind_note, bind, gres = "", "", "", ""
     port_base = str(sl.port_base) if sl.port_base else "$((20000 + SLURM_JOB_ID % 20000))"
     prepare = (
         'rlctl_step prepare >"$RLCTL_LOGS/prepare.log" 2>&1 '
@@ -216,6 +214,7 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
         if recipe.model.init is not None else ""
     )
     rq = _requeue_parts(sl.requeue)
+    max_restarts = recipe.rollout.max_restarts
     body = f"""\
 set -uo pipefail
 
@@ -253,7 +252,7 @@ stop_pids() {{
   for pid in "$@"; do kill -KILL "$pid" 2>/dev/null; done
 }}
 
-CONTROLLER="" TRAINER="" ROLLOUT=""
+CONTROLLER="" TRAINER=""
 
 # end_run STATE COMPONENT REASON: record the run's end, stop every component, leave the job.
 # No component may hold nodes after another one died.
@@ -262,11 +261,11 @@ end_run() {{
   if [ "$1" = completed ]; then
     rlctl_step state --state completed --reason "$3"
     stop_pids 15 ${{CONTROLLER:+"$CONTROLLER"}} ${{TRAINER:+"$TRAINER"}}
-    stop_pids 10 ${{ROLLOUT:+"$ROLLOUT"}}
+    stop_pids 10 ${{SERVER[@]+"${{SERVER[@]}}"}}
     exit 0
   fi
   rlctl_step state --state "$1" --failed "$2" --reason "$3"
-  stop_pids 3 ${{CONTROLLER:+"$CONTROLLER"}} ${{TRAINER:+"$TRAINER"}} ${{ROLLOUT:+"$ROLLOUT"}}
+  stop_pids 3 ${{CONTROLLER:+"$CONTROLLER"}} ${{TRAINER:+"$TRAINER"}} ${{SERVER[@]+"${{SERVER[@]}}"}}
   exit 1
 }}
 trap 'end_run cancelled job "SIGTERM from Slurm (scancel or the time limit)"' TERM
@@ -277,17 +276,38 @@ ROLLOUT_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1" | tr '
 rlctl_step plan --trainer-nodes "$TRAINER_NODES" --rollout-nodes "$ROLLOUT_NODES" --port-base "{port_base}" \\
   || end_run failed plan "could not write the plan; see $RUN_DIR/logs/slurm-$SLURM_JOB_ID.out"
 {prepare}
-# Rollout servers on every node of component 1, then wait for their /health.
-{bind_note}srun --het-group=1 --nodes={r_nodes} --ntasks={n_servers} --ntasks-per-node={spn} --cpus-per-task={r_cpus} \\
-  --export=ALL --kill-on-bad-exit=1 --output="$RLCTL_LOGS/rollout-%t.log" \\
-  {bind}"$PY" -m rlctl.worker rollout --run-dir "$RUN_DIR" 2>"$RLCTL_LOGS/rollout.srun.log" &
-ROLLOUT=$!
+# Rollout servers: one srun step each, on its node of component 1 (server i on node i / {spn}), so
+# that a server that dies while the run runs is started again alone, on its node, up to
+# rollout.max_restarts times (server_check); meanwhile the controller sends its requests to the
+# others, and gives it the weights when it is back. Then wait for every server's /health.
+read -r -a ROLLOUT_NODE <<<"$ROLLOUT_NODES"
+STEP_MEM=()  # a share of the node's memory where the job has a limit, so that the steps run side by side
+[ -n "${{SLURM_MEM_PER_NODE_HET_GROUP_1:-}}" ] && STEP_MEM=(--mem=$((SLURM_MEM_PER_NODE_HET_GROUP_1 / {spn}))M)
+SERVER=() RESTARTS=()
+start_server() {{  # start_server I: server I's step
+{bind_note}  srun --het-group=1 --nodes=1 --ntasks=1 --nodelist="${{ROLLOUT_NODE[$1 / {spn}]}}" --cpus-per-task={r_cpus} \\
+    {gres}--exact ${{STEP_MEM[@]+"${{STEP_MEM[@]}}"}} --export=ALL --output="$RLCTL_LOGS/rollout-$1.log" \\
+    {bind}"$PY" -m rlctl.worker rollout --run-dir "$RUN_DIR" --index "$1" 2>>"$RLCTL_LOGS/rollout-$1.srun.log" &
+  SERVER[$1]=$!
+}}
+# server_check: a server step that exited ends the run before the controller runs; after, it is
+# started again, or given up after rollout.max_restarts (the run goes on without it).
+server_check() {{
+  local i code
+  for ((i = 0; i < {n_servers}; i++)); do
+    if [ -z "${{SERVER[i]}}" ] || kill -0 "${{SERVER[i]}}" 2>/dev/null; then continue; fi  # given up, or running
+    wait "${{SERVER[i]}}"
+    code=$?
+    [ -n "$CONTROLLER" ] || end_run failed "rollout-$i" "its srun step exited with code $code before all were healthy"
+    RESTARTS[i]=$((RESTARTS[i] + 1))
+    rlctl_step server-exit --index "$i" --code "$code" --restarts "${{RESTARTS[i]}}"
+    if ((RESTARTS[i] > {max_restarts})); then SERVER[i]=""; else start_server "$i"; fi
+  done
+}}
+for ((i = 0; i < {n_servers}; i++)); do RESTARTS[i]=0; start_server "$i"; done
 deadline=$((SECONDS + {sl.health_timeout_s}))
 until rlctl_step health; do
-  if ! kill -0 "$ROLLOUT" 2>/dev/null; then
-    wait "$ROLLOUT"
-    end_run failed rollout "the servers' srun step exited with code $? before all were healthy"
-  fi
+  server_check
   {rq['requeue_early']}if [ "$SECONDS" -ge "$deadline" ]; then
     end_run failed rollout "not every server answered /health within {sl.health_timeout_s} s"
   fi
@@ -312,7 +332,7 @@ step_exited() {{  # step_exited COMPONENT PID: end the run if that srun step has
   fi
 }}
 while sleep 1; do
-  {rq['requeue_resend']}step_exited rollout "$ROLLOUT"
+  {rq['requeue_resend']}server_check
   step_exited trainer "$TRAINER"
   if ! kill -0 "$CONTROLLER" 2>/dev/null; then
     wait "$CONTROLLER"
@@ -320,7 +340,6 @@ while sleep 1; do
     [ "$code" = 0 ] && end_run completed controller "all steps done"
     {rq['requeue_after']}    for _ in 1 2 3 4 5; do
       sleep 1
-      step_exited rollout "$ROLLOUT"
       step_exited trainer "$TRAINER"
     done
     end_run failed controller "exited with code $code"
