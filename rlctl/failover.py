@@ -8,8 +8,10 @@ kernel), or a server whose engine died (the built-in server's /health is 503 the
 - the pool sends it no more requests, and the requests it had in flight go to the others, so no
   sample is lost or generated twice, and in sync and rolloutpipe every sample of a step still
   comes from the step's weights (every server holds them);
-- a local server process that is still there (frozen) is killed; the supervisor
-  (rlctl/launchers/local.py) restarts a dead one, up to rollout.max_restarts times.
+- a server process that is still there (frozen) is killed: locally its process group, under
+  Slurm its own srun step (scancel --signal=KILL JOB.STEP); the supervisor
+  (rlctl/launchers/local.py) or the batch script (rlctl/launchers/slurm/script.py) starts a
+  dead one again, up to rollout.max_restarts times.
 A lost server that answers /health again rejoins at the next weight sync: the trainer forms
 the weight-sync group anew with the servers then in it (a group cannot take new members), the
 sync gives it the current weights, and only then does it get requests again. Until then every
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -64,11 +67,23 @@ class ServerWatch:
             probe.cancel()  # it may have started before the loss: its answer says nothing now
 
     def _kill(self, name: str) -> None:
-        """A frozen local server cannot restart itself: end it, and the supervisor starts it again."""
-        pid = (self.rd.read().get("processes", {}).get(name) or {}).get("pid")
-        if pid:
+        """A frozen server cannot restart itself: end it, and the supervisor (local) or the batch
+        script (Slurm: SIGKILL to the server's own srun step, on its node) starts it again."""
+        proc = self.rd.read().get("processes", {}).get(name) or {}
+        if self.recipe.launcher is Launcher.SLURM:
+            if proc.get("slurm_step"):
+                cmd = ["scancel", "--signal=KILL", proc["slurm_step"]]
+                try:
+                    res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+                    said = res.stderr.strip() if res.returncode else ""
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    said = str(e)
+                if said:
+                    log.warning("%s: %s failed: %s", name, " ".join(cmd), said)
+            return
+        if proc.get("pid"):
             try:
-                os.killpg(pid, signal.SIGKILL)
+                os.killpg(proc["pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
@@ -98,8 +113,7 @@ class ServerWatch:
                 self.probes[c.name] = asyncio.create_task(self._probe(c))
             if c.name not in self.pool.lost and now - self.last_ok[c.name] > self.stall_s:
                 self.pool.lose(c.name, f"/health has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
-                if self.recipe.launcher is Launcher.LOCAL:
-                    self._kill(c.name)  # frozen, not dead: the supervisor restarts it once it is
+                self._kill(c.name)  # frozen, not dead: it is restarted once it is
 
     async def lose_silent(self, names: list[str]) -> None:
         """After a failed sync: lose at once each of these servers that does not answer /health."""

@@ -85,13 +85,22 @@ def run_prepare(rd: RunDir, recipe: Recipe) -> None:
     rd.update(lambda d: d.update(model_path=str(path)))
 
 
+def slurm_step() -> str:
+    """A rollout server's srun step as scancel names it: JOB.STEP, where JOB is the id of the
+    heterogeneous job's component 1, which holds the servers (SLURM_JOB_ID_HET_GROUP_1; inside the
+    step SLURM_JOB_ID is component 0's, under which scancel finds no such step and says nothing)."""
+    job = os.environ.get("SLURM_JOB_ID_HET_GROUP_1") or os.environ["SLURM_JOB_ID"]
+    return f"{job}.{os.environ['SLURM_STEP_ID']}"
+
+
 def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: int) -> None:
     from rlctl.engines.rollout.builtin import server
 
     role = plan.rollout[index]
     if recipe.rollout.cpus:
         os.sched_setaffinity(0, recipe.rollout.cpus)
-    rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
+    step = {"slurm_step": slurm_step()} if "SLURM_STEP_ID" in os.environ else {}  # failover kills a frozen one
+    rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)), **step)
     if recipe.rollout.engine is RolloutEngine.SGLANG:
         _exec_sglang(rd, recipe, role, info["model_path"])
     args = server.parser().parse_args([  # a list in this process: the token file's path only, never the token

@@ -138,6 +138,33 @@ def test_a_rollout_server_killed_on_its_node_is_restarted_there_and_the_run_comp
     wait_for(lambda: not processes_mentioning(rd.id), 30, "every process of the run to exit")
 
 
+def test_a_frozen_rollout_server_is_cancelled_restarted_and_rejoins(tmp_path):
+    """SIGSTOP: the server's /health stops answering; after rollout.stall_timeout_s the controller
+    takes it out and SIGKILLs its srun step (scancel --signal=KILL), and the batch script starts
+    the step again on the same node."""
+    steps = 60
+    rd = launch(tmp_path, f"run.steps={steps}", "rollout.stall_timeout_s=5", detach=True)
+    wait_for(lambda: len(rd.metrics()) >= 3, 120, "three steps")
+    victim = rd.read()["processes"]["rollout-0"]
+    assert re.fullmatch(r"\d+\.\d+", victim["slurm_step"]), victim
+    os.kill(victim["pid"], signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_for(lambda: any(e["event"] == "server_lost" for e in rd.events()), 30, "the stall to be seen")
+    assert time.monotonic() - stopped < 5 + 10  # the timeout, plus a probe interval and the event's flush
+    back = wait_for(lambda: (p := rd.read()["processes"]["rollout-0"])["pid"] != victim["pid"] and p, 60,
+                    "rollout-0 to be started again")
+    assert back["host"] == victim["host"] and back["slurm_step"] != victim["slurm_step"]
+    wait_for(lambda: rd.read()["state"] in ("completed", "failed"), 300, "the run to end")
+    assert rd.read()["state"] == "completed", rd.read().get("exit_reason")
+    events = rd.events()
+    (lost,) = [e for e in events if e["event"] == "server_lost"]
+    assert lost["server"] == "rollout-0" and "/health" in lost["reason"], lost
+    assert any(e["event"] == "server_rejoined" and e["server"] == "rollout-0" for e in events)
+    assert [m["step"] for m in rd.metrics()] == list(range(steps))
+    trained = [g for e in events if e["event"] == "train_start" for g in e["groups"]]
+    assert len(trained) == len(set(trained))
+
+
 def test_cancel_leaves_no_process_on_any_node_and_resume_submits_again(tmp_path):
     rd = launch(tmp_path, "run.steps=400", "run.save_every=3", *FAST[1:], detach=True)
     job_id = rd.read()["slurm"]["job_id"]

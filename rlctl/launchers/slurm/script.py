@@ -2,20 +2,22 @@
 (tests/golden/slurm/).
 
 Component 0 holds the trainer ranks (and the controller, on its first node); component 1 holds the
-rollout servers. The script resolves its node names, writes the plan into run.json (`python -m
-rlctl.worker plan`), starts the servers with `srun --het-group=1`, waits for their /health, starts
-the trainer ranks with `srun --het-group=0` and the controller, and ends the whole job as soon as
-any component exits. Every process runs `python -m rlctl.worker ROLE`, as with the local launcher,
-and the run directory (a shared filesystem) stays the source of truth.
+rollout servers. The script starts the attempt (`python -m rlctl.worker attempt`: a later one
+resumes from the newest checkpoint), resolves its node names, writes the plan into run.json
+(`python -m rlctl.worker plan`), starts each server as its own `srun --het-group=1` step on its
+node, waits for their /health, starts the trainer ranks with `srun --het-group=0` and the
+controller, and then watches them: a server step that exits is started again (up to
+rollout.max_restarts), the trainer step or the controller exiting ends the whole job. With
+slurm.requeue, Slurm's SIGUSR1 before the time limit makes the controller checkpoint and stop,
+and the job requeues itself. Every process runs `python -m rlctl.worker ROLE`, as with the local
+launcher, and the run directory (a shared filesystem) stays the source of truth.
 
 Placement, what each task gets:
-- GPUs. Each rollout server is bound to its own GPUs: the script sets CUDA_VISIBLE_DEVICES per
-  task to the SLURM_LOCALID-th group of `server_gpus` GPUs among those Slurm gave the step on
-  that node (its CUDA_VISIBLE_DEVICES), so a server counts its GPUs from 0 (SGLang's
-  --base-gpu-id 0, the built-in server's cuda:0). This takes Slurm's own allocation as it is
-  (GPUs 4-7 of a shared node, or 0..k-1 renumbered under ConstrainDevices) and needs no
-  `--gpus-per-task`, whose binding differs between Slurm versions and site defaults. Trainer
-  ranks see every GPU of their node and take GPU rank mod count, as the local launcher does.
+- GPUs. Each rollout server's step asks for its own (`--gres=gpu:N --exact`), so Slurm gives the
+  servers of a node different GPUs and a restarted one free ones; the server counts them from 0
+  (SGLang's --base-gpu-id 0, the built-in server's cuda:0), whatever Slurm's numbering (GPUs 4-7
+  of a shared node, or 0..k-1 renumbered under ConstrainDevices). Trainer ranks see every GPU of
+  their node and take GPU rank mod count, as the local launcher does.
 - CPUs and memory: `--cpus-per-task` on sbatch and on srun (srun of Slurm 22.05 and 23.02 does not
   inherit it), CPUS_PER_GPU per GPU of a task by default; `--mem=0` (the node's memory) by default
   for a component that asks for GPUs. rlctl/recipe/cluster.py says what each key defaults to.
