@@ -7,8 +7,8 @@
 One model of the given shape (random weights, saved once under ~/.cache/rlctl/bench-models) is
 served by --servers built-in rollout servers. For each bucket size, interleaved round by round:
 - plain: this process broadcasts the model's bytes, in buckets of that size, to as many plain
-  receiver processes (each allocates a buffer and receives; nothing else) over a group of the same
-  backend and size;
+  receiver processes over a group of the same backend and size: buffers allocated and touched
+  once on both sides, a warm-up round, then the timed one (the collective alone, at its best);
 - rlctl: rlctl's WeightSender syncs the same tensors to the servers (pause, announce each bucket
   over HTTP, broadcast, load, version, continue), the whole protocol the run uses.
 The table shows the medians over rounds, GB/s, and rlctl's time as a share of the plain one's
@@ -80,10 +80,10 @@ def receiver(init: str, rank: int, world: int, backend: str, device: str, sizes:
     torch.set_num_threads(1)
     group = init_custom_process_group(backend=backend, init_method=init, world_size=world, rank=rank,
                                       group_name="plain")
+    bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]  # allocated and touched once
     for _ in range(rounds):
-        for n in sizes:
-            buf = torch.empty(n, dtype=torch.uint8, device=device)
-            dist.broadcast(buf, src=0, group=group)
+        for b in bufs:
+            dist.broadcast(b, src=0, group=group)
     dist.barrier(group=group)
 
 
@@ -107,13 +107,16 @@ def plain(weights: list, a: argparse.Namespace, bucket_bytes: int) -> float:
                                a.device, ",".join(map(str, sizes))], cwd=REPO) for r in range(a.servers)]
     group = init_custom_process_group(backend=a.backend, init_method=init, world_size=a.servers + 1, rank=0,
                                       group_name="plain")
-    bufs = [torch.empty(n, dtype=torch.uint8, device=a.device) for n in sizes]  # the bytes, ready to go
-    start = time.perf_counter()
-    for b in bufs:
-        dist.broadcast(b, src=0, group=group)
-    if a.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    bufs = [torch.ones(n, dtype=torch.uint8, device=a.device) for n in sizes]  # the bytes, in memory, ready
+    for timed in (False, True):  # a warm-up round first, as the best case of the collective alone
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for b in bufs:
+            dist.broadcast(b, src=0, group=group)
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     dist.barrier(group=group)
     destroy_process_group(group)
     for p in procs:
@@ -125,7 +128,7 @@ async def rlctl_sync(clients: list, weights: list, a: argparse.Namespace, bucket
     from rlctl.engines.weightsync import WeightSender
 
     sender = WeightSender(clients, master_address="127.0.0.1", master_port=free_port(), backend=a.backend,
-                          bucket_bytes=bucket_bytes)
+                          bucket_bytes=bucket_bytes, flattened=a.format == "flattened")
     await sender.connect()
     try:
         stats = await sender.send(weights, version=version)
@@ -166,7 +169,7 @@ def run_share(run: Path) -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--receiver":
         init, rank, world, backend, device, sizes = sys.argv[2:8]
-        receiver(init, int(rank), int(world), backend, device, [int(s) for s in sizes.split(",")], 1)
+        receiver(init, int(rank), int(world), backend, device, [int(s) for s in sizes.split(",")], 2)
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -176,6 +179,8 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--bucket-mb", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--format", choices=["flattened", "tensors"], default="flattened",
+                   help="rlctl's buckets: one flattened uint8 tensor each, or tensor by tensor")
     p.add_argument("--run", type=Path, default=None)
     a = p.parse_args()
     import torch
@@ -195,7 +200,7 @@ def main() -> None:
             s.kill()
             s.wait()
     print(f"\n{a.shape} {a.dtype}: {nbytes / 1e9:.2f} GB in {len(weights)} tensors; {a.backend} on {a.device}, "
-          f"1 sender + {a.servers} receiver(s); medians over {a.rounds} round(s)")
+          f"1 sender + {a.servers} receiver(s); rlctl's buckets {a.format}; medians over {a.rounds} round(s)")
     print(f"{'bucket MiB':>10} {'plain s':>9} {'plain GB/s':>10} {'rlctl s':>9} {'rlctl GB/s':>10} {'rlctl/plain':>11}")
     for mb, t in out.items():
         pl, rl = statistics.median(t["plain"]), statistics.median(t["rlctl"])

@@ -16,6 +16,7 @@ A sync sends the weights in buckets. Each bucket is announced to every server ov
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from collections.abc import Iterable, Iterator
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 CLOSE_TIMEOUT_S = 10.0
-
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -170,8 +170,6 @@ def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def unflatten_bucket(flat: torch.Tensor, metas: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The receiving side: each tensor starts where the previous one ends (SGLang's layout)."""
-    import math
-
     offset = 0
     for name, dtype, shape in metas:
         if offset % dtype.itemsize:
@@ -182,16 +180,16 @@ def unflatten_bucket(flat: torch.Tensor, metas: list[tuple[str, torch.dtype, tup
 
 
 def flattened_size(metas: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
-    import math
-
     return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in metas)
 
 
 def receive_bucket(group, *, names: list[str], dtypes: list[str], shapes: list[list[int]], load_format: str | None,
-                   device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
-    """The receiving side of one announced bucket: allocate, receive the broadcast from rank 0,
-    and return (name, tensor) pairs in the announced order. A bucket that cannot be laid out
-    (an unaligned flattened offset) is refused before anything is received, as SGLang does."""
+                   device: str = "cpu", into: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor | None]]:
+    """The receiving side of one announced bucket: receive the broadcast from rank 0 and return
+    (name, tensor) pairs in the announced order, with no copy: a flattened bucket as views of the
+    fresh buffer it arrived in; tensor by tensor, each straight into `into[name]` (a server's own
+    parameter) where dtype, shape and device match, returned as (name, None). A bucket that
+    cannot be laid out (an unaligned offset) is refused before anything is received, as SGLang does."""
     import torch
     import torch.distributed as dist
 
@@ -202,12 +200,15 @@ def receive_bucket(group, *, names: list[str], dtypes: list[str], shapes: list[l
         flat = torch.empty(flattened_size(metas), dtype=torch.uint8, device=device)
         views = list(unflatten_bucket(flat, metas))  # raises on an unaligned offset, before the broadcast
         dist.broadcast(flat, src=0, group=group)
-        return [(n, t.clone()) for n, t in views]
-    out = []
+        return list(views)
+    out: list[tuple[str, torch.Tensor | None]] = []
+    where = torch.device(device)
     for n, d, s in zip(names, kinds, sizes, strict=True):
-        t = torch.empty(s, dtype=d, device=device)
+        t = (into or {}).get(n)
+        fits = t is not None and t.dtype == d and tuple(t.shape) == s and t.is_contiguous() and t.device.type == where.type
+        t = t if fits else torch.empty(s, dtype=d, device=device)
         dist.broadcast(t, src=0, group=group)
-        out.append((n, t))
+        out.append((n, None if fits else t))
     return out
 
 

@@ -104,29 +104,39 @@ class WeightRoutes:
                 raise ValueError(f"unsupported load_format {bucket['load_format']!r}")
         except (KeyError, TypeError, ValueError) as e:
             return fail(f"bad request: {e}")
+        engine = self.state.engine
+        assert engine is not None
         async with self.update_lock:
-            try:
-                tensors = await self._receive(bucket)
+            state = engine.model.state_dict()
+            unknown = [n for n in bucket["names"] if n not in state]
+            try:  # received all the same (the sender is broadcasting), into the parameters if all are known
+                tensors = await self._receive(bucket, None if unknown else state)
             except Exception as e:  # noqa: BLE001 - SGLang's reply for a failed receive
                 return fail(f"Failed to receive weights: {e}")
-            unknown = await self._in_executor(self._load, tensors)
             if unknown:
                 return fail(f"unknown parameter names: {unknown[:5]}")
-            engine = self.state.engine
-            assert engine is not None
+            await self._in_executor(self._load, tensors, state)
             if body.get("weight_version") is not None:
                 engine.weight_version = str(body["weight_version"])
         if body.get("abort_all_requests"):
             engine.abort(None, abort_all=True)
         return ok("Succeeded to update parameter online.")
 
-    async def _receive(self, bucket: dict) -> list[tuple[str, torch.Tensor]]:
-        """One bucket off the broadcast on every TP rank; rank 0's tensors are returned."""
+    async def _receive(self, bucket: dict, into: dict | None) -> list[tuple[str, torch.Tensor | None]]:
+        """One bucket off the broadcast on every TP rank; rank 0's tensors are returned. Rank 0
+        receives tensor-by-tensor buckets straight into the model's parameters (`into`), holding
+        the model lock so that no decode step runs meanwhile (generation is paused for a sync)."""
         from rlctl.engines.weightsync import receive_bucket
 
         device = str(self.weight_device or "cpu")  # NCCL receives straight into GPU memory, gloo into host memory
         group = self.weight_group
-        receives = [self._in_executor(lambda: receive_bucket(group, device=device, **bucket))]
+        engine = self.state.engine
+        assert engine is not None
+
+        def rank0():
+            with engine.model_lock:
+                return receive_bucket(group, device=device, into=into, **bucket)
+        receives = [self._in_executor(rank0)]
         tp = self.state.tp_ranks
         if tp is not None:
             receives.append(self._in_executor(lambda: tp.call("receive", device=device, **bucket)))
@@ -136,20 +146,16 @@ class WeightRoutes:
                 raise r
         return results[0]
 
-    def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
-        """Copy the tensors into the model between decode steps; the unknown names, if any (then none is copied)."""
+    def _load(self, tensors: list[tuple[str, torch.Tensor | None]], state: dict) -> None:
+        """Copy the tensors not received in place (None) into the model, between decode steps."""
         import torch
 
         engine = self.state.engine
         assert engine is not None
-        state = engine.model.state_dict()
-        unknown = [n for n, _ in tensors if n not in state]
-        if unknown:
-            return unknown
         with engine.model_lock, torch.no_grad():
             for name, t in tensors:
-                state[name].copy_(t)
-        return []
+                if t is not None:
+                    state[name].copy_(t)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await request.json()
