@@ -139,9 +139,14 @@ def detail(rd: RunDir) -> dict[str, Any]:
 def attempts(info: dict[str, Any]) -> list[dict[str, Any]]:
     """Every attempt of the run, the current one last: where it started (a checkpoint's step),
     when, how it ended and why (requeued, failed, cancelled), and its Slurm job."""
-    records = [a for a in (info.get("attempts") or []) if isinstance(a, dict)]
+    records = [dict(a) for a in (info.get("attempts") or []) if isinstance(a, dict)]
     if not records:
         records = [{"attempt": 1, "resumed_from": None, "started": info.get("created")}]
+    ended = info.get("attempt_end")
+    if isinstance(ended, dict):  # a Slurm job requeued or submitted again, whose next attempt has not begun
+        records[-1].update(ended=ended.get("at"), state=ended.get("state"), exit_reason=ended.get("reason"),
+                           **({"slurm": ended["slurm"]} if isinstance(ended.get("slurm"), dict) else {}))
+        records.append({"attempt": len(records) + 1, "resumed_from": None, "started": None})
     out = []
     for i, a in enumerate(records):
         current = i == len(records) - 1

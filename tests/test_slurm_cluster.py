@@ -172,7 +172,9 @@ def test_cancel_leaves_no_process_on_any_node_and_resume_submits_again(tmp_path)
     assert res.returncode == 0, res.stderr
     new_job = rd.read()["slurm"]["job_id"]
     assert new_job != job_id
-    wait_for(lambda: len(rd.metrics()) > ckpt.steps + 1, 120, "steps of the new job")
+    # (metrics.jsonl still holds the cancelled attempt's steps until the new job trims it: wait for its start)
+    wait_for(lambda: any(e["event"] == "run_start" and e.get("resumed_from") == ckpt.steps for e in rd.events())
+             and len(rd.metrics()) > ckpt.steps + 1, 120, "steps of the new job")
     assert rlctl("cancel", rd.id, "--runs-dir", str(tmp_path), cwd=tmp_path).returncode == 0
     attempts = status_json(tmp_path, rd.id)["attempts"]
     assert [(a["attempt"], a["resumed_from"], a["slurm_job"], a["state"]) for a in attempts] == [

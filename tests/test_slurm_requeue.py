@@ -90,3 +90,24 @@ def test_max_requeues_and_an_attempt_without_any_checkpoint_end_the_run(tmp_path
     assert requeue(rd) == 1
     reason = rd.read()["exit_reason"]
     assert "beyond step 0" in reason and "slurm.signal_before_s (now 300 s)" in reason and "rlctl resume" not in reason
+
+
+def test_status_shows_an_attempt_that_ended_before_the_next_one_began(tmp_path, monkeypatch):
+    """`rlctl resume` of a Slurm run records how the attempt ended; until the new job's first step
+    folds that into run.json's attempts, status shows the ended attempt and the waiting one."""
+    from rlctl.status import attempts
+
+    rd = slurm_run(tmp_path)
+    rd.update(lambda d: d.update(state="starting", slurm={"job_id": "9"},
+                                 attempt_end={"state": "cancelled", "at": "2026-12-01T20:05:00+00:00", "reason": "scancel",
+                                              "slurm": {"job_id": "7", "restart_count": 0}}))
+    rows = attempts(rd.read())
+    assert [(a["attempt"], a["state"], a["slurm_job"], a["exit_reason"]) for a in rows] == [
+        (1, "cancelled", "7", "scancel"), (2, "starting", "9", None)]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    from rlctl.launchers.slurm_job import start_attempt
+
+    rd.update(lambda d: d["slurm"].update(attempts_started=1))
+    assert start_attempt(rd) == 2  # the new job's first step: the same two attempts, now in run.json
+    rows = attempts(rd.read())
+    assert [(a["attempt"], a["state"], a["slurm_job"]) for a in rows] == [(1, "cancelled", "7"), (2, "starting", "9")]
