@@ -66,7 +66,8 @@ def test_batch_script_structure():
     # each server its own step on its node (restarted alone after a failure), with its own GPUs
     servers = text.index('srun --het-group=1 --nodes=1 --ntasks=1 --nodelist="${ROLLOUT_NODE[$1 / 2]}"')
     assert "--gres=gpu:1 --exact" in text and 'for ((i = 0; i < 8; i++)); do RESTARTS[i]=0; start_server "$i"; done' in text
-    assert 'SLURM_MEM_PER_NODE_HET_GROUP_1 / 2))M' in text  # steps share the node's memory limit
+    assert 'STEP_MEM=(--mem=$((JOB_MEM / 2))M)' in text  # steps share what the job holds of a node's memory
+    assert 'scontrol show job -d "${SLURM_JOB_ID_HET_GROUP_1:-$SLURM_JOB_ID}"' in text
     trainers = text.index("srun --het-group=0 --nodes=2 --ntasks=16 --ntasks-per-node=8")
     assert servers < text.index("until rlctl_step health") < trainers
     assert text.count("-m rlctl.worker") == 4  # rlctl_step, rollout, trainer, controller

@@ -283,8 +283,12 @@ rlctl_step plan --trainer-nodes "$TRAINER_NODES" --rollout-nodes "$ROLLOUT_NODES
 # rollout.max_restarts times (server_check); meanwhile the controller sends its requests to the
 # others, and gives it the weights when it is back. Then wait for every server's /health.
 read -r -a ROLLOUT_NODE <<<"$ROLLOUT_NODES"
-STEP_MEM=()  # a share of the node's memory where the job has a limit, so that the steps run side by side
-[ -n "${{SLURM_MEM_PER_NODE_HET_GROUP_1:-}}" ] && STEP_MEM=(--mem=$((SLURM_MEM_PER_NODE_HET_GROUP_1 / {spn}))M)
+# Each server step asks for its share of the memory the job holds on a node (scontrol's Mem=, in MB;
+# all of the node's with --mem=0): where Slurm tracks memory, a step that names none asks for all of
+# it, and the servers of a node could not run side by side. Where it does not (Mem=0), nothing.
+JOB_MEM=$(scontrol show job -d "${{SLURM_JOB_ID_HET_GROUP_1:-$SLURM_JOB_ID}}" 2>/dev/null | grep -o ' Mem=[0-9]*' | head -n 1 | cut -d= -f2)
+STEP_MEM=()
+[ "${{JOB_MEM:-0}}" -gt 0 ] && STEP_MEM=(--mem=$((JOB_MEM / {spn}))M)
 SERVER=() RESTARTS=()
 start_server() {{  # start_server I: server I's step
 {bind_note}  srun --het-group=1 --nodes=1 --ntasks=1 --nodelist="${{ROLLOUT_NODE[$1 / {spn}]}}" --cpus-per-task={r_cpus} \\
