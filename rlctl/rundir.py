@@ -211,7 +211,7 @@ class RunDir:
         return self.path / "logs"
 
     def log_path(self, role: str) -> Path:
-        """logs/<role>.log; a Slurm run keeps each attempt's logs in logs/attempt-<restart count>/,
+        """logs/<role>.log; a Slurm run keeps each attempt's logs in logs/attempt-<N>/,
         and the batch script's own output in logs/slurm-<job id>.out (role "job")."""
         local = self.logs / f"{role}.log"
         if local.exists():

@@ -102,5 +102,7 @@ def test_a_frozen_server_is_found_within_the_stall_timeout(tmp_path):
             pass
     events = check_invariants(rd, "rollout-1")
     lost = next(e for e in events if e["event"] == "server_lost")
-    assert "/health" in lost["reason"] and lost["in_flight"] > 0
+    # The freeze may land in a weight sync (the server's pause call hangs, no generation in flight)
+    # or between generations; check_invariants holds either way: no sample lost or trained twice.
+    assert "/health" in lost["reason"] and lost["server"] == "rollout-1"
     assert lost["t"] - stopped < STALL_S + 5  # found within the timeout (polled once a second)
