@@ -128,13 +128,7 @@ def recipe_differences(a: str, b: str) -> list[str]:
     """The dotted keys whose values differ between two resolved recipes (YAML)."""
     import yaml
 
-    def flat(d: object, prefix: str = "") -> dict[str, object]:
-        if not isinstance(d, dict):
-            return {prefix[:-1]: d}
-        out: dict[str, object] = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}."))
-        return out
+    from rlctl.compare import flatten
 
-    fa, fb = flat(yaml.safe_load(a)), flat(yaml.safe_load(b))
+    fa, fb = flatten(yaml.safe_load(a)), flatten(yaml.safe_load(b))
     return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
