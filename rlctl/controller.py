@@ -263,14 +263,30 @@ def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan):
 
 
 def sync_backend(recipe: Recipe) -> SyncBackend:
-    """The weight-sync group's backend: train.sync_backend, or with `auto` NCCL when trainer and
-    servers are on GPUs of different hosts (a Slurm run), gloo otherwise: NCCL refuses two ranks
-    on one GPU, which a one-machine run may well have."""
+    """How weights reach the servers: train.sync_backend, or with `auto` IPC when every server is
+    on trainer rank 0's GPU (colocated), NCCL when trainer and servers are on GPUs of different
+    hosts (a Slurm run), gloo otherwise: NCCL refuses two ranks on one GPU, which a one-machine
+    run may well have."""
     if recipe.train.sync_backend is not SyncBackend.AUTO:
         return recipe.train.sync_backend
+    if colocated(recipe):
+        return SyncBackend.IPC
     servers_on_gpus = recipe.rollout.device is Device.CUDA or recipe.rollout.engine is RolloutEngine.SGLANG
     on_gpus = recipe.train.device is Device.CUDA and servers_on_gpus
     return SyncBackend.NCCL if on_gpus and recipe.launcher is Launcher.SLURM else SyncBackend.GLOO
+
+
+def colocated(recipe: Recipe) -> bool:
+    """Is every rollout server on trainer rank 0's GPU? Local runs of built-in TP-1 servers on
+    CUDA, placed as the worker places them (rlctl/worker.py's process_device)."""
+    from rlctl.worker import process_device
+
+    r = recipe.rollout
+    if (recipe.launcher is not Launcher.LOCAL or recipe.train.device is not Device.CUDA or r.device is not Device.CUDA
+            or r.engine is not RolloutEngine.BUILTIN or r.builtin.tp_size != 1):
+        return False
+    trainer = process_device(Device.CUDA, 0, recipe.train.gpus)
+    return all(process_device(Device.CUDA, i, r.gpus) == trainer for i in range(r.servers))
 
 
 def _log_step(m: dict[str, Any] | None) -> None:

@@ -48,7 +48,7 @@ def _threads(recipe: Recipe, cpus: list[int] | None = None) -> None:
     torch.set_num_interop_threads(1)
 
 
-def _device(kind: Device, index: int, gpus: list[int] | None = None) -> str:
+def process_device(kind: Device, index: int, gpus: list[int] | None = None) -> str:
     """cuda -> the index-th of the recipe's GPU list (round-robin), or cuda:index when that GPU
     exists, else the GPUs are shared round-robin."""
     if kind is not Device.CUDA:
@@ -109,7 +109,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         "--random-seed", str(recipe.run.seed * 1000 + index),
         "--max-running-requests", str(recipe.rollout.max_running_requests),
         "--threads", str(recipe.run.threads_per_process),
-        "--device", _device(recipe.rollout.device, index, recipe.rollout.gpus),
+        "--device", process_device(recipe.rollout.device, index, recipe.rollout.gpus),
         "--tp-size", str(recipe.rollout.builtin.tp_size),
         *(["--emulate-sglang", recipe.rollout.builtin.emulate_sglang] if recipe.rollout.builtin.emulate_sglang else []),
     ])
@@ -160,7 +160,7 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     if megatron:  # the GPU before the NCCL group, as the engine would do it
         import torch
 
-        torch.cuda.set_device(torch.device(_device(Device.CUDA, rank, recipe.train.gpus)))
+        torch.cuda.set_device(torch.device(process_device(Device.CUDA, rank, recipe.train.gpus)))
     if megatron or world > 1:  # Megatron needs its NCCL group even for one rank
         backend = "nccl" if megatron or recipe.train.device is Device.CUDA else "gloo"
         store = tcp_store(init_method, rank, world, datetime.timedelta(minutes=30))  # on trainer 0's address only
@@ -170,10 +170,10 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
 
         # The default group exists: the engine makes Megatron's TP x DP groups on it.
         engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
-                                     world, device=_device(Device.CUDA, rank, recipe.train.gpus), init_method=init_method)
+                                     world, device=process_device(Device.CUDA, rank, recipe.train.gpus), init_method=init_method)
     else:
         engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
-                                  device=_device(recipe.train.device, rank, recipe.train.gpus))
+                                  device=process_device(recipe.train.device, rank, recipe.train.gpus))
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
         service = TrainerService(engine, world, token=token)

@@ -9,6 +9,7 @@ reader does not know fails the check instead of passing it.
 from __future__ import annotations
 
 import ast
+import base64
 from typing import Any
 
 from sglang_source import Source
@@ -40,10 +41,25 @@ def _is(value: Any, node: ast.expr) -> bool:
     raise AssertionError(f"annotation {ast.unparse(node)!r}: the body reader does not know it")
 
 
+def _from_base64(value: Any) -> Any:
+    """What SGLang's Base64Bytes marker makes of a JSON value: each string base64-decoded (a
+    string that is not base64 stays a string, and fails a bytes check)."""
+    if isinstance(value, list):
+        return [_from_base64(v) for v in value]
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except ValueError:
+            return value
+    return value
+
+
 def _subscript(value: Any, node: ast.Subscript) -> bool:
     outer = ast.unparse(node.value)
     args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
     if outer == "Annotated":  # Annotated[X, validator]: the value is an X
+        if any(ast.unparse(a).startswith("Base64Bytes") for a in args[1:]):  # bytes, as base64 text in JSON
+            return _is(_from_base64(value), args[0])
         return _is(value, args[0])
     if outer == "Optional":
         return value is None or _is(value, args[0])

@@ -77,11 +77,12 @@ def test_sync_invariant_every_trained_sample_has_the_step_version(tmp_path):
     assert sorted(trained) == sorted(completed) and len(set(trained)) == len(trained)  # each once
 
 
-def test_two_trainer_ranks_and_checked_weights(tmp_path):
+def test_two_trainer_ranks_and_checked_weights_handed_over_in_place(tmp_path):
     # check_weights: after every sync each server's tensors must hash like the trainer's. In
     # rolloutpipe the batches arrive in pieces, which rank 1 must follow (accumulate, then train).
+    # sync_backend=ipc: the servers open the trainer's buckets in shared memory (CUDA IPC on a GPU).
     res = launch(tmp_path, "train.ranks=2", "pipeline.check_weights=true", "pipeline.mode=rolloutpipe",
-                 "pipeline.admission=frontier", "rollout.concurrency=4")
+                 "pipeline.admission=frontier", "rollout.concurrency=4", "train.sync_backend=ipc")
     assert res.returncode == 0, res.stderr
     events = only_run(tmp_path).events()
     checked = [e for e in events if e["event"] == "weights_checked"]
@@ -90,6 +91,7 @@ def test_two_trainer_ranks_and_checked_weights(tmp_path):
     info = only_run(tmp_path).read()
     assert {"trainer-0", "trainer-1"} <= set(info["processes"])
     assert "trainer rank 1/2 ready" in (only_run(tmp_path).log_path("trainer-1").read_text())
+    assert "weight sync to 2 server(s) by ipc" in only_run(tmp_path).log_path("trainer-0").read_text()
 
 
 def test_a_run_whose_servers_answer_as_sglang(tmp_path):

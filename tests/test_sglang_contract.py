@@ -94,10 +94,13 @@ def test_sglang_recipe_is_accepted():
 # -- what the client sends, against each release's request structs ---------------------------------
 
 def sync_calls(version_has_sessions: bool, updates: int) -> list[str]:
-    """One weight sync, as slime/miles order it against SGLang (docs/sglang.md)."""
+    """One weight sync, as slime/miles order it against SGLang (docs/sglang.md). The last
+    bucket's announce carries the version, so /update_weight_version is sent only when there
+    is no bucket."""
     begin, end = (["/begin_weight_update"], ["/end_weight_update"]) if version_has_sessions else ([], [])
+    version = [] if updates else ["/update_weight_version"]
     return ["/pause_generation", "/flush_cache", *begin, *["/update_weights_from_distributed"] * updates,
-            "/update_weight_version", *end, "/continue_generation"]
+            *version, *end, "/continue_generation"]
 
 
 @pytest.mark.parametrize("version", SUPPORTED)
@@ -141,6 +144,8 @@ def test_every_request_is_one_sglang_takes(sglang, start_server, tiny_model_dir,
     updates = sync.count("/update_weights_from_distributed")
     assert updates > 1  # several buckets
     assert sync == sync_calls("/begin_weight_update" in routes, updates)
+    announced = [c["body"]["weight_version"] for c in calls if c["path"] == "/update_weights_from_distributed"]
+    assert announced == [None] * (updates - 1) + ["5"]  # the new version comes with the last bucket only
     assert paths[-1] == "/destroy_weights_update_group"
 
 

@@ -48,6 +48,7 @@ class SyncBackend(enum.StrEnum):
     AUTO = "auto"
     GLOO = "gloo"
     NCCL = "nccl"
+    IPC = "ipc"
 
 
 class SGLangDtype(enum.StrEnum):

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, divides
-from rlctl.recipe.choices import DataSource, Device, Launcher, RolloutEngine
+from rlctl.recipe.choices import DataSource, Device, Launcher, RolloutEngine, SyncBackend
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
 from rlctl.recipe.inputs import DataConfig, ModelConfig, RewardConfig, RunConfig
 from rlctl.recipe.rollout import RolloutConfig
@@ -39,6 +39,22 @@ class Recipe(Section):
             self._check_pinning()
         else:
             self._check_slurm_layout()
+        self._check_ipc()
+
+    def _check_ipc(self) -> None:
+        """train.sync_backend=ipc hands weights over in place: one host, TP-1 built-in servers,
+        on the trainer's device kind."""
+        if self.train.sync_backend is not SyncBackend.IPC:
+            return
+        if self.launcher is not Launcher.LOCAL:
+            raise FieldError("train.sync_backend", "ipc hands weights over within one host; with launcher=slurm "
+                                                   "use nccl or gloo (or auto)")
+        if self.rollout.engine is RolloutEngine.BUILTIN and self.rollout.builtin.tp_size != 1:
+            raise FieldError("train.sync_backend", "ipc goes to TP-1 built-in servers; set rollout.builtin.tp_size=1 "
+                                                   "or sync_backend=gloo")
+        if self.rollout.engine is RolloutEngine.BUILTIN and self.rollout.device is not self.train.device:
+            raise FieldError("train.sync_backend", f"ipc needs servers on the trainer's device ({self.train.device}), "
+                                                   f"not {self.rollout.device}; set rollout.device or sync_backend=gloo")
 
     def _check_pinning(self) -> None:
         ncpu = len(os.sched_getaffinity(0))

@@ -68,8 +68,11 @@ class TrainConfig(Section):
     """Size of one weight-broadcast bucket in MiB; at most 16,384 (TRAIN_BOUNDS)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     sync_backend: SyncBackend = SyncBackend.AUTO
-    """Weight-sync group: gloo (CPU staging), nccl (GPU to GPU, one GPU per rank), or auto: nccl
-    when trainers and servers are on GPUs of different nodes (launcher=slurm), else gloo."""
+    """How weights reach the servers: gloo (a broadcast from host memory), nccl (a broadcast GPU to
+    GPU, one GPU per rank), ipc (handed over in place to servers on the trainer's own GPU or, on
+    CPU, host: CUDA IPC or shared memory; TP-1 servers), or auto: ipc when every server shares
+    the trainer's GPU, nccl when trainers and servers are on GPUs of different nodes
+    (launcher=slurm), else gloo."""
 
     def check(self) -> None:
         for name in ("ranks", "lr", "groups_per_batch", "clip_eps", "grad_clip", "micro_batch_tokens", "sync_bucket_mb"):

@@ -200,6 +200,17 @@ class RolloutClient:
             "load_format": "flattened_bucket" if flattened else None,
         })
 
+    async def update_weights_from_tensor(self, payloads: list[str], *, weight_version: str | None) -> None:
+        """Hand over one bucket in place (rlctl/engines/weightsync/ipc.py): `payloads` holds one
+        pickled list of (name, tensor) per TP rank of the server, base64 as SGLang's HTTP route takes it."""
+        await self._control("/update_weights_from_tensor", {
+            "serialized_named_tensors": payloads,
+            "load_format": None,
+            "flush_cache": True,
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+        })
+
     async def update_weight_version(self, new_version: str) -> None:
         await self._control("/update_weight_version", {"new_version": new_version, "abort_all_requests": False})
 

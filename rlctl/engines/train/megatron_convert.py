@@ -37,7 +37,7 @@ Layout.from_hf_config with one line saying what.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,21 +265,39 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.
 def mcore_to_hf(mc: dict[str, torch.Tensor], layout: Layout) -> list[tuple[str, torch.Tensor]]:
     """HF-named tensors from full Megatron tensors, in the order of transformers' named_parameters();
     mc must hold exactly the layout's Megatron parameters (check_mcore_names)."""
+    check_mcore_names(mc, layout, "the exported Megatron state")
+    return list(iter_mcore_to_hf(mc.__getitem__, layout))
+
+
+def iter_mcore_to_hf(get: Callable[[str], torch.Tensor], layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """mcore_to_hf, one layer at a time: get(name) gives a full Megatron tensor (a TP engine
+    gathers its shards then), asked for once and only when the layer that uses it is converted,
+    so no more than one layer's full tensors exist at once. Every TP rank calling this asks for
+    the same tensors in the same order."""
     L = layout
-    check_mcore_names(mc, L, "the exported Megatron state")
-    named = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"],
-             "model.norm.weight": mc["decoder.final_layernorm.weight"]}
-    if not L.tied:
-        named["lm_head.weight"] = mc["output_layer.weight"]
-    for i in range(L.num_layers):
-        named.update((h, mc[m]) for h, m in _layer_pairs(i, L))
-        a, p = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias") if L.qkv_bias else ("weight",):
-            q, k, v = split_qkv(mc[f"{p}self_attention.linear_qkv.{kind}"], L)
-            named.update({f"{a}q_proj.{kind}": q, f"{a}k_proj.{kind}": k, f"{a}v_proj.{kind}": v})
-        gate, up = torch.chunk(mc[p + "mlp.linear_fc1.weight"], 2, dim=0)
-        named.update({f"model.layers.{i}.mlp.gate_proj.weight": gate, f"model.layers.{i}.mlp.up_proj.weight": up})
-    return [(n, named[n]) for n in hf_shapes(L)]
+    unit: dict[str, torch.Tensor] = {}
+    for name in hf_shapes(L):
+        if name not in unit:
+            unit = _hf_unit(name, get, L)
+        yield name, unit.pop(name)
+
+
+def _hf_unit(name: str, get: Callable[[str], torch.Tensor], L: Layout) -> dict[str, torch.Tensor]:
+    """The HF tensors made from the Megatron tensors that HF tensor `name` comes from: all of a
+    layer's for a layer's tensor, else the one it maps to."""
+    if not name.startswith("model.layers."):
+        source = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+                  "model.norm.weight": "decoder.final_layernorm.weight", "lm_head.weight": "output_layer.weight"}
+        return {name: get(source[name])}
+    i = int(name.split(".")[2])
+    named = {h: get(m) for h, m in _layer_pairs(i, L)}
+    a, p = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
+    for kind in ("weight", "bias") if L.qkv_bias else ("weight",):
+        q, k, v = split_qkv(get(f"{p}self_attention.linear_qkv.{kind}"), L)
+        named.update({f"{a}q_proj.{kind}": q, f"{a}k_proj.{kind}": k, f"{a}v_proj.{kind}": v})
+    gate, up = torch.chunk(get(p + "mlp.linear_fc1.weight"), 2, dim=0)
+    named.update({f"model.layers.{i}.mlp.gate_proj.weight": gate, f"model.layers.{i}.mlp.up_proj.weight": up})
+    return named
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from rlctl.algos.grpo import clipped_policy_loss
 from rlctl.engines.train import ckpt_files
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
-from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, gather, hf_to_mcore, mcore_to_hf, shard,
-                                                  tp_dim)
+from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, gather, hf_to_mcore, iter_mcore_to_hf,
+                                                  shard, tp_dim)
 from rlctl.errors import RunError
 from rlctl.recipe import MegatronDtype, TrainConfig
 
@@ -164,20 +164,21 @@ class MegatronTrainEngine(PieceTraining):
                     raise RunError(f"{name}: HF gives {tuple(part.shape)}, the model has {tuple(p.shape)}")
                 p.copy_(part.to(p.dtype))
 
-    def mcore_state(self) -> dict[str, torch.Tensor]:
-        """Full Megatron tensors: TP shards all-gathered (every TP rank takes part)."""
-        out = {}
-        for name, p in self.model.named_parameters():
-            t = p.detach()
-            if self.tp_size > 1 and tp_dim(name) is not None:
-                parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-                dist.all_gather(parts, t.contiguous(), group=self.tp_group)
-                t = gather(name, parts)
-            out[name] = t
-        return out
+    def _full(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """One full Megatron tensor: its TP shards all-gathered (every TP rank takes part)."""
+        t = p.detach()
+        if self.tp_size > 1 and tp_dim(name) is not None:
+            parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+            dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+            t = gather(name, parts)
+        return t
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return mcore_to_hf(self.mcore_state(), self.layout)
+        """HF-named full tensors, gathered one layer at a time as they are iterated (no full copy
+        of the model at any time); every TP rank must iterate it to the end."""
+        params = dict(self.model.named_parameters())
+        check_mcore_names(params, self.layout, "the Megatron model")
+        return iter_mcore_to_hf(lambda name: self._full(name, params[name]), self.layout)
 
     # -- checkpoints ---------------------------------------------------------------------------
     # Model and distributed optimizer through megatron.core.dist_checkpointing (every rank writes

@@ -34,7 +34,7 @@ from aiohttp import web
 
 from rlctl.door import token_middleware
 from rlctl.engines.train.base import TrainEngine, TrainSample
-from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, WeightSender, tensor_sha256
+from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, WeightSender, as_served, tensor_sha256
 from rlctl.errors import RunError
 
 log = logging.getLogger("rlctl.trainer")
@@ -53,7 +53,8 @@ def follower_loop(engine: TrainEngine) -> None:
         elif command == "accumulate":
             engine.accumulate(payload)
         elif command == "weights":
-            list(engine.hf_weights())  # take part in the all-gathers that rebuild full tensors
+            for _ in engine.hf_weights():  # take part in the all-gathers that rebuild full tensors
+                pass  # and keep none of them
         elif command == "save_checkpoint":
             engine.save_checkpoint(payload)
         elif command == "load_checkpoint":
@@ -84,12 +85,13 @@ class TrainerService:
             dist.broadcast_object_list([("accumulate", samples)], src=0)
         return self.engine.accumulate(samples)
 
-    def _weights(self) -> list:
-        """Full HF-named weights. An engine whose weights are sharded across ranks (Megatron with
-        TP > 1) needs every rank in the gathers: rank 0 tells the others to join."""
+    def _weights(self):
+        """Full HF-named weights, one tensor at a time: iterate it on the engine thread. An
+        engine whose weights are sharded across ranks (Megatron with TP > 1) needs every rank in
+        the gathers: rank 0 tells the others to join, and they gather as this is iterated."""
         if self.world_size > 1 and getattr(self.engine, "collective_export", False):
             dist.broadcast_object_list([("weights", None)], src=0)
-        return list(self.engine.hf_weights())
+        return iter(self.engine.hf_weights())
 
     def _checkpoint(self, command: str, path: str) -> dict[str, float]:
         """save_checkpoint or load_checkpoint on every rank (each writes or reads its part)."""
@@ -105,7 +107,7 @@ class TrainerService:
         return web.Response(status=200)
 
     async def info(self, request: web.Request) -> web.Response:
-        n = sum(t.numel() for _, t in await self._run(self._weights))
+        n = await self._run(lambda: sum(t.numel() for _, t in self._weights()))
         return web.json_response({"version": self.engine.version, "ranks": self.world_size, "parameters": n})
 
     async def train(self, request: web.Request) -> web.Response:
@@ -143,16 +145,19 @@ class TrainerService:
             await self.sender.connect()
         except RunError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
+        log.info("weight sync to %d server(s) by %s in buckets of %s MiB; servers hold %s", len(clients),
+                 self.sender.backend, body["bucket_mb"], self.sender.server_dtype or "their own dtypes")
         return web.json_response({"success": True, "servers": len(clients), "world_size": self.sender.world_size})
 
     async def sync_weights(self, request: web.Request) -> web.Response:
         body = await request.json()
         if self.sender is None:
             return web.json_response({"success": False, "message": "call /init_weight_sync first"}, status=400)
-        # Snapshot on the engine thread so no train batch runs while tensors are read.
+        # The weights are read on the engine thread (no train batch runs meanwhile), bucket by bucket.
         weights = await self._run(self._weights)
         try:
-            stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"))
+            stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"),
+                                           producer=self.worker)
         except RunError as e:  # a server refused or the broadcast failed: the controller reports why
             return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
@@ -175,7 +180,9 @@ class TrainerService:
         return web.json_response({"success": True, **stats})
 
     async def weight_checksums(self, request: web.Request) -> web.Response:
-        sums = await self._run(lambda: {n: tensor_sha256(t) for n, t in self._weights()})
+        # As the servers hold them: in their dtype.
+        held = self.sender.server_dtype if self.sender is not None else None
+        sums = await self._run(lambda: {n: tensor_sha256(as_served(t, held)) for n, t in self._weights()})
         return web.json_response({"version": self.engine.version, "checksums": sums})
 
     async def shutdown(self, request: web.Request) -> web.Response:

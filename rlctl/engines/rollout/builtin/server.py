@@ -122,7 +122,7 @@ class BuiltinServer:
         a = self.args
         engine = self.state.engine
         info = {"model_path": a.model_path, "tp_size": a.tp_size, "dp_size": 1, "random_seed": a.seed,
-                "max_running_requests": a.max_running_requests, "skip_tokenizer_init": self.state.tokenizer is None,
+                "max_running_requests": a.max_running_requests, "dtype": a.dtype, "skip_tokenizer_init": self.state.tokenizer is None,
                 "weight_version": engine.weight_version if engine is not None else a.weight_version}
         if a.emulate_sglang:  # answer as that SGLang version does: no rlctl-only keys
             return web.json_response({**info, "version": a.emulate_sglang})
@@ -166,6 +166,7 @@ class BuiltinServer:
             table += [("POST", "/begin_weight_update", w.begin_weight_update),
                       ("POST", "/end_weight_update", w.end_weight_update)]
         table += [("POST", "/update_weights_from_distributed", w.update_weights_from_distributed),
+                  ("POST", "/update_weights_from_tensor", w.update_weights_from_tensor),
                   ("POST", "/update_weight_version", w.update_weight_version),
                   ("POST", "/destroy_weights_update_group", w.destroy_weights_update_group),
                   ("POST", "/get_weights_by_name", w.get_weights_by_name),

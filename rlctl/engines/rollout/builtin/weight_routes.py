@@ -36,6 +36,8 @@ class WeightRoutes:
         self.weight_group_name: str | None = None
         self.in_update_session = False
         self.weight_device = None
+        self.scratch: list = []
+        """The buffer flattened buckets arrive in, kept from one bucket to the next (receive_bucket)."""
         # Weight loads are one at a time, in arrival order, like SGLang's tokenizer manager lock.
         self.update_lock = asyncio.Lock()
 
@@ -122,6 +124,36 @@ class WeightRoutes:
             engine.abort(None, abort_all=True)
         return ok("Succeeded to update parameter online.")
 
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """One bucket handed over in place (rlctl/engines/weightsync/ipc.py): the tensors are the
+        sender's memory, mapped here, and are copied into the parameters before the reply, after
+        which the sender may reuse that memory. Served by TP-1 servers (the payload of TP rank 0)."""
+        from rlctl.engines.weightsync import ipc
+
+        body = await request.json()
+        if self.state.sessions_required() and not self.in_update_session:
+            return fail(OUTSIDE_SESSION.replace("distributed", "tensor"))
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != self.state.tp_size:
+            return fail(f"bad request: serialized_named_tensors must hold one payload per TP rank ({self.state.tp_size})")
+        if self.state.tp_size != 1 or body.get("load_format") not in (None, "direct"):
+            return fail("update_weights_from_tensor: the built-in server takes TP 1 and load_format null")
+        engine = self.state.engine
+        assert engine is not None
+        async with self.update_lock:
+            try:
+                named = await self._in_executor(ipc.loads, payloads[0])
+            except Exception as e:  # noqa: BLE001 - an unreadable payload is the sender's error
+                return fail(f"Failed to update weights from tensor: {e}")
+            state = engine.model.state_dict()
+            unknown = [n for n, _ in named if n not in state]
+            if unknown:
+                return fail(f"unknown parameter names: {unknown[:5]}")
+            await self._in_executor(self._load, named, state)
+            if body.get("weight_version") is not None:
+                engine.weight_version = str(body["weight_version"])
+        return ok("Success")
+
     async def _receive(self, bucket: dict, into: dict | None) -> list[tuple[str, torch.Tensor | None]]:
         """One bucket off the broadcast on every TP rank; rank 0's tensors are returned. Rank 0
         receives tensor-by-tensor buckets straight into the model's parameters (`into`), holding
@@ -135,7 +167,7 @@ class WeightRoutes:
 
         def rank0():
             with engine.model_lock:
-                return receive_bucket(group, device=device, into=into, **bucket)
+                return receive_bucket(group, device=device, into=into, scratch=self.scratch, **bucket)
         receives = [self._in_executor(rank0)]
         tp = self.state.tp_ranks
         if tp is not None:
@@ -147,7 +179,8 @@ class WeightRoutes:
         return results[0]
 
     def _load(self, tensors: list[tuple[str, torch.Tensor | None]], state: dict) -> None:
-        """Copy the tensors not received in place (None) into the model, between decode steps."""
+        """Copy the tensors not received in place (None) into the model, between decode steps;
+        returns once the copies are done (the sources may be reused after that)."""
         import torch
 
         engine = self.state.engine
@@ -156,6 +189,8 @@ class WeightRoutes:
             for name, t in tensors:
                 if t is not None:
                     state[name].copy_(t)
+            if engine.device.type == "cuda":
+                torch.cuda.current_stream(engine.device).synchronize()
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -175,6 +210,7 @@ class WeightRoutes:
         if self.weight_group is None:
             return fail("The group to be destroyed does not exist.")
         group, self.weight_group, self.weight_group_name = self.weight_group, None, None
+        self.scratch = []
         await self._in_executor(destroy_process_group, group)
         if self.state.tp_ranks is not None:
             await self._in_executor(lambda: self.state.tp_ranks.call("destroy"))

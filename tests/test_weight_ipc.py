@@ -1,0 +1,167 @@
+"""Weights handed over in place (rlctl/engines/weightsync/ipc.py) and cast for the wire.
+
+On this host's CPU, the built-in servers open the trainer's buckets from shared memory, through
+the same sender, HTTP route and unpickler as CUDA IPC on a GPU (scripts/gpu_checks.py --only ipc
+runs that). The request bodies and the globals our pickles reference are checked against
+SGLang's own source: its request struct and its SafeUnpickler's allowlist.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import io
+import json
+import pickle
+
+import aiohttp
+import pytest
+import torch
+
+from conftest import free_port
+from rlctl.engines.rollout.client import RolloutClient
+from rlctl.engines.weightsync import WeightSender, as_served, ipc, tensor_sha256
+from sglang_bodies import check_body
+from sglang_source import SUPPORTED
+
+COMMON = "sglang/srt/utils/common.py"
+PATCH_TORCH = "sglang/srt/utils/patch_torch.py"
+
+
+def changed_weights(model_dir) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, p.detach() * 1.25 + 0.001 * i) for i, (n, p) in enumerate(model.named_parameters())]
+
+
+async def sync(urls: list[str], weights, version: str, **sender_args) -> tuple:
+    async with aiohttp.ClientSession() as s:
+        clients = [RolloutClient(u, s) for u in urls]
+        sender = WeightSender(clients, master_address="127.0.0.1", master_port=free_port(), **sender_args)
+        await sender.connect()
+        stats = await sender.send(weights, version=version)
+        sums = [(await c.weight_checksums())["checksums"] for c in clients]
+        versions = [await c.weight_version() for c in clients]
+        await sender.close()
+        return sender, stats, sums, versions
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_ipc_sync_is_bit_exact_and_no_weight_bytes_cross_http(sglang, start_server, tiny_model_dir, tmp_path, version):
+    src = sglang(version)
+    records = [tmp_path / f"requests-{i}.jsonl" for i in range(2)]
+    urls = [start_server(i, "--emulate-sglang", version, "--record-requests", str(r)) for i, r in enumerate(records)]
+    weights = changed_weights(tiny_model_dir)
+    _, stats, sums, versions = asyncio.run(sync(urls, weights, "3", backend="ipc", bucket_bytes=16 * 1024))
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    assert stats.buckets > 2 and stats.bytes == nbytes and versions == ["3", "3"]
+    want = {n: tensor_sha256(t) for n, t in weights}
+    assert all({n: got[n] for n in want} == want for got in sums)
+    for record in records:
+        calls = [json.loads(line) for line in record.read_text().splitlines()]
+        for call in calls:
+            check_body(src, call["path"], call["body"])
+        updates = [c["body"] for c in calls if c["path"] == "/update_weights_from_tensor"]
+        assert len(updates) == stats.buckets and not any(c["path"] == "/init_weights_update_group" for c in calls)
+        assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["3"]
+        assert sum(len(json.dumps(u)) for u in updates) < nbytes / 4  # handles and metadata, not the weights
+
+
+def test_a_bf16_server_is_sent_bf16_and_holds_what_its_own_cast_makes(start_server, tiny_model_dir):
+    """A float32 trainer and a bfloat16 server: the sender casts before the broadcast (half the
+    bytes); the server ends with exactly the values its load would have cast to."""
+    url = start_server(0, "--dtype", "bfloat16")
+    weights = changed_weights(tiny_model_dir)
+    sender, stats, sums, _ = asyncio.run(sync([url], weights, "1", backend="gloo", bucket_bytes=16 * 1024))
+    assert sender.server_dtype == torch.bfloat16
+    assert stats.bytes == sum(t.numel() * 2 for _, t in weights)
+    assert {n: sums[0][n] for n, _ in weights} == {n: tensor_sha256(t.to(torch.bfloat16)) for n, t in weights}
+    assert tensor_sha256(as_served(weights[0][1], torch.bfloat16)) == tensor_sha256(weights[0][1].to(torch.bfloat16))
+
+
+class _Shell:
+    def __reduce__(self):
+        import os
+
+        return os.system, ("touch owned",)
+
+
+def test_a_pickle_naming_other_code_is_refused(start_server, tmp_path):
+    import base64
+
+    url = start_server()
+    evil = base64.b64encode(pickle.dumps([("model.norm.weight", _Shell())])).decode()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            await s.post(url + "/begin_weight_update", json={})
+            async with s.post(url + "/update_weights_from_tensor",
+                              json={"serialized_named_tensors": [evil], "load_format": None}) as resp:
+                return resp.status, await resp.json()
+
+    status, body = asyncio.run(scenario())
+    assert status == 400 and body["success"] is False
+    assert "Blocked unsafe global (posix.system)" in body["message"]
+    assert not (tmp_path / "owned").exists()
+
+
+def _allows(src):
+    """SGLang's SafeUnpickler.find_class as a predicate on (module, name), read with ast from
+    utils/common.py: an exact ALLOWED_GLOBALS set (0.5.21 on), or ALLOWED_MODULE_PREFIXES less
+    DENY_CLASSES (0.5.15.post1)."""
+    cls = src.definition(COMMON, "SafeUnpickler", ast.ClassDef)[1]
+    sets = {t.id: ast.literal_eval(stmt.value) for stmt in cls.body if isinstance(stmt, ast.Assign)
+            for t in stmt.targets if isinstance(t, ast.Name)}
+    if "ALLOWED_GLOBALS" in sets:
+        return lambda module, name: (module, name) in sets["ALLOWED_GLOBALS"]
+    prefixes, deny = sets["ALLOWED_MODULE_PREFIXES"], sets["DENY_CLASSES"]
+    return lambda module, name: (module, name) not in deny and any((module + ".").startswith(p) for p in prefixes)
+
+
+class _Recording(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.seen: set[tuple[str, str]] = set()
+
+    def find_class(self, module, name):
+        self.seen.add((module, name))
+        return super().find_class(module, name)
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_our_pickles_are_ones_sglangs_unpickler_allows(sglang, version):
+    import base64
+
+    src = sglang(version)
+    allows = _allows(src)
+    flat = torch.zeros(64, dtype=torch.uint8)
+    payload = ipc.dumps([("a", flat[:32].view(torch.float32).view(2, 4)), ("b", flat[32:].view(torch.bfloat16))])
+    reader = _Recording(base64.b64decode(payload))
+    named = reader.load()
+    assert [n for n, _ in named] == ["a", "b"] and named[0][1].shape == (2, 4)
+    assert reader.seen and all(allows(*g) for g in reader.seen), [g for g in reader.seen if not allows(*g)]
+    assert reader.seen <= ipc.ALLOWED  # and ours takes them back
+    # CUDA tensors pickle as torch's rebuild_cuda_tensor, with the GPU's UUID where SGLang's patch puts it
+    assert allows("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+    patch = src.module(PATCH_TORCH)
+    index = next(ast.literal_eval(s.value) for s in patch.body if isinstance(s, (ast.Assign, ast.AnnAssign))
+                 and "_REDUCE_TENSOR_ARG_DEVICE_INDEX" in ast.unparse(s))
+    assert index == ipc._DEVICE_ARG
+
+
+def test_ipc_recipes_are_checked_and_auto_picks_ipc_only_on_one_gpu():
+    from rlctl.controller import sync_backend
+    from rlctl.errors import RecipeError
+    from rlctl.recipe import SyncBackend, load_recipe
+
+    from conftest import QUICKSTART
+
+    gpu = ["train.device=cuda", "rollout.device=cuda", "rollout.servers=2"]
+    assert sync_backend(load_recipe(QUICKSTART, [*gpu, "train.gpus=[0]", "rollout.gpus=[0]"])) is SyncBackend.IPC
+    assert sync_backend(load_recipe(QUICKSTART, [*gpu, "train.gpus=[0]", "rollout.gpus=[0,1]"])) is SyncBackend.GLOO
+    assert sync_backend(load_recipe(QUICKSTART, ["train.gpus=[0]", "rollout.gpus=[0]"])) is SyncBackend.GLOO  # CPU
+    with pytest.raises(RecipeError, match="train.sync_backend.*launcher=slurm"):
+        load_recipe(QUICKSTART, ["train.sync_backend=ipc", "launcher=slurm"])
+    with pytest.raises(RecipeError, match="train.sync_backend.*tp_size"):
+        load_recipe(QUICKSTART, ["train.sync_backend=ipc", "rollout.builtin.tp_size=2"])
