@@ -10,7 +10,10 @@ served by --servers built-in rollout servers. For each bucket size, interleaved 
   receiver processes over a group of the same backend and size: buffers allocated and touched
   once on both sides, a warm-up round, then the timed one (the collective alone, at its best);
 - rlctl: rlctl's WeightSender syncs the same tensors to the servers (pause, announce each bucket
-  over HTTP, broadcast, load, version, continue), the whole protocol the run uses.
+  over HTTP, broadcast, load, continue), the whole protocol the run uses; one sync to warm up (as
+  every sync of a run but the first finds its buffers made), then the timed one.
+With --backend ipc the servers share this process's device and the yardstick is a plain copy of
+the same bytes on that device (what a server reading the trainer's memory must do at least).
 The table shows the medians over rounds, GB/s, and rlctl's time as a share of the plain one's
 (plain / rlctl: 1.0 = as fast as the collective alone). --run prints the median share of a step
 that a run's weight syncs took (metrics.jsonl's sync_time / step_time), for the bench recipes.
@@ -94,10 +97,33 @@ def bucket_sizes(weights: list, bucket_bytes: int) -> list[int]:
     return [sum(m.nbytes for m in b) for b in plan_buckets(metas, bucket_bytes)]
 
 
+def plain_copy(weights: list, a: argparse.Namespace, bucket_bytes: int) -> float:
+    """IPC's yardstick: one copy of the model's bytes, bucket by bucket, into buffers of this
+    process on the same device (a server reading the trainer's memory copies no faster)."""
+    import torch
+
+    sizes = bucket_sizes(weights, bucket_bytes)
+    src = [torch.ones(n, dtype=torch.uint8, device=a.device) for n in sizes]
+    dst = [torch.zeros(n, dtype=torch.uint8, device=a.device) for n in sizes]
+    for _ in range(2):  # a warm-up round first, as the best case
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for s, d in zip(src, dst, strict=True):
+            d.copy_(s)
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return seconds
+
+
 def plain(weights: list, a: argparse.Namespace, bucket_bytes: int) -> float:
     """One plain broadcast of the model's bytes in buckets of bucket_bytes; its seconds."""
     import torch
     import torch.distributed as dist
+
+    if a.backend == "ipc":
+        return plain_copy(weights, a, bucket_bytes)
 
     from rlctl.engines.weightsync import destroy_process_group, init_custom_process_group
 
@@ -108,7 +134,7 @@ def plain(weights: list, a: argparse.Namespace, bucket_bytes: int) -> float:
     group = init_custom_process_group(backend=a.backend, init_method=init, world_size=a.servers + 1, rank=0,
                                       group_name="plain")
     bufs = [torch.ones(n, dtype=torch.uint8, device=a.device) for n in sizes]  # the bytes, in memory, ready
-    for timed in (False, True):  # a warm-up round first, as the best case of the collective alone
+    for _timed in (False, True):  # a warm-up round first, as the best case of the collective alone
         if a.device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -131,6 +157,7 @@ async def rlctl_sync(clients: list, weights: list, a: argparse.Namespace, bucket
                           bucket_bytes=bucket_bytes, flattened=a.format == "flattened")
     await sender.connect()
     try:
+        await sender.send(weights, version=version + "-warm")  # as in a run: buffers made by an earlier sync
         stats = await sender.send(weights, version=version)
     finally:
         await sender.close()
@@ -174,7 +201,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--backend", choices=["gloo", "nccl", "ipc"], default="gloo")
     p.add_argument("--device", default="cpu")
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--bucket-mb", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])

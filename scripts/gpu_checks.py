@@ -280,10 +280,13 @@ def check_local_run(out: Path) -> None:
 
 
 def check_broadcast(work: Path) -> None:
+    """The Qwen3-0.6B shape (bf16) to a built-in server on the trainer's GPU, by gloo (staged
+    through host memory) and by CUDA IPC, per bucket size; after each backend, every tensor the
+    server holds is checked equal to the trainer's."""
     import aiohttp
 
     from rlctl.engines.rollout.client import RolloutClient
-    from rlctl.engines.weightsync import WeightSender
+    from rlctl.engines.weightsync import WeightSender, tensor_sha256
 
     shape = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True)
@@ -291,8 +294,6 @@ def check_broadcast(work: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-    weights = [(n, p.detach()) for n, p in model.named_parameters()]
-    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "rlctl.engines.rollout.builtin.server", "--model-path", str(model_dir),
                                "--port", str(port), "--device", "cuda:0", "--dtype", "bfloat16"],
@@ -302,18 +303,27 @@ def check_broadcast(work: Path) -> None:
             async with aiohttp.ClientSession() as s:
                 c = RolloutClient(f"http://127.0.0.1:{port}", s)
                 await c.wait_healthy(300)
-                for bucket_mb in (64, 256, 1024):
-                    sender = WeightSender([c], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
-                                          bucket_bytes=bucket_mb << 20)
-                    await sender.connect()
-                    times = []
-                    for rep in range(2):
-                        stats = await sender.send(weights, version=f"{bucket_mb}-{rep}")
-                        times.append(stats.seconds)
-                    await sender.close()
-                    best = min(times)
-                    report(f"weight broadcast, {nbytes / 1e9:.2f} GB bf16, gloo, bucket {bucket_mb} MiB", None,
-                           params_b=sum(t.numel() for _, t in weights) / 1e9, seconds=best, gb_per_s=nbytes / best / 1e9)
+                for backend, sizes in (("gloo", (64, 256, 1024)), ("ipc", (64, 256, 1024, 2048))):
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.add_(0.001)  # new weights for each backend: a check that can fail
+                    weights = [(n, p.detach()) for n, p in model.named_parameters()]
+                    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+                    for bucket_mb in sizes:
+                        sender = WeightSender([c], master_address="127.0.0.1", master_port=free_port(), backend=backend,
+                                              bucket_bytes=bucket_mb << 20)
+                        await sender.connect()
+                        times = [(await sender.send(weights, version=f"{backend}-{bucket_mb}-{rep}")).seconds
+                                 for rep in range(3)]
+                        await sender.close()
+                        best = min(times[1:])  # the first sync makes the buffers, as a run's first does
+                        ok = None if backend == "gloo" else best <= 0.1
+                        report(f"weight sync, {nbytes / 1e9:.2f} GB bf16, {backend}, bucket {bucket_mb} MiB", ok,
+                               seconds=best, first_seconds=times[0], gb_per_s=nbytes / best / 1e9)
+                    want = {n: tensor_sha256(t) for n, t in weights}
+                    got = (await c.weight_checksums())["checksums"]
+                    wrong = [n for n in want if got.get(n) != want[n]]
+                    report(f"weight sync by {backend}: every tensor equal", not wrong, tensors=len(want), differing=len(wrong))
         asyncio.run(scenario())
     finally:
         server.kill()
