@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import QUICKSTART, rlctl
-from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, describe, gather, hf_to_mcore, mcore_names,
-                                                  mcore_to_hf, shard, tp_dim)
+from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, describe, gather, hf_to_mcore,
+                                                  iter_mcore_to_hf, mcore_names, mcore_to_hf, shard, tp_dim)
 from rlctl.errors import RunError
 
 
@@ -260,3 +260,28 @@ def test_bad_megatron_settings_name_the_key(tmp_path, override, key):
     extra = ["train.engine=megatron", "train.device=cuda"] if override == "train.megatron.tp=3" else []
     res = rlctl("launch", str(QUICKSTART), *extra, override, f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert res.returncode == 2 and f": {key}: " in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_weights_stream_one_layer_at_a_time_and_each_megatron_tensor_is_asked_for_once(arch):
+    """What the weight sync reads: a TP engine gathers a tensor when it is asked for, so the
+    stream must ask for each once, in an order every rank repeats, and no further ahead than the
+    layer it is converting."""
+    model = TINY[arch](tied=False)
+    layout = Layout.from_hf_config(model.config)
+    hf = hf_state(model)
+    mc = hf_to_mcore(hf, layout)
+    asked: list[str] = []
+
+    def get(name):
+        asked.append(name)
+        return mc[name]
+
+    out = []
+    for name, t in iter_mcore_to_hf(get, layout):
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer:  # nothing of a later layer has been gathered yet
+            assert all(int(m.split(".")[2]) <= int(layer[1]) for m in asked if m.startswith("decoder.layers."))
+        out.append((name, t))
+    assert sorted(asked) == sorted(mcore_names(layout)) and len(asked) == len(set(asked))
+    assert [n for n, _ in out] == list(hf) and all(torch.equal(t, hf[n]) for n, t in out)
