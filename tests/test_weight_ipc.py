@@ -68,16 +68,22 @@ def test_ipc_sync_is_bit_exact_and_no_weight_bytes_cross_http(sglang, start_serv
         assert sum(len(json.dumps(u)) for u in updates) < nbytes / 4  # handles and metadata, not the weights
 
 
-def test_a_bf16_server_is_sent_bf16_and_holds_what_its_own_cast_makes(start_server, tiny_model_dir):
+def test_a_bf16_server_is_sent_bf16_and_holds_what_its_own_cast_makes(start_server, tiny_model_dir, tmp_path):
     """A float32 trainer and a bfloat16 server: the sender casts before the broadcast (half the
-    bytes); the server ends with exactly the values its load would have cast to."""
-    url = start_server(0, "--dtype", "bfloat16")
+    bytes); the server ends with exactly the values its load would have cast to. To rlctl's own
+    server the buckets go tensor by tensor (each received straight into its parameter)."""
+    record = tmp_path / "requests.jsonl"
+    url = start_server(0, "--dtype", "bfloat16", "--record-requests", str(record))
     weights = changed_weights(tiny_model_dir)
     sender, stats, sums, _ = asyncio.run(sync([url], weights, "1", backend="gloo", bucket_bytes=16 * 1024))
     assert sender.server_dtype == torch.bfloat16
     assert stats.bytes == sum(t.numel() * 2 for _, t in weights)
     assert {n: sums[0][n] for n, _ in weights} == {n: tensor_sha256(t.to(torch.bfloat16)) for n, t in weights}
     assert tensor_sha256(as_served(weights[0][1], torch.bfloat16)) == tensor_sha256(weights[0][1].to(torch.bfloat16))
+    announced = [json.loads(line)["body"] for line in record.read_text().splitlines()
+                 if json.loads(line)["path"] == "/update_weights_from_distributed"]
+    assert len(announced) == stats.buckets > 1 and all(b["load_format"] is None for b in announced)
+    assert {d for b in announced for d in b["dtypes"]} == {"bfloat16"}
 
 
 class _Shell:
@@ -142,8 +148,11 @@ def test_our_pickles_are_ones_sglangs_unpickler_allows(sglang, version):
     assert [n for n, _ in named] == ["a", "b"] and named[0][1].shape == (2, 4)
     assert reader.seen and all(allows(*g) for g in reader.seen), [g for g in reader.seen if not allows(*g)]
     assert reader.seen <= ipc.ALLOWED  # and ours takes them back
-    # CUDA tensors pickle as torch's rebuild_cuda_tensor, with the GPU's UUID where SGLang's patch puts it
-    assert allows("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+    # CUDA tensors pickle as torch's rebuild_cuda_tensor(Tensor, ..., TypedStorage, dtype, device, ...),
+    # with the GPU's UUID where SGLang's patch puts it (seen on the GPU: scripts/gpu_checks.py)
+    cuda = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch.storage", "TypedStorage"),
+            ("torch", "Tensor"), ("torch", "Size"), ("torch", "bfloat16")}
+    assert all(allows(*g) for g in cuda) and cuda <= ipc.ALLOWED
     patch = src.module(PATCH_TORCH)
     index = next(ast.literal_eval(s.value) for s in patch.body if isinstance(s, (ast.Assign, ast.AnnAssign))
                  and "_REDUCE_TENSOR_ARG_DEVICE_INDEX" in ast.unparse(s))

@@ -36,6 +36,7 @@ ALLOWED = {
     ("builtins", "list"), ("builtins", "tuple"), ("builtins", "str"), ("builtins", "int"), ("builtins", "bool"),
     ("builtins", "bytes"), ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("_codecs", "encode"),
     ("torch", "Tensor"), ("torch", "Size"), ("torch", "UntypedStorage"), ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),  # the storage class a CUDA tensor's pickle names
     ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"), ("torch", "float64"), ("torch", "int64"),
     ("torch", "int32"), ("torch", "int8"), ("torch", "uint8"), ("torch", "bool"),
     ("torch.multiprocessing.reductions", "rebuild_tensor"),

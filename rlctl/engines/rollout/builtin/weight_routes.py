@@ -117,7 +117,8 @@ class WeightRoutes:
                 return fail(f"Failed to receive weights: {e}")
             if unknown:
                 return fail(f"unknown parameter names: {unknown[:5]}")
-            await self._in_executor(self._load, tensors, state)
+            if any(t is not None for _, t in tensors):  # all received in place: nothing to copy
+                await self._in_executor(self._load, tensors, state)
             if body.get("weight_version") is not None:
                 engine.weight_version = str(body["weight_version"])
         if body.get("abort_all_requests"):
