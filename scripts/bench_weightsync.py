@@ -64,11 +64,15 @@ def model_dir(shape: str, dtype: str) -> Path:
 
 
 def trainer_weights(path: Path, device: str) -> list:
-    """The weights as a trainer holds them: every named parameter (tied embeddings once)."""
+    """The weights as the torch trainer holds them: every named parameter (tied embeddings once),
+    all views of one buffer (rlctl/engines/weightsync/flat.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rlctl.engines.weightsync.flat import flatten_parameters
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device)
+    flatten_parameters(model)
     with torch.no_grad():
         return [(n, p.detach()) for n, p in model.named_parameters()]
 
@@ -154,7 +158,7 @@ async def rlctl_sync(clients: list, weights: list, a: argparse.Namespace, bucket
     from rlctl.engines.weightsync import WeightSender
 
     sender = WeightSender(clients, master_address="127.0.0.1", master_port=free_port(), backend=a.backend,
-                          bucket_bytes=bucket_bytes, flattened=None if a.format == "auto" else a.format == "flattened")
+                          bucket_bytes=bucket_bytes, flattened=a.format == "flattened")
     await sender.connect()
     try:
         await sender.send(weights, version=version + "-warm")  # as in a run: buffers made by an earlier sync
@@ -206,9 +210,8 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--bucket-mb", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--format", choices=["auto", "flattened", "tensors"], default="auto",
-                   help="rlctl's buckets: one flattened uint8 tensor each, tensor by tensor, or as a run sends them "
-                        "(auto: tensor by tensor to built-in servers)")
+    p.add_argument("--format", choices=["flattened", "tensors"], default="flattened",
+                   help="rlctl's buckets: one flattened uint8 tensor each (what a run sends), or tensor by tensor")
     p.add_argument("--run", type=Path, default=None)
     a = p.parse_args()
     import torch

@@ -106,7 +106,7 @@ def test_relative_paths_resolve_against_the_recipe(tmp_path):
     (["model.path=/x"], "model", "set exactly one of model.path (a local HF directory) or model.init (build a tiny model)"),
     (["rollout.batch_size=10", "train.groups_per_batch=4"], "train.groups_per_batch",
      "4 does not divide rollout.batch_size (10); pick a divisor so every train batch is full"),
-    (["train.sync_backend=mpi"], "train.sync_backend", "'mpi' is not one of auto, gloo, nccl"),
+    (["train.sync_backend=mpi"], "train.sync_backend", "'mpi' is not one of auto, gloo, nccl, ipc"),
     (["sim.gpu=tpu"], "sim.gpu", "'tpu' is not one of h200, h100, a100, cpu"),
 ])
 def test_value_errors_name_the_dotted_key_and_the_fix(overrides, key, message):

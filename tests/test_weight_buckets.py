@@ -49,3 +49,32 @@ def test_a_drained_maker_reads_every_remaining_weight():
     assert len(maker.next().metas) == 2
     maker.drain()
     assert pulled == [10] and maker.next() is None
+
+
+def test_parameters_in_one_buffer_make_every_bucket_a_slice_of_it(tiny_model_dir):
+    """weightsync/flat.py: the trainer's bucket is its parameters' own memory (no pack), and the
+    same bucket names exactly one slice of a server's flat parameters (received in place)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.engines.weightsync.flat import flatten_parameters
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    flat = flatten_parameters(model)
+    after = model.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in before.items())  # values kept
+    start, end = flat.buffer.data_ptr(), flat.buffer.data_ptr() + flat.buffer.numel()
+    assert all(start <= p.data_ptr() < end for p in model.parameters())
+    if model.config.tie_word_embeddings:
+        assert flat.spans["lm_head.weight"] == flat.spans["model.embed_tokens.weight"]
+    weights = [(n, p.detach()) for n, p in model.named_parameters()]
+    maker = BucketMaker(iter(weights), bucket_bytes=16 * 1024, flattened=True)
+    buckets = []
+    while (b := maker.next()) is not None:
+        buckets.append(b)
+        target = flat.slice_for([m.name for m in b.metas], [m.dtype for m in b.metas], [m.nbytes for m in b.metas])
+        assert target is not None and target.data_ptr() == b.flat.data_ptr()  # the parameters' own bytes
+    assert len(buckets) > 2 and buckets[0].flat.data_ptr() == start
+    assert flat.slice_for(["model.norm.weight"], ["bfloat16"], [flat.spans["model.norm.weight"][1]]) is None
+    cast = BucketMaker(iter(weights), bucket_bytes=16 * 1024, flattened=True, server_dtype=torch.bfloat16).next()
+    assert not start <= cast.flat.data_ptr() < end  # a cast is packed into a buffer of its own

@@ -70,8 +70,7 @@ def test_ipc_sync_is_bit_exact_and_no_weight_bytes_cross_http(sglang, start_serv
 
 def test_a_bf16_server_is_sent_bf16_and_holds_what_its_own_cast_makes(start_server, tiny_model_dir, tmp_path):
     """A float32 trainer and a bfloat16 server: the sender casts before the broadcast (half the
-    bytes); the server ends with exactly the values its load would have cast to. To rlctl's own
-    server the buckets go tensor by tensor (each received straight into its parameter)."""
+    bytes); the server ends with exactly the values its load would have cast to."""
     record = tmp_path / "requests.jsonl"
     url = start_server(0, "--dtype", "bfloat16", "--record-requests", str(record))
     weights = changed_weights(tiny_model_dir)
@@ -82,7 +81,7 @@ def test_a_bf16_server_is_sent_bf16_and_holds_what_its_own_cast_makes(start_serv
     assert tensor_sha256(as_served(weights[0][1], torch.bfloat16)) == tensor_sha256(weights[0][1].to(torch.bfloat16))
     announced = [json.loads(line)["body"] for line in record.read_text().splitlines()
                  if json.loads(line)["path"] == "/update_weights_from_distributed"]
-    assert len(announced) == stats.buckets > 1 and all(b["load_format"] is None for b in announced)
+    assert len(announced) == stats.buckets > 1 and all(b["load_format"] == "flattened_bucket" for b in announced)
     assert {d for b in announced for d in b["dtypes"]} == {"bfloat16"}
 
 

@@ -27,6 +27,7 @@ from rlctl.algos.grpo import clipped_policy_loss, k3_kl, token_logprobs
 from rlctl.engines.train import ckpt_files
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.errors import RunError
+from rlctl.engines.weightsync.flat import flatten_parameters
 from rlctl.recipe import TrainConfig
 
 
@@ -41,6 +42,8 @@ class TorchTrainEngine(PieceTraining):
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        # Parameters as views of one buffer: a weight sync sends slices of it with no copy (weightsync/flat.py).
+        flatten_parameters(self.model)
         self.model.train()
         self.ref_model = None
         if cfg.kl_coef > 0:

@@ -108,14 +108,16 @@ def flattened_size(metas: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int
 
 def receive_bucket(group, *, names: list[str], dtypes: list[str], shapes: list[list[int]], load_format: str | None,
                    device: str = "cpu", into: dict[str, torch.Tensor] | None = None,
-                   scratch: list | None = None) -> list[tuple[str, torch.Tensor | None]]:
+                   scratch: list | None = None, target: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor | None]]:
     """The receiving side of one announced bucket: receive the broadcast from rank 0 and return
     (name, tensor) pairs in the announced order, with no copy: a flattened bucket as views of the
     buffer it arrived in (scratch[0], kept and reused from one bucket to the next when a
     one-element list is given: the views are then valid until the next call); tensor by tensor,
     each straight into `into[name]` (a server's own parameter) where dtype, shape and device
     match, returned as (name, None). A bucket that cannot be laid out (an unaligned offset) is
-    refused before anything is received, as SGLang does."""
+    refused before anything is received, as SGLang does. `target`: where a flattened bucket's
+    bytes belong as they are (a slice of a server's parameters laid out back to back, the
+    bucket's tensors in the same order): it is received there, and every pair is (name, None)."""
     import torch
     import torch.distributed as dist
 
@@ -127,6 +129,10 @@ def receive_bucket(group, *, names: list[str], dtypes: list[str], shapes: list[l
     if load_format == "flattened_bucket":
         metas = list(zip(names, kinds, sizes, strict=True))
         n = flattened_size(metas)
+        if target is not None and target.numel() == n and target.dtype == torch.uint8 and target.device.type == where.type:
+            list(unflatten_bucket(target, metas))  # refuses an unaligned offset, before the broadcast
+            dist.broadcast(target, src=0, group=group)
+            return [(name, None) for name in names]
         kept = scratch[0] if scratch else None
         if kept is None or kept.numel() < n or kept.device != where:
             kept = torch.empty(n, dtype=torch.uint8, device=where)
@@ -172,6 +178,24 @@ def wire_tensor(t: torch.Tensor, server_dtype: torch.dtype | None) -> torch.Tens
     if server_dtype is not None and t.is_floating_point() and server_dtype.itemsize < t.element_size():
         t = t.to(server_dtype)
     return t
+
+
+def back_to_back(tensors: list[torch.Tensor], staging: str | None) -> torch.Tensor | None:
+    """The bytes of these tensors as one uint8 view, when they already lie back to back in one
+    storage in this order (and on the staging device): the flattened bucket, with no copy."""
+    import torch
+
+    first = tensors[0]
+    storage = first.untyped_storage()
+    if staging is not None and first.device != torch.device(staging):
+        return None
+    start = offset = first.storage_offset() * first.element_size()
+    for t in tensors:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.storage_offset() * t.element_size() != offset):
+            return None
+        offset += t.numel() * t.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (offset - start,))
 
 
 @dataclass
@@ -221,6 +245,9 @@ class BucketMaker:
         self._device = str(items[0][1].device)
         if not self.flattened:
             return Bucket(metas, [t.to(self.staging) if self.staging else t for _, t in items], last)
+        flat = back_to_back([t for _, t in items], self.staging)
+        if flat is not None:  # already laid out as the bucket is (weightsync/flat.py): sent as it is
+            return Bucket(metas, [flat], last, flat)
         flat = flatten_bucket([t for _, t in items], self._buffer(size))
         if flat.is_cuda:
             import torch

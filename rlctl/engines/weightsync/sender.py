@@ -45,8 +45,6 @@ if TYPE_CHECKING:
     import torch
 
 CLOSE_TIMEOUT_S = 10.0
-BUILTIN_VERSION = "rlctl-builtin"  # how rlctl's built-in server names itself in /server_info (one emulating
-# SGLang gives that release instead, and is sent what SGLang is sent)
 BACKENDS = ("gloo", "nccl", "ipc")
 
 
@@ -86,7 +84,7 @@ class WeightSender:
     group whose broadcast no longer completes is not used again."""
 
     def __init__(self, clients: list, *, master_address: str, master_port: int, backend: str,
-                 bucket_bytes: int, group_name: str = DEFAULT_GROUP_NAME, flattened: bool | None = None,
+                 bucket_bytes: int, group_name: str = DEFAULT_GROUP_NAME, flattened: bool = True,
                  cast: bool = True) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown weight-sync backend {backend!r}; one of {', '.join(BACKENDS)}")
@@ -96,11 +94,10 @@ class WeightSender:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
-        self.flattened = True if backend == "ipc" else flattened  # IPC hands over one buffer per bucket
-        """Buckets as one flattened uint8 tensor each, or tensor by tensor; None: decided at
-        connect(), tensor by tensor when every server is rlctl's own (it receives each tensor
-        straight into its parameter: no packing, no copy on either side), else flattened (one
-        broadcast per bucket, as SGLang's load_format "flattened_bucket")."""
+        self.flattened = flattened or backend == "ipc"  # IPC hands over one buffer per bucket
+        """Buckets as one flattened uint8 tensor each (SGLang's load_format "flattened_bucket":
+        one broadcast per bucket; a slice of the trainer's parameters as they lie, when they lie
+        back to back: weightsync/flat.py), or tensor by tensor (one broadcast per tensor)."""
         self.cast = cast
         self.group = None
         self.broken = False
@@ -117,8 +114,6 @@ class WeightSender:
         broadcast, create the group: every server is asked to join while we join."""
         infos = await asyncio.gather(*(c.server_info() for c in self.clients))
         self.tp_sizes = [int(i.get("tp_size", 1)) for i in infos]
-        if self.flattened is None:
-            self.flattened = not all(str(i.get("version", "")).startswith(BUILTIN_VERSION) for i in infos)
         dtypes = {server_dtype(i) for i in infos}
         if len(dtypes) == 1 and None not in dtypes:
             self.server_dtype = dtype_from_name(dtypes.pop())

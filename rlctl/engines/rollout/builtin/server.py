@@ -30,6 +30,7 @@ from rlctl.engines.rollout.builtin.engine import Engine
 from rlctl.engines.rollout.builtin.generation_routes import GenerationRoutes
 from rlctl.engines.rollout.builtin.state import ServerState
 from rlctl.engines.rollout.builtin.weight_routes import WeightRoutes
+from rlctl.engines.weightsync.flat import flatten_parameters
 
 log = logging.getLogger("rlctl.rollout")
 
@@ -48,6 +49,7 @@ def load_model(state: ServerState) -> None:
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))  # NCCL weight groups use the current device
     model.to(args.device).eval()
+    state.flat = flatten_parameters(model)  # flattened buckets then land in place (weightsync/flat.py)
     try:
         state.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     except (OSError, ValueError):

@@ -23,6 +23,8 @@ class ServerState:
     loading_error: str | None = None
     tp_ranks: Any = None
     """--tp-size > 1: the TpRanks (tp_ranks.py) that receive weights beside rank 0."""
+    flat: Any = None
+    """The FlatParams (rlctl/engines/weightsync/flat.py) the model's parameters are views of, or None."""
 
     @property
     def tp_size(self) -> int:

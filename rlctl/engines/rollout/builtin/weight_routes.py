@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -159,16 +160,22 @@ class WeightRoutes:
         """One bucket off the broadcast on every TP rank; rank 0's tensors are returned. Rank 0
         receives tensor-by-tensor buckets straight into the model's parameters (`into`), holding
         the model lock so that no decode step runs meanwhile (generation is paused for a sync)."""
-        from rlctl.engines.weightsync import receive_bucket
+        from rlctl.engines.weightsync import dtype_from_name, receive_bucket
 
         device = str(self.weight_device or "cpu")  # NCCL receives straight into GPU memory, gloo into host memory
         group = self.weight_group
         engine = self.state.engine
         assert engine is not None
 
+        flat = self.state.flat
+        target = None
+        if into is not None and flat is not None and bucket["load_format"] == "flattened_bucket":
+            sizes = [math.prod(s) * dtype_from_name(d).itemsize for s, d in zip(bucket["shapes"], bucket["dtypes"], strict=True)]
+            target = flat.slice_for(bucket["names"], bucket["dtypes"], sizes)
+
         def rank0():
             with engine.model_lock:
-                return receive_bucket(group, device=device, into=into, scratch=self.scratch, **bucket)
+                return receive_bucket(group, device=device, into=into, scratch=self.scratch, target=target, **bucket)
         receives = [self._in_executor(rank0)]
         tp = self.state.tp_ranks
         if tp is not None:
