@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import os
 import subprocess
 import sys
@@ -272,9 +273,11 @@ def check_local_run(out: Path) -> None:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     checked = [e for e in events if e["event"] == "weights_checked"]
     pieces = sum(e["event"] == "accumulate_end" for e in events)
+    said = re.search(r"weight sync to \d+ server\(s\) by (\w+)", (run_dir / "logs" / "trainer-0.log").read_text())
     # One check after the initial sync (version 0) and one after each of the 8 steps.
     report("local run, megatron trainer + 2 built-in servers on one GPU", len(checked) == 1 + 8 and len(metrics) == 8,
            steps=len(metrics), syncs_checked=len(checked), accumulate_calls=pieces, seconds=seconds,
+           sync_backend=said[1] if said else "?", sync_time_median=sorted(m["sync_time"] for m in metrics)[len(metrics) // 2],
            reward_first=metrics[0]["reward_mean"], reward_last=metrics[-1]["reward_mean"],
            step_time_median=sorted(m["step_time"] for m in metrics)[len(metrics) // 2])
 

@@ -151,10 +151,26 @@ class WeightRoutes:
             unknown = [n for n, _ in named if n not in state]
             if unknown:
                 return fail(f"unknown parameter names: {unknown[:5]}")
-            await self._in_executor(self._load, named, state)
+            await self._in_executor(self._load, self._as_one_slice(named) or named, state)
             if body.get("weight_version") is not None:
                 engine.weight_version = str(body["weight_version"])
         return ok("Success")
+
+    def _as_one_slice(self, named: list) -> list | None:
+        """Tensors that lie back to back in the sender's memory, and whose places in this
+        server's flat parameters (weightsync/flat.py) do too, as one copy of the whole span."""
+        from rlctl.engines.weightsync import dtype_name
+        from rlctl.engines.weightsync.buckets import back_to_back
+
+        flat = self.state.flat
+        source = back_to_back([t for _, t in named], None) if flat is not None and named else None
+        if source is None:
+            return None
+        target = flat.slice_for([n for n, _ in named], [dtype_name(t.dtype) for _, t in named],
+                                [t.numel() * t.element_size() for _, t in named])
+        if target is None or target.device != source.device:
+            return None
+        return [(target, source)]
 
     async def _receive(self, bucket: dict, into: dict | None) -> list[tuple[str, torch.Tensor | None]]:
         """One bucket off the broadcast on every TP rank; rank 0's tensors are returned. Rank 0
@@ -195,8 +211,8 @@ class WeightRoutes:
         assert engine is not None
         with engine.model_lock, torch.no_grad():
             for name, t in tensors:
-                if t is not None:
-                    state[name].copy_(t)
+                if t is not None:  # name: a parameter's, or already the place to copy to (_as_one_slice)
+                    (state[name] if isinstance(name, str) else name).copy_(t)
             if engine.device.type == "cuda":
                 torch.cuda.current_stream(engine.device).synchronize()
 
