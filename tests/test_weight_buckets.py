@@ -29,6 +29,8 @@ def test_buckets_are_read_one_tensor_ahead_and_packed_into_two_buffers_in_turn()
     assert [len(b.metas) for b in buckets] == [4] * 5 and [b.last for b in buckets] == [False] * 4 + [True]
     assert reads == [5, 9, 13, 17, 20]  # the bucket's tensors and the first of the next, no more
     assert len(set(buffers)) == 2 and buffers[0] == buffers[2] == buffers[4] != buffers[1]
+    again = BucketMaker(stream(8, 256, pulled), bucket_bytes=4 * 1024, flattened=True, buffers=maker.buffers)
+    assert {again.next().flat.data_ptr(), again.next().flat.data_ptr()} == set(buffers)  # the next sync's too
 
 
 def test_wider_weights_are_cast_to_the_servers_dtype_and_aligned():

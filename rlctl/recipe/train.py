@@ -64,8 +64,11 @@ class TrainConfig(Section):
     grad_clip: float = 1.0
     micro_batch_tokens: int = 8192
     """Most padded tokens per forward/backward; a train batch is split by length to fit."""
-    sync_bucket_mb: float = 64.0
-    """Size of one weight-broadcast bucket in MiB; at most 16,384 (TRAIN_BOUNDS)."""
+    sync_bucket_mb: float = 512.0
+    """Size of one weight-sync bucket in MiB; at most 16,384 (TRAIN_BOUNDS). Each bucket is one
+    HTTP announce (and one broadcast, or one IPC handle) per server; the sender keeps two pack
+    buffers, grown to the largest bucket it packed (none for a bucket that is a slice of the
+    trainer's parameters as they lie: rlctl/engines/weightsync/flat.py)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     sync_backend: SyncBackend = SyncBackend.AUTO
     """How weights reach the servers: gloo (a broadcast from host memory), nccl (a broadcast GPU to

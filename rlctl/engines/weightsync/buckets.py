@@ -215,9 +215,10 @@ class BucketMaker:
 
     `staging` is the device the bytes leave from (cpu for gloo; None: where the weights are, for
     NCCL or IPC).
-    Flattened buckets are packed into one of two buffers in turn, each allocated once at the
-    bucket size (or a larger lone tensor's size) and reused: bucket i+1 is packed into the one
-    bucket i is not in. The caller must be done with bucket i before asking for bucket i+2."""
+    Flattened buckets are packed into one of two buffers in turn, grown to the largest bucket and
+    reused: bucket i+1 is packed into the one bucket i is not in. The caller must be done with
+    bucket i before asking for bucket i+2. A bucket whose tensors already lie back to back (a
+    slice of parameters laid out by weightsync/flat.py) is sent as it is, unpacked."""
 
     weights: Iterable[tuple[str, torch.Tensor]]
     bucket_bytes: int
@@ -227,9 +228,11 @@ class BucketMaker:
     staging: str | None = "cpu"
     share: bool = False
     """The buffers are handed to other processes (ipc.py moves CPU ones into shared memory, once)."""
+    buffers: list = field(default_factory=lambda: [None, None])
+    """The two pack buffers: pass the same list to every sync's maker and they are allocated once
+    for the run (a fresh CPU buffer is page-faulted in anew by every sync that writes it)."""
     _it: Iterator | None = None
     _held: tuple[str, torch.Tensor] | None = None
-    _buffers: list = field(default_factory=lambda: [None, None])
     _turn: int = 0
     _device: str = "cpu"
 
@@ -288,11 +291,11 @@ class BucketMaker:
     def _buffer(self, size: int) -> torch.Tensor:
         import torch
 
-        buf = self._buffers[self._turn]
-        if buf is None or buf.numel() < size:
-            device = self.staging or self._device
-            pin = device == "cpu" and not self.share and torch.cuda.is_available()  # fast copies from a GPU
-            buf = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
-            self._buffers[self._turn] = buf
+        device = torch.device(self.staging or self._device)
+        buf = self.buffers[self._turn]
+        if buf is None or buf.numel() < size or buf.device != device:  # grown to the largest bucket, once
+            pin = device.type == "cpu" and not self.share and torch.cuda.is_available()  # fast copies from a GPU
+            buf = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin)
+            self.buffers[self._turn] = buf
         self._turn ^= 1
         return buf

@@ -105,6 +105,8 @@ class WeightSender:
         self.world_size = 0
         self.rank_offsets: list[int] = []
         self.tp_sizes: list[int] = []
+        self.buffers: list = [None, None]
+        """BucketMaker's two pack buffers, kept from one sync to the next."""
         self.server_dtype: torch.dtype | None = None
         """The dtype every server holds its weights in (None: they differ, or cannot be told);
         wider floating-point weights are cast to it before they leave (buckets.wire_tensor)."""
@@ -144,7 +146,7 @@ class WeightSender:
     def _maker(self, weights: Iterable[tuple[str, torch.Tensor]]) -> BucketMaker:
         staging = "cpu" if self.backend == "gloo" else None  # None: where the weights are
         return BucketMaker(weights, self.bucket_bytes, self.flattened, self.server_dtype if self.cast else None,
-                           staging=staging, share=self.backend == "ipc")
+                           staging=staging, share=self.backend == "ipc", buffers=self.buffers)
 
     def _next(self, maker: BucketMaker) -> Bucket | None:
         """The next bucket, and for IPC its payloads: one per TP rank of every server (each
