@@ -77,7 +77,7 @@ def check_broadcast(work: Path, cpu: bool) -> None:
     import aiohttp
 
     from rlctl.engines.rollout.client import RolloutClient
-    from rlctl.engines.weightsync import WeightSender
+    from rlctl.engines.weightsync import WeightSender, tensor_sha256
     from transformers import AutoModelForCausalLM
 
     if cpu:
@@ -121,6 +121,11 @@ def check_broadcast(work: Path, cpu: bool) -> None:
                     share = plain / best
                     report(f"rlctl weight broadcast, bucket {mb} MiB", share >= 0.85 if not cpu else None,
                            seconds=best, gb_per_s=nbytes / best / 1e9, of_plain=share)
+                want = {n: tensor_sha256(t) for n, t in weights}
+                for i, c in enumerate(clients):
+                    got = (await c.weight_checksums())["checksums"]
+                    wrong = [n for n in want if got.get(n) != want[n]]
+                    report(f"server {i}: every tensor equal after the {backend} syncs", not wrong, differing=len(wrong))
         asyncio.run(scenario())
     finally:
         for p in servers:
@@ -156,7 +161,8 @@ def check_megatron_tp2(out: Path) -> None:
     if res.returncode == 0:
         events = [json.loads(x) for x in next(runs.iterdir()).joinpath("events.jsonl").read_text().splitlines()]
         checked = sum(e["event"] == "weights_checked" for e in events)
-    report(f"megatron TP=2 on GPUs 0-1, servers on GPUs {servers}, weights equal after every sync", res.returncode == 0 and checked == 6,
+    # one check after the initial sync (version 0) and one after each of the 6 steps
+    report(f"megatron TP=2 on GPUs 0-1, servers on GPUs {servers}, weights equal after every sync", res.returncode == 0 and checked == 1 + 6,
            syncs_checked=checked, error=res.stderr.strip().splitlines()[-1][:300] if res.returncode else "-")
 
 
