@@ -218,12 +218,8 @@ def prepare_resume(rd: RunDir, ckpt: Checkpoint | None) -> dict[str, Any]:
         attempts = d.setdefault("attempts", [])
         if not attempts:
             attempts.append({"attempt": 1, "resumed_from": None, "started": d["created"]})
-        ended = d.pop("attempt_end", None) or {}  # a Slurm job requeued or submitted again: how it ended
-        attempts[-1].update(ended=ended.get("at", d.get("ended")), state=ended.get("state", d["state"]),
-                            exit_reason=ended.get("reason", d.get("exit_reason")), processes=d.get("processes", {}))
-        slurm = ended.get("slurm") or d.get("slurm") or {}  # the ended attempt's job
-        if slurm.get("job_id"):
-            attempts[-1]["slurm"] = {k: slurm.get(k) for k in SLURM_ATTEMPT_KEYS}
+        attempts[-1].update(attempt_ending(d), processes=d.get("processes", {}))
+        d.pop("attempt_end", None)
         attempt.update(attempt=len(attempts) + 1, resumed_from=ckpt.steps if ckpt else None,
                        checkpoint=str(ckpt.path) if ckpt else None, started=now_iso())
         attempts.append(dict(attempt))
@@ -235,6 +231,19 @@ def prepare_resume(rd: RunDir, ckpt: Checkpoint | None) -> dict[str, Any]:
     rd.event("resume", attempt=attempt["attempt"], from_step=steps, checkpoint=str(ckpt.path) if ckpt else None,
              metrics_removed=metrics_removed, events_removed=events_removed)
     return attempt
+
+
+def attempt_ending(info: dict[str, Any]) -> dict[str, Any]:
+    """How the run's latest attempt ended, as its `attempts` record keeps it (ended, state,
+    exit_reason, and its Slurm job): from run.json's `attempt_end` when there is one (a Slurm job
+    requeued or submitted again, whose next attempt has not begun), else the run's own end."""
+    ended = info.get("attempt_end") if isinstance(info.get("attempt_end"), dict) else {}
+    out = {"ended": ended.get("at", info.get("ended")), "state": ended.get("state", info.get("state")),
+           "exit_reason": ended.get("reason", info.get("exit_reason"))}
+    slurm = ended.get("slurm") if isinstance(ended.get("slurm"), dict) else info.get("slurm") or {}
+    if slurm.get("job_id"):
+        out["slurm"] = {k: slurm.get(k) for k in SLURM_ATTEMPT_KEYS}
+    return out
 
 
 def resume_point(info: dict[str, Any]) -> Checkpoint | None:

@@ -17,7 +17,7 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from rlctl.checkpoint import list_checkpoints
+from rlctl.checkpoint import attempt_ending, list_checkpoints
 from rlctl.rundir import RunDir, RunState, UnreadableRun, find_run, list_runs, pid_alive
 from rlctl.runcheck import one_line
 from rlctl.tail import jsonl_tail
@@ -142,10 +142,8 @@ def attempts(info: dict[str, Any]) -> list[dict[str, Any]]:
     records = [dict(a) for a in (info.get("attempts") or []) if isinstance(a, dict)]
     if not records:
         records = [{"attempt": 1, "resumed_from": None, "started": info.get("created")}]
-    ended = info.get("attempt_end")
-    if isinstance(ended, dict):  # a Slurm job requeued or submitted again, whose next attempt has not begun
-        records[-1].update(ended=ended.get("at"), state=ended.get("state"), exit_reason=ended.get("reason"),
-                           **({"slurm": ended["slurm"]} if isinstance(ended.get("slurm"), dict) else {}))
+    if isinstance(info.get("attempt_end"), dict):  # a Slurm job requeued or submitted again, whose next
+        records[-1].update(attempt_ending(info))    # attempt has not begun
         records.append({"attempt": len(records) + 1, "resumed_from": None, "started": None})
     out = []
     for i, a in enumerate(records):

@@ -20,9 +20,9 @@ def resume(
     raise typer.Exit(resume_run(find_run(run, runs_dir), detach))
 
 
-def resumable(rd: RunDir) -> tuple[RunState, dict]:
+def resumable(rd: RunDir) -> tuple[RunState, str | None, dict]:
     """The run's state, joined with its Slurm job's; a usage error unless it ran locally or on
-    Slurm and has ended. Returns the state and run.json."""
+    Slurm and has ended. Returns the state, why it is in it (effective_state), and run.json."""
     from rlctl.status import effective_state
 
     info = rd.read()
@@ -34,10 +34,10 @@ def resumable(rd: RunDir) -> tuple[RunState, dict]:
 
         refresh([rd])  # Slurm's word on the job first: a run whose job ended unrecorded is ended now
         info = rd.read()
-    state, _ = effective_state(rd, info)
+    state, why = effective_state(rd, info)
     if not state.finished:
         raise UsageError(f"run {rd.id} is still {state.value}; `rlctl cancel {rd.id}` first to resume it from a checkpoint")
-    return state, info
+    return state, why, info
 
 
 def resume_run(rd: RunDir, detach: bool) -> int:
@@ -45,16 +45,15 @@ def resume_run(rd: RunDir, detach: bool) -> int:
     from rlctl.checkpoint import find_checkpoint, prepare_resume
     from rlctl.commands.launch import follow
     from rlctl.launchers.local import start_supervisor
-    from rlctl.status import effective_state
 
-    state, info = resumable(rd)
+    state, why, info = resumable(rd)
     if state is RunState.COMPLETED:
         raise UsageError(f"run {rd.id} completed all its {info.get('steps_total')} steps; there is nothing to resume")
     ckpt = find_checkpoint(rd.path)
     if info.get("launcher") == "slurm":
         return resubmit(rd, ckpt.steps, detach)
     if not RunState(info["state"]).finished:  # its supervisor died without saying so: say it now
-        rd.set_state(state, effective_state(rd, info)[1])
+        rd.set_state(state, why)
     attempt = prepare_resume(rd, ckpt)
     rd.record_process("supervisor", pid=start_supervisor(rd))
     typer.echo(f"resuming {rd.id} at step {ckpt.steps} of {info.get('steps_total')} "
@@ -108,7 +107,7 @@ def resume_recipe(r, recipe: Path, detach: bool) -> int | None:
         typer.echo(f"--resume: no earlier run named {r.run.name} in {r.run.output_dir}; starting a new one", err=True)
         return None
     rd = runs[-1]  # ids are name-YYYYmmdd-HHMMSS-xxxx: the newest last
-    state, info = resumable(rd)
+    state, _, info = resumable(rd)
     if state is RunState.COMPLETED:
         typer.echo(f"--resume: run {rd.id} completed all its {info.get('steps_total')} steps; nothing to do", err=True)
         print(rd.id)
