@@ -80,3 +80,20 @@ def test_parameters_in_one_buffer_make_every_bucket_a_slice_of_it(tiny_model_dir
     assert flat.slice_for(["model.norm.weight"], ["bfloat16"], [flat.spans["model.norm.weight"][1]]) is None
     cast = BucketMaker(iter(weights), bucket_bytes=16 * 1024, flattened=True, server_dtype=torch.bfloat16).next()
     assert not start <= cast.flat.data_ptr() < end  # a cast is packed into a buffer of its own
+
+
+def test_a_sync_refused_at_once_still_reads_every_weight():
+    """Other Megatron TP ranks gather as rank 0 reads: a sync that cannot start must still read
+    its weights to the end, or they wait in a gather for ever."""
+    import asyncio
+
+    import pytest
+
+    from rlctl.engines.weightsync import WeightSender
+    from rlctl.errors import RunError
+
+    pulled = [0]
+    sender = WeightSender([], master_address="127.0.0.1", master_port=1, backend="gloo", bucket_bytes=1024)
+    with pytest.raises(RunError, match="not connected"):
+        asyncio.run(sender.send(stream(6, 256, pulled), version="1"))
+    assert pulled == [6]

@@ -167,16 +167,17 @@ class WeightSender:
         every server as weight version `version`."""
         from rlctl.errors import RunError
 
-        if (self.group is None and self.backend != "ipc") or self.broken:
-            raise RunError("the weight-sync group is not connected (or a failed sync broke it)")
         start = time.monotonic()
         loop = asyncio.get_running_loop()
         maker = self._maker(weights)
-        upcoming: asyncio.Future | None = loop.run_in_executor(producer, self._next, maker)
+        upcoming: asyncio.Future | None = None
         everyone = self.clients
         in_session = [c for c, need in zip(self.clients, self.session_needed, strict=False) if need]
         nbytes = buckets = tensors = 0
         try:
+            if (self.group is None and self.backend != "ipc") or self.broken:
+                raise RunError("the weight-sync group is not connected (or a failed sync broke it)")
+            upcoming = loop.run_in_executor(producer, self._next, maker)
             await asyncio.gather(*(c.pause_generation(pause_mode) for c in everyone))
             await asyncio.gather(*(c.flush_cache() for c in everyone))
             await asyncio.gather(*(c.begin_weight_update() for c in in_session))
@@ -187,7 +188,8 @@ class WeightSender:
                 buckets, tensors = buckets + 1, tensors + len(bucket.metas)
         except BaseException:
             # Let the producer finish, then read the weights to the end on it: other trainer
-            # ranks reading them too wait in gathers until rank 0 has read every tensor.
+            # ranks reading them too (Megatron TP) wait in gathers until rank 0 has read every
+            # tensor, even of a sync refused before its first bucket.
             if upcoming is not None:
                 await asyncio.gather(upcoming, return_exceptions=True)
             await asyncio.gather(loop.run_in_executor(producer, maker.drain), return_exceptions=True)
