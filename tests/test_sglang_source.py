@@ -22,7 +22,7 @@ RELIED_ON = {
     "/generate": "POST", "/abort_request": "POST", "/pause_generation": "POST",
     "/continue_generation": "POST", "/flush_cache": "POST", "/init_weights_update_group": "POST",
     "/update_weights_from_distributed": "POST", "/update_weight_version": "POST",
-    "/destroy_weights_update_group": "POST",
+    "/destroy_weights_update_group": "POST", "/update_weights_from_tensor": "POST",
 }
 SESSION_ROUTES = {"/begin_weight_update": "POST", "/end_weight_update": "POST"}
 CONTROL = frozenset({"success", "message"})
@@ -127,7 +127,8 @@ def test_pause_and_continue_answer_without_a_success_key(sglang, version, path):
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_weight_update_routes_answer_success_and_message(sglang, version):
     src = sglang(version)
-    paths = ["/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"]
+    paths = ["/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+             "/update_weights_from_tensor"]
     for path in paths + (list(SESSION_ROUTES) if version in SESSIONS else []):
         assert src.reply_shapes(path) == [Reply(200, "json", CONTROL), Reply(400, "json", CONTROL)], path
     assert src.reply_shapes("/update_weight_version") == [

@@ -20,7 +20,7 @@ import torch
 
 from conftest import free_port
 from rlctl.engines.rollout.client import RolloutClient
-from rlctl.engines.weightsync import WeightSender, as_served, ipc, tensor_sha256
+from rlctl.engines.weightsync import WeightSender, ipc, tensor_sha256
 from sglang_bodies import check_body
 from sglang_source import SUPPORTED
 
@@ -78,7 +78,6 @@ def test_a_bf16_server_is_sent_bf16_and_holds_what_its_own_cast_makes(start_serv
     assert sender.server_dtype == torch.bfloat16
     assert stats.bytes == sum(t.numel() * 2 for _, t in weights)
     assert {n: sums[0][n] for n, _ in weights} == {n: tensor_sha256(t.to(torch.bfloat16)) for n, t in weights}
-    assert tensor_sha256(as_served(weights[0][1], torch.bfloat16)) == tensor_sha256(weights[0][1].to(torch.bfloat16))
     announced = [json.loads(line)["body"] for line in record.read_text().splitlines()
                  if json.loads(line)["path"] == "/update_weights_from_distributed"]
     assert len(announced) == stats.buckets > 1 and all(b["load_format"] == "flattened_bucket" for b in announced)

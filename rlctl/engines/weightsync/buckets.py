@@ -13,12 +13,14 @@ next bucket is made while the previous one is on the wire and no full copy of th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 _ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
              "uint8": 1, "int8": 1, "bool": 1}
@@ -50,6 +52,22 @@ class TensorMeta:
         return _ITEMSIZE[self.dtype]
 
 
+def size_groups(items: Iterable[T], nbytes: Callable[[T], int], bucket_bytes: int) -> Iterator[tuple[list[T], bool]]:
+    """Consecutive items in groups of at most bucket_bytes (a larger item goes alone), each with
+    whether it is the last. Lazy: a group is given once the first item of the next one is read."""
+    group: list[T] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if group and size + n > bucket_bytes:
+            yield group, False
+            group, size = [], 0
+        group.append(item)
+        size += n
+    if group:
+        yield group, True
+
+
 def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
     """Group tensors into buckets of at most bucket_bytes (a larger tensor goes alone).
 
@@ -57,18 +75,7 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[list[Te
     flattened bucket packs tensors back to back with no padding and refuses a tensor whose byte
     offset is not a multiple of its itemsize; with itemsizes powers of two and the larger ones
     first, every offset is aligned, whatever dtypes the model mixes."""
-    buckets: list[list[TensorMeta]] = []
-    current: list[TensorMeta] = []
-    size = 0
-    for m in metas:
-        if current and size + m.nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(m)
-        size += m.nbytes
-    if current:
-        buckets.append(current)
-    return [sorted(b, key=lambda m: -m.itemsize) for b in buckets]
+    return [sorted(b, key=lambda m: -m.itemsize) for b, _ in size_groups(metas, lambda m: m.nbytes, bucket_bytes)]
 
 
 def flatten_bucket(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,6 +214,8 @@ class Bucket:
     payload: list[torch.Tensor]
     last: bool
     flat: torch.Tensor | None = None
+    ipc: list[list[str]] | None = None
+    """For IPC: per server, one pickled list of views of `flat` per TP rank (ipc.dumps)."""
 
 
 @dataclass
@@ -231,20 +240,19 @@ class BucketMaker:
     buffers: list = field(default_factory=lambda: [None, None])
     """The two pack buffers: pass the same list to every sync's maker and they are allocated once
     for the run (a fresh CPU buffer is page-faulted in anew by every sync that writes it)."""
-    _it: Iterator | None = None
-    _held: tuple[str, torch.Tensor] | None = None
+    _groups: Iterator | None = None
     _turn: int = 0
     _device: str = "cpu"
 
     def next(self) -> Bucket | None:
         """The next bucket, or None when the weights are all sent. Blocking: run it where the
         weights may be read (the trainer's engine thread)."""
-        items, size = self._take()
+        items, last = next(self._stream(), ([], True))
         if not items:
             return None
         items.sort(key=lambda item: -item[1].element_size())  # aligned offsets (plan_buckets)
         metas = [TensorMeta(n, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in items]
-        last = self._held is None
+        size = sum(m.nbytes for m in metas)
         self._device = str(items[0][1].device)
         if not self.flattened:
             return Bucket(metas, [t.to(self.staging) if self.staging else t for _, t in items], last)
@@ -261,32 +269,15 @@ class BucketMaker:
     def drain(self) -> None:
         """Read the rest of the weights, keeping none: a sync that failed half-way still takes
         its part in every gather other trainer ranks make as they read the same weights."""
-        if self._it is None:
-            self._it = iter(self.weights)
-        for _ in self._it:
+        for _ in self._stream():
             pass
-        self._held = None
 
-    def _take(self) -> tuple[list[tuple[str, torch.Tensor]], int]:
-        """Tensors up to the bucket size (a larger one alone), cast for the wire."""
-        if self._it is None:
-            self._it = iter(self.weights)
-        items: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        while True:
-            item, self._held = self._held, None
-            if item is None:
-                pulled = next(self._it, None)
-                if pulled is None:
-                    break
-                item = (pulled[0], wire_tensor(pulled[1], self.server_dtype))
-            n = item[1].numel() * item[1].element_size()
-            if items and size + n > self.bucket_bytes:
-                self._held = item
-                break
-            items.append(item)
-            size += n
-        return items, size
+    def _stream(self) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+        """The weights, cast for the wire, in groups up to the bucket size (size_groups)."""
+        if self._groups is None:
+            cast = ((name, wire_tensor(t, self.server_dtype)) for name, t in self.weights)
+            self._groups = size_groups(cast, lambda item: item[1].numel() * item[1].element_size(), self.bucket_bytes)
+        return self._groups
 
     def _buffer(self, size: int) -> torch.Tensor:
         import torch

@@ -84,8 +84,7 @@ class WeightSender:
     group whose broadcast no longer completes is not used again."""
 
     def __init__(self, clients: list, *, master_address: str, master_port: int, backend: str,
-                 bucket_bytes: int, group_name: str = DEFAULT_GROUP_NAME, flattened: bool = True,
-                 cast: bool = True) -> None:
+                 bucket_bytes: int, group_name: str = DEFAULT_GROUP_NAME, flattened: bool = True) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown weight-sync backend {backend!r}; one of {', '.join(BACKENDS)}")
         self.clients = clients
@@ -98,7 +97,6 @@ class WeightSender:
         """Buckets as one flattened uint8 tensor each (SGLang's load_format "flattened_bucket":
         one broadcast per bucket; a slice of the trainer's parameters as they lie, when they lie
         back to back: weightsync/flat.py), or tensor by tensor (one broadcast per tensor)."""
-        self.cast = cast
         self.group = None
         self.broken = False
         self.session_needed: list[bool] = []
@@ -145,7 +143,7 @@ class WeightSender:
 
     def _maker(self, weights: Iterable[tuple[str, torch.Tensor]]) -> BucketMaker:
         staging = "cpu" if self.backend == "gloo" else None  # None: where the weights are
-        return BucketMaker(weights, self.bucket_bytes, self.flattened, self.server_dtype if self.cast else None,
+        return BucketMaker(weights, self.bucket_bytes, self.flattened, self.server_dtype,
                            staging=staging, share=self.backend == "ipc", buffers=self.buffers)
 
     def _next(self, maker: BucketMaker) -> Bucket | None:
@@ -158,7 +156,7 @@ class WeightSender:
             assert bucket.flat is not None
             metas = [(m.name, dtype_from_name(m.dtype), m.shape) for m in bucket.metas]
             views = list(unflatten_bucket(bucket.flat, metas))
-            bucket.payload = [[ipc.dumps(views) for _ in range(tp)] for tp in self.tp_sizes]  # type: ignore[misc]
+            bucket.ipc = [[ipc.dumps(views) for _ in range(tp)] for tp in self.tp_sizes]
         return bucket
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]], version: str, pause_mode: str = "abort",
@@ -207,7 +205,7 @@ class WeightSender:
 
         if self.backend == "ipc":
             await asyncio.gather(*(c.update_weights_from_tensor(payloads, weight_version=version)
-                                   for c, payloads in zip(self.clients, bucket.payload, strict=True)))
+                                   for c, payloads in zip(self.clients, bucket.ipc or [], strict=True)))
             return
         replies = [
             asyncio.create_task(c.update_weights_from_distributed(

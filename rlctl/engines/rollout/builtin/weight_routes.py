@@ -119,7 +119,7 @@ class WeightRoutes:
             if unknown:
                 return fail(f"unknown parameter names: {unknown[:5]}")
             if any(t is not None for _, t in tensors):  # all received in place: nothing to copy
-                await self._in_executor(self._load, tensors, state)
+                await self._in_executor(self._copy, [(state[n], t) for n, t in tensors if t is not None])
             if body.get("weight_version") is not None:
                 engine.weight_version = str(body["weight_version"])
         if body.get("abort_all_requests"):
@@ -151,14 +151,15 @@ class WeightRoutes:
             unknown = [n for n, _ in named if n not in state]
             if unknown:
                 return fail(f"unknown parameter names: {unknown[:5]}")
-            await self._in_executor(self._load, self._as_one_slice(named) or named, state)
+            await self._in_executor(self._copy, self._as_one_slice(named) or [(state[n], t) for n, t in named])
             if body.get("weight_version") is not None:
                 engine.weight_version = str(body["weight_version"])
         return ok("Success")
 
     def _as_one_slice(self, named: list) -> list | None:
         """Tensors that lie back to back in the sender's memory, and whose places in this
-        server's flat parameters (weightsync/flat.py) do too, as one copy of the whole span."""
+        server's flat parameters (weightsync/flat.py) do too, as one (place, source) pair: one
+        copy of the whole span."""
         from rlctl.engines.weightsync import dtype_name
         from rlctl.engines.weightsync.buckets import back_to_back
 
@@ -202,17 +203,16 @@ class WeightRoutes:
                 raise r
         return results[0]
 
-    def _load(self, tensors: list[tuple[str, torch.Tensor | None]], state: dict) -> None:
-        """Copy the tensors not received in place (None) into the model, between decode steps;
-        returns once the copies are done (the sources may be reused after that)."""
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each source into its place in the model, between decode steps; returns once the
+        copies are done (the sources may be reused after that)."""
         import torch
 
         engine = self.state.engine
         assert engine is not None
         with engine.model_lock, torch.no_grad():
-            for name, t in tensors:
-                if t is not None:  # name: a parameter's, or already the place to copy to (_as_one_slice)
-                    (state[name] if isinstance(name, str) else name).copy_(t)
+            for place, source in pairs:
+                place.copy_(source)
             if engine.device.type == "cuda":
                 torch.cuda.current_stream(engine.device).synchronize()
 
