@@ -66,6 +66,8 @@ class MegatronDtype(enum.StrEnum):
 class Launcher(enum.StrEnum):
     LOCAL = "local"
     SLURM = "slurm"
+    POOL = "pool"
+    """A shared pool's devices (`rlctl pool up`): the pool starts and schedules the run's engines."""
 
 
 class DataSource(enum.StrEnum):

@@ -27,6 +27,7 @@ from rlctl.errors import RecipeError
 from rlctl.recipe.bounded_yaml import MAX_OVERRIDE_BYTES, MAX_RECIPE_BYTES, SAFE_LOADER, YamlLimit, parse_bounded
 from rlctl.recipe.checks import FieldError, Section, check_numbers, clip, clip_message
 from rlctl.recipe.choices import Launcher
+from rlctl.recipe.pool import PoolFile
 from rlctl.recipe.schema import Recipe
 
 
@@ -99,9 +100,15 @@ def _sections(obj: Section, key: str) -> Iterator[tuple[str, Section]]:
 @_one_line_errors
 def recipe_from_yaml(text: str, file: str, overrides: Sequence[str] = ()) -> Recipe:
     """Parse (within bounds) and merge onto the schema; no value checks (see check_recipe)."""
+    data = _parse(text, file)
+    overrides = _drop_retired_keys(data, overrides, file)
+    obj = structured_from_data(Recipe, data, file, overrides)
+    assert isinstance(obj, Recipe)
+    return obj
+
+
+def _parse(text: str, file: str) -> dict:
     import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     try:
         data = parse_bounded(text, SAFE_LOADER, MAX_RECIPE_BYTES)
@@ -116,21 +123,54 @@ def recipe_from_yaml(text: str, file: str, overrides: Sequence[str] = ()) -> Rec
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(file, "<top level>", f"a recipe is a mapping of sections, got {type(data).__name__}")
-    overrides = _drop_retired_keys(data, overrides, file)
+    return data
+
+
+def structured_from_data(schema: type, data: dict, file: str, overrides: Sequence[str] = ()) -> Any:
+    """Parsed YAML merged onto a schema dataclass (Recipe, PoolFile), then the overrides; unknown
+    keys, wrong types and choices outside their enum raise RecipeError. No value checks."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     current_file = file
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.create(data))
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(data))
         current_file = "<overrides>"
         for item in overrides:
             if "=" not in item:
                 raise RecipeError(current_file, item, "an override is KEY=VALUE, e.g. run.steps=10")
             cfg = OmegaConf.merge(cfg, _override(item))
-        obj = OmegaConf.to_object(cfg)
+        return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
-        raise _translate_omegaconf_error(e, file, current_file) from None
-    assert isinstance(obj, Recipe)
-    return obj
+        raise _translate_omegaconf_error(e, file, current_file, schema) from None
+
+
+@_one_line_errors
+def load_pool_file(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> PoolFile:
+    """Read a pool file (rlctl/recipe/pool.py) like a recipe: bounded YAML, the strict schema, every
+    section's checks; job recipes are resolved relative to the file (not loaded here)."""
+    file = str(path)
+    try:
+        text = Path(path).read_bytes()[:MAX_RECIPE_BYTES + 1].decode()
+    except FileNotFoundError:
+        raise RecipeError(file, "<file>", "no such file; check the path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(file, "<file>", f"cannot read it ({e.__class__.__name__}: {e})") from None
+    if len(text) > MAX_RECIPE_BYTES:
+        raise RecipeError(file, "<file>", f"larger than {MAX_RECIPE_BYTES >> 20} MiB; a pool file is a few KiB")
+    spec = structured_from_data(PoolFile, _parse(text, file), file, overrides)
+    sections = [*_sections(spec, "")] + [x for i, job in enumerate(spec.jobs) for x in _sections(job, f"jobs[{i}]")]
+    for key, section in sections:
+        try:
+            check_numbers(section)
+            section.check()
+        except FieldError as e:
+            raise RecipeError(file, ".".join(k for k in (key, e.key) if k), e.message) from None
+    base = Path(path).resolve().parent
+    for job in spec.jobs:
+        if not os.path.isabs(os.path.expanduser(job.recipe)):
+            job.recipe = str(base / job.recipe)
+    return spec
 
 
 def _drop_retired_keys(data: dict, overrides: Sequence[str], file: str) -> list[str]:
@@ -215,7 +255,7 @@ def _yaml_where(e: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
-def _translate_omegaconf_error(e: Exception, recipe_file: str, file: str) -> RecipeError:
+def _translate_omegaconf_error(e: Exception, recipe_file: str, file: str, schema: type) -> RecipeError:
     """`file` is where the failing text came from (the recipe or "<overrides>"). A choice outside
     its enum is a value error, and names the recipe like every other value check does."""
     from omegaconf.errors import ConfigKeyError, ValidationError
@@ -224,11 +264,11 @@ def _translate_omegaconf_error(e: Exception, recipe_file: str, file: str) -> Rec
     msg = getattr(e, "msg", None) or str(e)
     if isinstance(e, ConfigKeyError) or "not in" in msg:
         parent = key.rpartition(".")[0]
-        valid = _valid_keys(parent)
+        valid = _valid_keys(parent, schema)
         hint = f"valid keys{' under ' + parent if parent else ''}: {', '.join(valid)}" if valid else "remove it"
         return RecipeError(file, key, f"unknown key; {hint}")
     if isinstance(e, ValidationError):
-        ftype = _field_type(key)
+        ftype = _field_type(key, schema)
         if isinstance(ftype, type) and issubclass(ftype, enum.Enum):
             choices = ", ".join(m.value for m in ftype)
             return RecipeError(recipe_file, key, f"'{getattr(e, 'value', '?')}' is not one of {choices}")
@@ -244,9 +284,9 @@ def _unwrap_optional(ftype: Any) -> Any:
     return args[0] if typing.get_origin(ftype) in (typing.Union, types.UnionType) and args else ftype
 
 
-def _field_type(key: str) -> Any:
+def _field_type(key: str, schema: type = Recipe) -> Any:
     """The declared type of the field at a dotted key, or None."""
-    cls: Any = Recipe
+    cls: Any = schema
     ftype: Any = None
     for part in key.split("."):
         if not is_dataclass(cls):
@@ -259,6 +299,6 @@ def _field_type(key: str) -> Any:
     return ftype
 
 
-def _valid_keys(parent: str) -> list[str]:
-    cls = _unwrap_optional(Recipe if not parent else _field_type(parent))
+def _valid_keys(parent: str, schema: type = Recipe) -> list[str]:
+    cls = _unwrap_optional(schema if not parent else _field_type(parent, schema))
     return [f.name for f in fields(cls)] if is_dataclass(cls) else []

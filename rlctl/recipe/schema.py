@@ -6,9 +6,10 @@ import os
 from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, divides
-from rlctl.recipe.choices import DataSource, Device, Launcher, RolloutEngine, SyncBackend
+from rlctl.recipe.choices import DataSource, Device, Launcher, RolloutEngine, SyncBackend, TrainEngine
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
 from rlctl.recipe.inputs import DataConfig, ModelConfig, RewardConfig, RunConfig
+from rlctl.recipe.pool import PoolConfig
 from rlctl.recipe.rollout import RolloutConfig
 from rlctl.recipe.train import PipelineConfig, TrainConfig
 
@@ -26,6 +27,7 @@ class Recipe(Section):
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
 
     def check(self) -> None:
         """What no single section can see; keys here are dotted from the top."""
@@ -37,16 +39,29 @@ class Recipe(Section):
                 "pick a divisor so every train batch is full")
         if self.launcher is Launcher.LOCAL:
             self._check_pinning()
-        else:
+        elif self.launcher is Launcher.SLURM:
             self._check_slurm_layout()
+        else:
+            self._check_pool()
         self._check_ipc()
+
+    def _check_pool(self) -> None:
+        if not self.pool.name:
+            raise FieldError("pool.name", "launcher=pool attaches to a pool: name it (see `rlctl pool status`)")
+        for key, value in (("rollout.cpus", self.rollout.cpus), ("train.cpus", self.train.cpus),
+                           ("rollout.gpus", self.rollout.gpus), ("train.gpus", self.train.gpus)):
+            if value:
+                raise FieldError(key, "the pool places a run's engines on its devices; remove it")
+        if self.rollout.engine is RolloutEngine.SGLANG or self.train.engine is TrainEngine.MEGATRON:
+            key = "rollout.engine" if self.rollout.engine is RolloutEngine.SGLANG else "train.engine"
+            raise FieldError(key, "a pool hosts built-in servers and torch trainers for now; use builtin / torch")
 
     def _check_ipc(self) -> None:
         """train.sync_backend=ipc hands weights over in place: one host, TP-1 built-in servers,
         on the trainer's device kind."""
         if self.train.sync_backend is not SyncBackend.IPC:
             return
-        if self.launcher is not Launcher.LOCAL:
+        if self.launcher is Launcher.SLURM:
             raise FieldError("train.sync_backend", "ipc hands weights over within one host; with launcher=slurm "
                                                    "use nccl or gloo (or auto)")
         if self.rollout.engine is RolloutEngine.BUILTIN and self.rollout.builtin.tp_size != 1:

@@ -1,0 +1,403 @@
+"""Function-level time slicing of shared devices among several runs' models (the pool's core).
+
+A pool hosts several jobs' models on its devices, each model on a fixed set of devices (strict
+affinity: placed once, never migrated). A job's engine calls (a generate, a forward/backward, an
+optimizer step, a weight sync) each need some of its models, so some devices. A device runs one
+job's calls at a time: the job *holds* it while any of its calls run there, and any number of
+that job's calls may run together (a rollout server batches many generates). The scheduler
+decides who holds each device next, and moves models between memory states so that the next
+holder's models fit:
+
+    active     weights and working memory (KV cache, or gradients and optimizer state)
+    weights    weights only (working memory released)
+    offloaded  nothing on the device (weights in host memory)
+
+The rules, all in `_dispatch`:
+- A call is granted on all its devices at once, or waits (no partial holds, so no job holds one
+  device while waiting for another).
+- Waiting calls are taken in policy order: first the calls of a job that already holds one of
+  their devices (finishing what runs frees devices, and a weight sync that paused a job's own
+  generates must get through for them to finish), then the job with the least device time per
+  unit of share, then the job whose models need no transition, then the oldest. A call that
+  cannot be granted reserves its free devices, so calls behind it cannot starve it.
+- Time slices: once a job has held a device for its quantum (`quantum_s` x share) while another
+  job waits for it, the holder's new generates there wait; its running calls finish and the
+  device passes on. Other calls (train, sync) are never held back: they end by themselves.
+- Moves: before a grant runs, the models it needs are made active; if the device's memory cap
+  would be exceeded, models of jobs not running there are demoted, least recently used first:
+  working memory first, then weights. Moves take time (`Mover`), counted as the moved model's
+  job's device time.
+
+Everything reads time through a `Clock` and runs on one asyncio loop, so the same code schedules
+a live pool (rlctl/launchers/pool/) and a simulated one in virtual time (rlctl/sim/pool.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from rlctl.errors import RunError
+
+
+class State(str, Enum):
+    ACTIVE = "active"
+    WEIGHTS = "weights"
+    OFFLOADED = "offloaded"
+
+
+@dataclass(eq=False)
+class Model:
+    """One job's model (a rollout server, or a trainer) on its devices."""
+
+    job: str
+    name: str
+    """"rollout-0", "trainer": the job's own name for it."""
+    devices: tuple[int, ...]
+    weights: float
+    """Bytes of weights on each of its devices."""
+    working: float
+    """Bytes besides the weights on each device when active (KV cache; gradients, optimizer)."""
+    state: State = State.ACTIVE
+    target: State = State.ACTIVE
+    """The state it is in, or is moving to."""
+    last_used: float = 0.0
+    users: int = 0
+    """Granted calls that need it: it may not move while there are any."""
+    moving: asyncio.Future | None = None
+
+    def resident(self, state: State | None = None) -> float:
+        state = state or self.state
+        return {State.ACTIVE: self.weights + self.working, State.WEIGHTS: self.weights, State.OFFLOADED: 0.0}[state]
+
+
+_RANK = {State.ACTIVE: 0, State.WEIGHTS: 1, State.OFFLOADED: 2}
+"""Lower is more resident: a model in state x serves a call that needs y when rank x <= rank y."""
+_KIND_RANK = {"sync": 0, "train": 1, "checkpoint": 1, "generate": 2}
+"""Among one job's waiting calls: a weight sync first (it may hold the job's paused generates),
+then training, then generates (which keep coming; training waits on none of them)."""
+
+
+class Mover(Protocol):
+    async def __call__(self, model: Model, to: State) -> None:
+        """Move the model to state `to` (release or resume its memory)."""
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+Emit = Callable[..., None]
+"""emit(kind, t, **fields): the pool's event sink."""
+
+
+@dataclass
+class JobState:
+    name: str
+    share: float = 1.0
+    used: float = 0.0
+    """Device-seconds: its slices on every device, plus its models' moves."""
+    moved: float = 0.0
+    """The part of `used` spent moving its models."""
+    holds: dict[int, int] = field(default_factory=dict)
+    """device -> calls of this job running there."""
+    since: dict[int, float] = field(default_factory=dict)
+    """device -> when this job's current slice there began."""
+    yielding: set[int] = field(default_factory=set)
+    """Devices where its new generates wait: its slice is over and another job waits."""
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """Waiting calls of one job that need the same models: granted together."""
+
+    job: str
+    needs: tuple[tuple[Model, State], ...]
+    kind: str
+    devices: frozenset[int]
+    order: int
+    futures: deque = field(default_factory=deque)
+
+    @property
+    def models(self) -> tuple[Model, ...]:
+        return tuple(m for m, _ in self.needs)
+
+
+class SliceScheduler:
+    def __init__(self, devices: dict[int, float], clock: Clock, mover: Mover, emit: Emit | None = None,
+                 quantum_s: float = 5.0) -> None:
+        self.capacity = dict(devices)
+        """device -> memory cap in bytes."""
+        self.clock = clock
+        self.mover = mover
+        self.emit = emit or (lambda kind, t, **f: None)
+        self.quantum_s = quantum_s
+        self.jobs: dict[str, JobState] = {}
+        self.models: dict[tuple[str, str], Model] = {}
+        self.holder: dict[int, str | None] = dict.fromkeys(devices)
+        self.busy_s: dict[int, float] = dict.fromkeys(devices, 0.0)
+        self._waiting: dict[tuple[str, tuple[str, ...], str], _Waiting] = {}
+        self._order = itertools.count()
+        self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}
+
+    # -- jobs and models ---------------------------------------------------------------------
+
+    def add_job(self, name: str, models: list[Model], share: float = 1.0) -> None:
+        for m in models:
+            for d in m.devices:
+                if m.resident(State.ACTIVE) > self.capacity[d]:
+                    raise RunError(f"{name}/{m.name} needs {m.resident(State.ACTIVE) / 2**30:.1f} GiB on device {d}, "
+                                   f"which has {self.capacity[d] / 2**30:.1f} GiB")
+        self.jobs[name] = JobState(name, share)
+        for m in models:  # active where there is room, else offloaded (the caller makes it so)
+            room = all(self.resident(d) + m.resident(State.ACTIVE) <= self.capacity[d] for d in m.devices)
+            m.state = m.target = State.ACTIVE if room else State.OFFLOADED
+            self.models[(name, m.name)] = m
+        self.emit("job_added", self.clock.now(), job=name, share=share,
+                  models={m.name: list(m.devices) for m in models})
+
+    def remove_job(self, name: str) -> None:
+        """Forget a job that has ended (or died): its waiting calls fail, its holds end."""
+        job = self.jobs.pop(name)
+        for key in [k for k, w in self._waiting.items() if w.job == name]:
+            for fut in self._waiting.pop(key).futures:
+                if not fut.done():
+                    fut.set_exception(RunError(f"job {name} left the pool"))
+        for d in list(job.holds):
+            self._end_slice(job, d)
+        for key in [k for k in self.models if k[0] == name]:
+            del self.models[key]
+        self.emit("job_removed", self.clock.now(), job=name, used_s=job.used)
+        self._dispatch()
+
+    def resident(self, device: int) -> float:
+        return sum(m.resident() for m in self.models.values() if device in m.devices)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def slice(self, job: str, needs: list[tuple[str, State]], kind: str) -> AsyncIterator[None]:
+        """Run the body as one call of `job` that needs these of its models in at least these
+        states (a generate its server active; a weight sync only the weights on both sides)."""
+        if job not in self.jobs:
+            raise RunError(f"job {job} is not in the pool")
+        needed = tuple((self.models[(job, m)], state) for m, state in needs)
+        await self._acquire(job, needed, kind)
+        try:
+            await self._ready(needed)
+            yield
+        finally:
+            self._release(job, needed)
+
+    async def _acquire(self, job: str, needed: tuple[tuple[Model, State], ...], kind: str) -> None:
+        key = (job, tuple((m.name, st) for m, st in needed), kind)
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            devices = frozenset(d for m, _ in needed for d in m.devices)
+            waiting = self._waiting[key] = _Waiting(job, needed, kind, devices, next(self._order))
+        fut = asyncio.get_running_loop().create_future()
+        waiting.futures.append(fut)
+        self._dispatch()
+        await fut
+
+    async def _ready(self, needed: tuple[tuple[Model, State], ...]) -> None:
+        for m, state in needed:
+            while m.moving is not None:
+                await asyncio.shield(m.moving)  # raises what a failed move raised
+            if _RANK[m.state] > _RANK[state]:
+                raise RunError(f"{m.job}/{m.name} could not be made {state.value} (it is {m.state.value})")
+
+    def _release(self, job_name: str, needed: tuple[tuple[Model, State], ...]) -> None:
+        now = self.clock.now()
+        for m, _ in needed:
+            m.last_used = now
+            m.users -= 1
+        job = self.jobs.get(job_name)
+        if job is None:
+            return
+        for d in {d for m, _ in needed for d in m.devices}:
+            job.holds[d] -= 1
+            if job.holds[d] == 0:
+                self._end_slice(job, d)
+        self._dispatch()
+
+    def _end_slice(self, job: JobState, device: int) -> None:
+        start = job.since.pop(device)
+        job.holds.pop(device, None)
+        job.yielding.discard(device)
+        now = self.clock.now()
+        job.used += now - start
+        self.busy_s[device] += now - start
+        self.holder[device] = None
+        self.emit("slice", now, job=job.name, device=device, start=start, seconds=now - start)
+
+    # -- the policy --------------------------------------------------------------------------
+
+    def _priority(self, w: _Waiting) -> tuple:
+        job = self.jobs[w.job]
+        continuing = any(self.holder[d] == w.job for d in w.devices)
+        moves = sum(_RANK[m.target] > _RANK[st] for m, st in w.needs)
+        return (not continuing, job.used / job.share, _KIND_RANK.get(w.kind, 1), moves, w.order)
+
+    def _dispatch(self) -> None:
+        reserved: dict[int, _Waiting] = {}
+        for w in sorted(self._waiting.values(), key=self._priority):
+            if w.job not in self.jobs or not w.futures:
+                continue
+            if w.kind == "generate" and self.jobs[w.job].yielding & w.devices:
+                continue  # held back for another job's turn: it reserves nothing
+            plan = self._grantable(w, reserved)
+            if plan is not None:
+                self._grant(w, plan)
+            else:
+                for d in w.devices:
+                    reserved.setdefault(d, w)
+        self._waiting = {k: w for k, w in self._waiting.items() if w.futures}
+        self._check_quanta()
+
+    def _grantable(self, w: _Waiting, reserved: dict[int, _Waiting]) -> list[tuple[Model, State]] | None:
+        """The moves that let w run now, or None when it must wait."""
+        for d in w.devices:
+            if self.holder[d] not in (None, w.job) or reserved.get(d, w) is not w:
+                return None
+        return self._evictions(w)
+
+    def _evictions(self, w: _Waiting) -> list[tuple[Model, State]] | None:
+        """The demotions that make room for w's models on its devices (least recently used
+        first), or None when no set of them does."""
+        plan: list[tuple[Model, State]] = []
+        state = {m: m.target for m in self.models.values()}
+        for m, st in w.needs:
+            state[m] = min(state[m], st, key=_RANK.__getitem__)
+        for d in sorted(w.devices):
+            on_d = [m for m in self.models.values() if d in m.devices]
+            others = sorted((m for m in on_d if m not in w.models and self._movable(m)), key=lambda m: m.last_used)
+            for step in (State.WEIGHTS, State.OFFLOADED):
+                for m in others:
+                    if sum(x.resident(state[x]) for x in on_d) <= self.capacity[d]:
+                        break
+                    if m.resident(step) < m.resident(state[m]):
+                        state[m] = step
+                        plan.append((m, step))
+            if sum(x.resident(state[x]) for x in on_d) > self.capacity[d]:
+                return None
+        return plan
+
+    @staticmethod
+    def _movable(m: Model) -> bool:
+        return m.moving is None and m.users == 0
+
+    def _grant(self, w: _Waiting, evictions: list[tuple[Model, State]]) -> None:
+        job = self.jobs[w.job]
+        futures = [f for f in w.futures if not f.done()]  # a cancelled caller no longer waits
+        w.futures.clear()
+        if not futures:
+            return
+        now = self.clock.now()
+        for d in w.devices:
+            if self.holder[d] is None:
+                self.holder[d] = w.job
+                job.since[d] = now
+                job.holds[d] = 0
+            job.holds[d] += len(futures)
+        for m in w.models:
+            m.users += len(futures)
+        moves = evictions + [(m, st) for m, st in w.needs if _RANK[m.target] > _RANK[st]]
+        if moves:
+            self._start_moves(moves)
+        for fut in futures:
+            fut.set_result(None)
+
+    def _start_moves(self, moves: list[tuple[Model, State]]) -> None:
+        """Run the moves one after the other (demotions first, so the memory is free before the
+        promotions need it); every moved model is `moving` until they are all done."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        prior = {m.moving for m, _ in moves if m.moving is not None}
+        for m, to in moves:
+            m.moving = done
+            m.target = to
+
+        async def run() -> None:
+            if prior:
+                await asyncio.wait(prior)
+            try:
+                for m, to in moves:
+                    await self._move(m, to)
+            except Exception as e:  # the calls that need these models fail with it
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+            finally:
+                for m, _ in moves:
+                    if m.moving is done:
+                        m.moving = None
+                        m.target = m.state
+
+        loop.create_task(run())
+        done.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)  # retrieved here too
+
+    async def _move(self, m: Model, to: State) -> None:
+        start, before = self.clock.now(), m.state
+        try:
+            if m.state is not to:
+                await self.mover(m, to)
+                m.state = to
+        finally:
+            seconds = self.clock.now() - start
+            job = self.jobs.get(m.job)
+            if job is not None:
+                job.used += seconds * len(m.devices)
+                job.moved += seconds * len(m.devices)
+            self.emit("move", self.clock.now(), job=m.job, model=m.name, devices=list(m.devices), start=start,
+                      seconds=seconds, to=to.value, ok=m.state is to, **{"from": before.value})
+
+    def _check_quanta(self) -> None:
+        """Mark holders whose slice is over while another job waits; wake up when one will be."""
+        wanted: dict[int, set[str]] = {}
+        for w in self._waiting.values():
+            for d in w.devices:
+                wanted.setdefault(d, set()).add(w.job)
+        now = self.clock.now()
+        for d, holder in self.holder.items():
+            if holder is None or not (wanted.get(d, set()) - {holder}):
+                continue
+            job = self.jobs[holder]
+            due = job.since[d] + self.quantum_s * job.share
+            if d in job.yielding:
+                continue
+            if now >= due:
+                job.yielding.add(d)
+            elif (holder, d) not in self._timers:
+                loop = asyncio.get_running_loop()
+                self._timers[(holder, d)] = loop.call_at(loop.time() + due - now, self._quantum_due, holder, d,
+                                                         job.since[d])
+
+    def _quantum_due(self, holder: str, device: int, since: float) -> None:
+        """The slice that began at `since` is over (marked here: the clock's rounding may leave it a
+        hair short of `due`, and a timer per hair would never let time move)."""
+        del self._timers[(holder, device)]
+        job = self.jobs.get(holder)
+        if job is not None and job.since.get(device) == since:
+            job.yielding.add(device)
+        self._dispatch()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self.clock.now()
+        return {
+            "devices": {str(d): {"holder": self.holder[d], "capacity": self.capacity[d], "resident": self.resident(d),
+                                 "busy_s": self.busy_s[d] + sum(now - j.since[d] for j in self.jobs.values() if d in j.since)}
+                        for d in self.capacity},
+            "jobs": {j.name: {"share": j.share, "used_s": j.used + sum(now - s for s in j.since.values()),
+                              "moved_s": j.moved, "holds": sorted(j.holds)} for j in self.jobs.values()},
+            "models": [{"job": m.job, "name": m.name, "devices": list(m.devices), "state": m.state.value}
+                       for m in self.models.values()],
+        }

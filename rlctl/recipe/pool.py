@@ -1,0 +1,122 @@
+"""A pool file (`rlctl pool up POOL.yaml`, `rlctl simulate POOL.yaml`) and a run's `pool:` section.
+
+A pool is a long-lived set of devices that several runs share (rlctl/plex/). Its file says what
+the devices are and how they are sliced; `jobs:` lists runs for `rlctl simulate` of the pool and
+for benchmarks (a live pool takes its jobs as they attach: `launcher: pool` in their recipes).
+
+    pool:
+      name: lab
+      devices: {kind: cpu, count: 2, cpus_per_device: 1, memory_gb: 2}
+      quantum_s: 5
+    jobs:
+      - {recipe: quickstart.yaml, overrides: [pipeline.mode=sync], share: 1}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlctl.recipe.checks import FieldError, Section
+from rlctl.recipe.choices import Device, GpuKind
+
+
+@dataclass(kw_only=True)
+class PoolDevices(Section):
+    kind: Device = Device.CPU
+    """cpu: each device is a set of cores; cuda: each device is one GPU."""
+    count: int = 2
+    cpus_per_device: int = 1
+    """cpu: device i is cores [i * cpus_per_device, (i + 1) * cpus_per_device)."""
+    gpus: list[int] = field(default_factory=list)
+    """cuda: the GPUs that are the devices (empty: 0 .. count - 1)."""
+    memory_gb: float = 0.0
+    """What the scheduler lets the models on one device hold at once (0: the GPU's memory; on CPU,
+    the host's memory divided among the devices)."""
+
+    def check(self) -> None:
+        if self.count < 1:
+            raise FieldError("count", f"must be >= 1, got {self.count}")
+        if self.cpus_per_device < 1:
+            raise FieldError("cpus_per_device", f"must be >= 1, got {self.cpus_per_device}")
+        if self.gpus and len(self.gpus) != self.count:
+            raise FieldError("gpus", f"lists {len(self.gpus)} GPUs for count={self.count} devices; list one per device")
+        if self.gpus and self.kind is not Device.CUDA:
+            raise FieldError("gpus", "GPU lists are for kind=cuda")
+        if self.memory_gb < 0:
+            raise FieldError("memory_gb", f"must be >= 0, got {self.memory_gb}")
+
+
+@dataclass(kw_only=True)
+class PoolSimConfig(Section):
+    """`rlctl simulate` of a pool: the GPUs, and what moving a model costs."""
+
+    gpu: GpuKind = GpuKind.H200
+    gpus: int = 64
+    host_bytes_per_s: float = 25e9
+    """Device <-> host copy rate per GPU when a model is offloaded or restored (PCIe Gen5 x16 is
+    64 GB/s; eight GPUs of a node share the host's links, so a sustained 25 GB/s each)."""
+    move_overhead_s: float = 0.2
+    """Fixed cost of one state change (release or resume: pausing the engine, remapping memory)."""
+    activation_gb: float = 20.0
+    """Trainer working memory besides gradients and optimizer state, per GPU."""
+
+    def check(self) -> None:
+        if self.gpus < 1:
+            raise FieldError("gpus", f"must be >= 1, got {self.gpus}")
+        if self.host_bytes_per_s <= 0:
+            raise FieldError("host_bytes_per_s", f"must be > 0, got {self.host_bytes_per_s}")
+
+
+@dataclass(kw_only=True)
+class PoolSpec(Section):
+    name: str = "pool"
+    output_dir: str = "pools"
+    """Where the pool's directory (state, events, logs, token) is made."""
+    devices: PoolDevices = field(default_factory=PoolDevices)
+    quantum_s: float = 5.0
+    """A device's time slice: once a job has held a device this long (times its share) while
+    another waits, its new generates there wait for the other's turn."""
+
+    def check(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name) or self.name.startswith("."):
+            raise FieldError("name", f"'{self.name}' must be letters, digits, '-', '_' or '.', not starting with '.'")
+        if self.quantum_s <= 0:
+            raise FieldError("quantum_s", f"must be > 0, got {self.quantum_s}")
+
+
+@dataclass(kw_only=True)
+class PoolJob(Section):
+    recipe: str = ""
+    """A recipe file, relative to the pool file."""
+    overrides: list[str] = field(default_factory=list)
+    share: float = 1.0
+    name: str = ""
+    """Its name in tables (default: the recipe's run.name and its index)."""
+
+    def check(self) -> None:
+        if not self.recipe:
+            raise FieldError("recipe", "name a recipe file")
+        if self.share <= 0:
+            raise FieldError("share", f"must be > 0, got {self.share}")
+
+
+@dataclass(kw_only=True)
+class PoolFile(Section):
+    pool: PoolSpec = field(default_factory=PoolSpec)
+    sim: PoolSimConfig = field(default_factory=PoolSimConfig)
+    jobs: list[PoolJob] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class PoolConfig(Section):
+    """A run's `pool:` section: with `launcher: pool`, the pool it attaches to."""
+
+    name: str = ""
+    dir: str = "pools"
+    """Where pools' directories are (a pool is `DIR/NAME`)."""
+    share: float = 1.0
+    """Its share of contended devices (2: twice the device time of a share-1 job)."""
+
+    def check(self) -> None:
+        if self.share <= 0:
+            raise FieldError("share", f"must be > 0, got {self.share}")
