@@ -1,12 +1,13 @@
 """Model processes give their memory back and take it again (rlctl/engines/memory.py), over real
 HTTP: the built-in rollout server through SGLang's /release_memory_occupation and
 /resume_memory_occupation (its routes, bodies, replies and idle rule held to each supported
-release's source). After a resume everything is bit for bit what it was: checksums, greedy
-generations."""
+release's source), and the trainer service through its own routes, on one rank and two. After a
+resume everything is bit for bit what it was: checksums, greedy generations, train steps."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import stat
@@ -242,3 +243,127 @@ def test_memory_routes_are_sglangs(sglang, serve, tmp_path, version):
     assert len(bodies) >= 5
     for path, body in bodies:
         check_body(src, path, body)
+
+
+# -- the trainer service ----------------------------------------------------------------------------
+
+def _trainer(rank: int, world: int, dist_port: int, port: int, model_dir: str, offload_dir: str, kl_coef: float) -> None:
+    import torch.distributed as dist
+    from aiohttp import web
+
+    from rlctl.engines.train.service import TrainerService, follower_loop
+    from rlctl.engines.train.torch_engine import TorchTrainEngine
+    from rlctl.recipe import TrainConfig
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+    engine = TorchTrainEngine(model_dir, TrainConfig(lr=1e-2, grad_clip=1e9, kl_coef=kl_coef), temperature=1.0,
+                              rank=rank, world_size=world, offload_dir=offload_dir)
+    if rank == 0:
+        web.run_app(TrainerService(engine, world).app(), host="127.0.0.1", port=port, print=None, access_log=None)
+    else:
+        follower_loop(engine)
+
+
+@pytest.fixture
+def trainers(tiny_model_dir, tmp_path):
+    """start(world, offload_dir, kl_coef) -> URL of a trainer service of `world` ranks (processes)."""
+    import multiprocessing as mp
+
+    procs = []
+
+    def start(world: int, offload: Path, kl_coef: float = 0.0) -> str:
+        port, dist_port = free_port(), free_port()
+        for rank in range(world):
+            procs.append(mp.get_context("spawn").Process(target=_trainer, daemon=True, args=(
+                rank, world, dist_port, port, str(tiny_model_dir), str(offload / f"rank-{rank}"), kl_coef)))
+            procs[-1].start()
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+
+
+def samples(n: int = 12) -> list[dict]:
+    from test_trainer import make_samples
+
+    return [dataclasses.asdict(s) for s in make_samples(n)]
+
+
+async def optimizer_state(c, path: Path) -> dict:
+    await c.save_checkpoint(str(path))
+    return torch.load(path / "trainer" / "optimizer.pt", weights_only=True)["state"]
+
+
+def test_a_trainer_that_released_steps_as_one_that_never_did(trainers, tmp_path):
+    from rlctl.engines.train.client import TrainerClient
+
+    urls = [trainers(1, tmp_path / name, kl_coef=0.1) for name in ("a", "b")]
+    first, second = samples()[:6], samples()[6:]
+
+    async def scenario():
+        async with session() as s:
+            a, b = (TrainerClient(u, s) for u in urls)
+            await asyncio.gather(a.wait_healthy(120), b.wait_healthy(120))
+            for c in (a, b):
+                await c.train(first)
+                await c.accumulate(second[:3])  # half a batch: its gradients must come back too
+            info = await a.info()
+            moved = await a.release_memory_occupation()
+            memory = info["memory"]
+            assert moved["released"] == ["weights", "optimizer"]
+            assert moved["bytes"] == memory["weights_bytes"] + memory["optimizer_bytes"] > 0
+            assert (await a.info())["memory"]["resident"] == {"weights": False, "optimizer": False}
+            files = offloaded(tmp_path / "a" / "rank-0")
+            assert set(files) == {"gradients", "reference-weights", "weights", "optimizer"}
+            assert all(stat.S_IMODE(f.st_mode) == 0o600 for f in files.values())
+            with pytest.raises(RunError, match="HTTP 400.*weights and optimizer memory is released"):
+                await a.train(second[3:])
+            assert (await a.release_memory_occupation())["released"] == []
+            assert (await a.resume_memory_occupation(["weights"]))["resumed"] == ["weights"]
+            with pytest.raises(RunError, match="optimizer memory is released"):
+                await a.train(second[3:])
+            with pytest.raises(RunError, match="unknown memory tag 'kv_cache'"):
+                await a.release_memory_occupation(["kv_cache"])
+            assert (await a.resume_memory_occupation())["resumed"] == ["optimizer"]
+            assert offloaded(tmp_path / "a" / "rank-0") == {}
+            ours, theirs = await optimizer_state(a, tmp_path / "ckpt-a"), await optimizer_state(b, tmp_path / "ckpt-b")
+            assert ours.keys() == theirs.keys() and all(torch.equal(ours[i][k], theirs[i][k]) for i in ours for k in ours[i])
+            sa, sb = await a.train(second[3:]), await b.train(second[3:])
+            assert {**sa, "seconds": 0} == {**sb, "seconds": 0}
+            assert (await a.weight_checksums()) == (await b.weight_checksums())
+
+    asyncio.run(scenario())
+
+
+def test_two_ranks_release_and_resume_together(trainers, tmp_path):
+    """The command reaches the other rank (its own offload files), and the step after the resume
+    is the one taken from the same state without it (a checkpoint brings that state back)."""
+    from rlctl.engines.train.client import TrainerClient
+
+    url = trainers(2, tmp_path)
+    first, second = samples()[:6], samples()[6:]
+
+    async def scenario():
+        async with session() as s:
+            c = TrainerClient(url, s)
+            await c.wait_healthy(120)
+            await c.train(first)
+            await c.save_checkpoint(str(tmp_path / "ckpt"))
+            expected, sums = await c.train(second), await c.weight_checksums()
+            await c.load_checkpoint(str(tmp_path / "ckpt"))
+            await c.release_memory_occupation()
+            assert set(offloaded(tmp_path / "rank-1")) == {"weights", "optimizer"}  # no gradients since the load
+            await c.resume_memory_occupation()
+            assert offloaded(tmp_path / "rank-1") == {}
+            got = await c.train(second)
+            assert {**got, "seconds": 0} == {**expected, "seconds": 0}
+            assert await c.weight_checksums() == sums
+
+    asyncio.run(scenario())
