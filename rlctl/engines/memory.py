@@ -81,15 +81,16 @@ class Stash:
         return sum(self.sizes)
 
     @classmethod
-    def take(cls, tensors: list[torch.Tensor], where: PrivateDir, name: str) -> Stash:
-        """Copy the tensors' bytes off their device. The caller frees the tensors afterwards."""
+    def take(cls, tensors: list[torch.Tensor], where: PrivateDir, name: str, to_file: bool | None = None) -> Stash:
+        """Copy the tensors' bytes off their device: to a file when they are all on the CPU, else
+        to host memory (`to_file` forces either). The caller frees the tensors afterwards."""
         import torch
 
         tensors = [t.detach().contiguous() for t in tensors]
         stash = cls([(t.dtype, tuple(t.shape), t.device) for t in tensors], [t.numel() * t.element_size() for t in tensors])
         if not tensors:
             return stash
-        if all(t.device.type == "cpu" for t in tensors):
+        if to_file if to_file is not None else all(t.device.type == "cpu" for t in tensors):
             fd = where.new_file(name)
             stash.path = where.path / name
             with os.fdopen(fd, "wb") as f:
@@ -105,8 +106,7 @@ class Stash:
         for t, n in zip(tensors, stash.sizes, strict=True):
             stash.host[offset:offset + n].copy_(_as_bytes(t), non_blocking=True)
             offset += n
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # every copy done before the caller frees the device memory
+        _synchronize(tensors)  # every copy done before the caller frees the device memory
         return stash
 
     def restore(self) -> list[torch.Tensor]:
@@ -131,8 +131,7 @@ class Stash:
         for t, n in zip(out, self.sizes, strict=True):
             _as_bytes(t).copy_(self.host[offset:offset + n], non_blocking=True)
             offset += n
-        if any(t.device.type == "cuda" for t in out):
-            torch.cuda.synchronize()  # before the host buffer is dropped
+        _synchronize(out)  # before the host buffer is dropped
         self.discard()
         return out
 
@@ -143,13 +142,26 @@ class Stash:
         self.host = None
 
 
+def _synchronize(tensors: list[torch.Tensor]) -> None:
+    """Wait for the copies queued on each CUDA device among the tensors' (a copy runs on its
+    device's stream; synchronize() alone would wait for this thread's current device only)."""
+    import torch
+
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
+
+
 def give_back(device: torch.device) -> None:
-    """Return freed memory to the system: the CUDA caching allocator's cached blocks, or on the
-    CPU whatever the C allocator keeps (glibc keeps freed heap memory unless asked)."""
+    """Return freed memory to the system: the CUDA caching allocator's cached device blocks and
+    pinned host blocks (a resume's stash lands there), or on the CPU whatever the C allocator
+    keeps (glibc keeps freed heap memory unless asked)."""
     import torch
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty_cache is not None:
+            host_empty_cache()
         return
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -343,6 +355,8 @@ class MemoryTags:
             total += sum(part.resume() for part in reversed(self.tags[tag]))  # parts already back give 0
             self.released.discard(tag)
             moved.append(tag)
+        if moved and self.device.type == "cuda":
+            give_back(self.device)  # the stashes' pinned host memory
         return Moved(moved, total, time.monotonic() - start)
 
     def cleanup(self) -> None:
