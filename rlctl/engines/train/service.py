@@ -91,6 +91,8 @@ class TrainerService:
         self.groups_formed = 0
         self.parameters: int | None = None
         """The full model's parameter count, counted once (before any release: /info gives it after)."""
+        self.syncing = 0
+        """Weight syncs reading the weights now, bucket by bucket, on the engine thread."""
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -110,6 +112,8 @@ class TrainerService:
         if command == "release_memory":
             self.engine.check_memory_tags(payload)  # refused here, before any rank moves anything
             self._parameter_count()
+            if self.sender is not None:
+                self.sender.buffers = [None, None]  # its pack buffers (device memory); the next sync makes them again
         elif command == "resume_memory":
             self.engine.check_memory_tags(payload)
         if self.world_size > 1:
@@ -163,6 +167,8 @@ class TrainerService:
         tags = body.get("tags")
         if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
             return refused(f"tags must be a list of strings or null, not {tags!r}")
+        if self.syncing:  # its buckets are read between other work on the engine thread
+            return refused("a weight sync is reading the weights; move the memory once it is done")
         return await self._reply(command, tags)
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
@@ -204,15 +210,15 @@ class TrainerService:
         if self.sender is None:
             return web.json_response({"success": False, "message": "call /init_weight_sync first"}, status=400)
         # The weights are read on the engine thread (no train batch runs meanwhile), bucket by bucket.
+        self.syncing += 1
         try:
             weights = await self._run(self._weights)
-        except RunError as e:
-            return refused(str(e))
-        try:
             stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"),
                                            producer=self.worker)
-        except RunError as e:  # a server refused or the broadcast failed: the controller reports why
-            return web.json_response({"success": False, "message": str(e)}, status=400)
+        except RunError as e:  # released weights, a server's refusal or a failed broadcast: the controller reports why
+            return refused(str(e))
+        finally:
+            self.syncing -= 1
         return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
                                   "buckets": stats.buckets, "tensors": stats.tensors})
 
