@@ -23,11 +23,12 @@ servers send it too.
 
 Rank 0 forwards each train command (and memory release or resume) to the other ranks with
 broadcast_object_list, then every rank runs it; a command refused for released memory is refused
-on rank 0 before any other rank hears of it. Weight sync is rank 0's alone: every data-parallel replica takes the same optimizer
-step on the same reduced gradients (the torch engine's one gradient all-reduce per step,
-Megatron's DDP), so the replicas stay identical; with Megatron TP, the other ranks of rank 0's
-TP group join the gathers that rebuild full tensors. One worker thread runs all engine work, so
-a train batch and a weight sync never overlap.
+on rank 0 before any other rank hears of it. Weight sync is rank 0's alone: every data-parallel
+replica takes the same optimizer step on the same reduced gradients (the torch engine's one
+gradient all-reduce per step, Megatron's DDP), so the replicas stay identical; with Megatron TP,
+the other ranks of rank 0's TP group join the gathers that rebuild full tensors. One worker
+thread runs all engine work, so a train batch and a weight sync never overlap, and memory is not
+moved while a sync reads the weights.
 """
 
 from __future__ import annotations
