@@ -22,7 +22,7 @@ assignments, plus `var["key"] = ...` and `var.update(...)`); calls to functions 
 module or imported into it with `from X import f` (three calls deep); the wrappers in
 KEY_PRESERVING; and ServerArgs turned into a dict (SERVER_ARGS_DICTS) as ServerArgs' fields.
 A key added only under a condition counts as a key it can have. A handler that falls off its end
-(answering `null`) is not reported.
+(FastAPI then answers 200 with a JSON `null`) is not among its replies: falls_through() tells.
 """
 
 from __future__ import annotations
@@ -99,6 +99,25 @@ def struct_name(annotation: ast.expr) -> str | None:
         inner = annotation.slice
         return struct_name(inner.elts[0] if isinstance(inner, ast.Tuple) else inner)
     return annotation.id if isinstance(annotation, ast.Name) else None
+
+
+def falls_through(body: list[ast.stmt]) -> bool:
+    """Can control reach the end of these statements? A `return` or `raise` ends a path; `if`
+    and `try` fall through where any branch does (a `try` body may complete, or one of its
+    handlers); a loop may end without its body returning."""
+    for stmt in body:
+        if isinstance(stmt, (ast.Return, ast.Raise)):
+            return False
+        if isinstance(stmt, ast.If) and not (falls_through(stmt.body) or falls_through(stmt.orelse)):
+            return False
+        if isinstance(stmt, (ast.With, ast.AsyncWith)) and not falls_through(stmt.body):
+            return False
+        if isinstance(stmt, ast.Try):
+            if stmt.finalbody and not falls_through(stmt.finalbody):
+                return False
+            if not (falls_through(stmt.body + stmt.orelse) or any(falls_through(h.body) for h in stmt.handlers)):
+                return False
+    return True
 
 
 def own_nodes(func: Function):

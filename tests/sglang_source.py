@@ -40,6 +40,7 @@ SUPPORTED = ("0.5.15.post1", "0.5.21", "0.5.23")
 # nothing: a function it cannot follow, a reply it cannot classify. Add the file's pattern then.
 FILES = (
     "sglang/_version.py",
+    "sglang/srt/constants.py",
     "sglang/srt/entrypoints/http_server.py",
     "sglang/srt/managers/io_struct.py",
     "sglang/srt/managers/scheduler_components/weight_updater.py",

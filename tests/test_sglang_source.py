@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import sglang_source as sgl
+from sglang_memory import answers_null, memory_step, memory_tags
 from sglang_source import SUPPORTED, Field, MissingWheel, Reply, Source
 
 SESSIONS = ("0.5.21", "0.5.23")  # the versions with /begin_weight_update and /end_weight_update
@@ -169,6 +170,62 @@ def test_every_reply_of_a_route_rlctl_uses_is_classified(sglang, version):
     src = sglang(version)
     for path in RELIED_ON | (SESSION_ROUTES if version in SESSIONS else {}):
         assert [r for r in src.reply_shapes(path) if r.kind == "unknown"] == [], path
+
+
+# -- memory occupation (tests/sglang_memory.py) ---------------------------------------------------
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_memory_routes_take_tags_and_answer_null_or_an_error(sglang, version):
+    src = sglang(version)
+    error_status = 400 if version == "0.5.15.post1" else "getattr(e, 'status_code', HTTPStatus.BAD_REQUEST)"
+    for path, struct in (("/release_memory_occupation", "ReleaseMemoryOccupationReqInput"),
+                         ("/resume_memory_occupation", "ResumeMemoryOccupationReqInput")):
+        assert src.routes()[path] == {"GET", "POST"}  # @app.api_route(path, methods=["GET", "POST"])
+        assert src.route_request_struct(path) == struct  # obj: Annotated[X, Body()]
+        assert src.struct_fields(struct)["tags"] == Field("Optional[List[str]]", "None")
+        for method in ("GET", "POST"):  # try: await ...; except Exception as e: return _create_error_response(e)
+            assert src.reply_shapes(path, method) == [Reply(error_status, "json", ERROR)]
+            assert answers_null(src, path, method)
+    assert memory_tags(src) == ["kv_cache", "weights", "cuda_graph"]
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_a_release_asserts_an_idle_server_and_a_resume_removes_released_tags(sglang, version):
+    src = sglang(version)
+    release, resume = memory_step(src, "release_memory_occupation"), memory_step(src, "resume_memory_occupation")
+    assert release.idle_message == "release_memory_occupation should be called only when server is idle."
+    assert release.idle_check == ("self.is_fully_idle()" if version == "0.5.15.post1" else
+                                  "self.is_fully_idle(ignore_waiting=scheduler is not None and scheduler._engine_paused)")
+    assert release.all_tags_when == resume.all_tags_when == "tags is None or len(tags) == 0"
+    assert release.bookkeeping == "self.offload_tags.add(tag)"
+    assert resume.bookkeeping == "self.offload_tags.remove(tag)"  # KeyError for a tag not released
+    assert resume.idle_check is None
+
+
+def test_the_reader_tells_a_handler_that_falls_off_its_end(tmp_path):
+    src = source_tree(tmp_path, '''
+@app.post("/silent")
+async def silent(obj: X):
+    try:
+        await do(obj)
+    except Exception as e:
+        return error(e)
+
+@app.post("/always")
+async def always(obj: X):
+    if obj.a:
+        return 1
+    else:
+        raise HTTPException(400)
+
+@app.post("/loud")
+async def loud(obj: X):
+    try:
+        return await do(obj)
+    except Exception as e:
+        return error(e)
+''')
+    assert [answers_null(src, p) for p in ("/silent", "/always", "/loud")] == [True, False, False]
 
 
 # -- weight updates -----------------------------------------------------------------------------

@@ -90,6 +90,8 @@ class RolloutClient:
             data = text
         if status != 200 or (isinstance(data, dict) and data.get("success") is False):
             msg = data.get("message", data.get("detail", data)) if isinstance(data, dict) else str(data)
+            if isinstance(data, dict) and isinstance(data.get("error"), dict):  # _create_error_response's shape
+                msg = data["error"].get("message", msg)
             raise RunError(f"{self.url}{path}: refused (HTTP {status}): {str(msg)[:300]}")
         return data if isinstance(data, dict) else {}
 
@@ -220,3 +222,19 @@ class RolloutClient:
     async def weight_checksums(self) -> dict[str, Any]:
         """Built-in server only."""
         return await self._get_json("/rlctl/weight_checksums")
+
+    # -- memory (a shared pool multiplexes several runs' models on one device) -------------------
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Give back the memory under `tags` (SGLang's `kv_cache`, `weights`, `cuda_graph`; None =
+        all). The server must be idle (nothing running; queued requests only behind a pause), and
+        serves nothing until it is resumed. SGLang answers 200 with a `null` body."""
+        await self._control("/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take the memory under `tags` back (None = all); each must have been released."""
+        await self._control("/resume_memory_occupation", {"tags": tags})
+
+    async def memory(self) -> dict[str, Any]:
+        """Built-in server only: {"weights_bytes": int, "resident": {"weights": bool, "kv_cache": bool}}."""
+        return await self._get_json("/rlctl/memory")

@@ -144,3 +144,23 @@ class TrainEngine(Protocol):
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
         """Continue from a checkpoint: weights, optimizer state, RNG states, weight version."""
+
+    # Memory, for a pool that multiplexes several runs' models on one device (rlctl/engines/memory.py).
+    # Tags: `weights` (parameters and gradients), `optimizer` (its state); None = both.
+
+    def memory(self) -> dict[str, Any]:
+        """{"weights_bytes", "optimizer_bytes", "resident": {"weights": bool, "optimizer": bool}}."""
+
+    def memory_resident(self) -> dict[str, bool]:
+        """Which tags are on the device now (cheap: asked before every command)."""
+
+    def check_memory_tags(self, tags: list[str] | None) -> None:
+        """RunError for a tag this engine does not have, or an engine that cannot release at all:
+        rank 0 asks before it tells the other ranks to move anything."""
+
+    def release_memory(self, tags: list[str] | None) -> dict[str, Any]:
+        """Move those tags' memory to the host: {"released": [tags moved], "bytes", "seconds"};
+        every rank is called, and each returns once all have moved theirs."""
+
+    def resume_memory(self, tags: list[str] | None) -> dict[str, Any]:
+        """Bring it back, bit for bit: {"resumed": [tags moved], "bytes", "seconds"}."""

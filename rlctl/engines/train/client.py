@@ -33,6 +33,13 @@ class TrainerClient:
     async def wait_healthy(self, timeout_s: float) -> None:
         await wait_healthy(self.session, self.url, timeout_s)
 
+    async def info(self) -> dict[str, Any]:
+        """{version, ranks, parameters, memory: {weights_bytes, optimizer_bytes, resident: {weights, optimizer}}}."""
+        async with self.session.get(self.url + "/info", headers=self.headers) as resp:
+            if resp.status != 200:
+                raise RunError(f"trainer /info: HTTP {resp.status}: {(await resp.text()).strip()[:300]}")
+            return await resp.json()
+
     async def weight_checksums(self) -> dict[str, Any]:
         async with self.session.get(self.url + "/weight_checksums", headers=self.headers) as resp:
             return await resp.json()
@@ -59,3 +66,12 @@ class TrainerClient:
     async def load_checkpoint(self, path: str) -> dict[str, Any]:
         """The trainer continues from the checkpoint in path; returns its weight version."""
         return await self._post("/load_checkpoint", {"dir": path})
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Every rank moves `tags` (weights, optimizer; None = both) to host memory, between train
+        steps: {"released": [tags moved now], "bytes", "seconds"}."""
+        return await self._post("/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Bring them back, bit for bit: {"resumed": [tags moved now], "bytes", "seconds"}."""
+        return await self._post("/resume_memory_occupation", {"tags": tags})

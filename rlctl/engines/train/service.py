@@ -6,18 +6,29 @@
     POST /init_weight_sync {servers, master_address, master_port, backend, bucket_mb}
     POST /sync_weights   {"version": "3"}     broadcast the working copy to every rollout server
     POST /save_checkpoint, /load_checkpoint {"dir": D}   the trainer's part of a checkpoint
+    POST /release_memory_occupation {"tags": ["weights", "optimizer"] | null}
+    POST /resume_memory_occupation  {"tags": ...}   give the device memory back, take it again
     GET  /health, /info, /weight_checksums;  POST /shutdown
+
+Releasing memory is for a pool that multiplexes several runs' models on one device: `weights`
+(parameters and gradients) and `optimizer` (its state) go to host memory and come back bit for
+bit (the engine's release_memory; null = both). The reply is {"released": [tags moved now],
+"bytes", "seconds"} (or "resumed"); a tag already where it was asked to go is left alone. While a
+tag is released, the commands that need it are refused with HTTP 400 (train and checkpoints need
+both, accumulate and weight reads the weights); /info gives the footprint under `memory`.
 
 Given the run's token, every route but /health asks for `Authorization: Bearer <token>` (401
 without it, 403 with a wrong one; rlctl/door.py), and the service's own clients of the rollout
 servers send it too.
 
-Rank 0 forwards each train command to the other ranks with broadcast_object_list, then every
-rank runs it. Weight sync is rank 0's alone: every data-parallel replica takes the same optimizer
-step on the same reduced gradients (the torch engine's one gradient all-reduce per step,
-Megatron's DDP), so the replicas stay identical; with Megatron TP, the other ranks of rank 0's
-TP group join the gathers that rebuild full tensors. One worker thread runs all engine work, so
-a train batch and a weight sync never overlap.
+Rank 0 forwards each train command (and memory release or resume) to the other ranks with
+broadcast_object_list, then every rank runs it; a command refused for released memory is refused
+on rank 0 before any other rank hears of it. Weight sync is rank 0's alone: every data-parallel
+replica takes the same optimizer step on the same reduced gradients (the torch engine's one
+gradient all-reduce per step, Megatron's DDP), so the replicas stay identical; with Megatron TP,
+the other ranks of rank 0's TP group join the gathers that rebuild full tensors. One worker
+thread runs all engine work, so a train batch and a weight sync never overlap, and memory is not
+moved while a sync reads the weights.
 """
 
 from __future__ import annotations
@@ -39,6 +50,16 @@ from rlctl.errors import RunError
 
 log = logging.getLogger("rlctl.trainer")
 
+# The commands every rank runs: the engine method each calls, and the memory tags it needs resident.
+COMMANDS = {
+    "train": ("train_batch", ("weights", "optimizer")),
+    "accumulate": ("accumulate", ("weights",)),
+    "save_checkpoint": ("save_checkpoint", ("weights", "optimizer")),
+    "load_checkpoint": ("load_checkpoint", ("weights", "optimizer")),
+    "release_memory": ("release_memory", ()),
+    "resume_memory": ("resume_memory", ()),
+}
+
 
 def follower_loop(engine: TrainEngine) -> None:
     """Ranks > 0: run whatever rank 0 broadcasts until told to stop."""
@@ -48,17 +69,15 @@ def follower_loop(engine: TrainEngine) -> None:
         command, payload = box[0]
         if command == "stop":
             return
-        if command == "train":
-            engine.train_batch(payload)
-        elif command == "accumulate":
-            engine.accumulate(payload)
-        elif command == "weights":
+        if command == "weights":
             for _ in engine.hf_weights():  # take part in the all-gathers that rebuild full tensors
                 pass  # and keep none of them
-        elif command == "save_checkpoint":
-            engine.save_checkpoint(payload)
-        elif command == "load_checkpoint":
-            engine.load_checkpoint(payload)
+        elif command in COMMANDS:
+            getattr(engine, COMMANDS[command][0])(payload)
+
+
+def refused(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)
 
 
 class TrainerService:
@@ -71,33 +90,50 @@ class TrainerService:
         self.sender: WeightSender | None = None
         self.session = None
         self.groups_formed = 0
+        self.parameters: int | None = None
+        """The full model's parameter count, counted once (before any release: /info gives it after)."""
+        self.syncing = 0
+        """Weight syncs reading the weights now, bucket by bucket, on the engine thread."""
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
-    def _train(self, samples: list[TrainSample]) -> dict[str, float]:
-        if self.world_size > 1:
-            dist.broadcast_object_list([("train", samples)], src=0)
-        return self.engine.train_batch(samples)
+    def _require(self, what: str, tags: tuple[str, ...]) -> None:
+        resident = self.engine.memory_resident()
+        out = [t for t in tags if not resident[t]]
+        if out:
+            raise RunError(f"{what} refused: the trainer's {' and '.join(out)} memory is released; "
+                           "POST /resume_memory_occupation first")
 
-    def _accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
+    def _command(self, command: str, payload: Any) -> Any:
+        """One command on every rank (COMMANDS): rank 0 checks it may run, tells the others, then
+        runs it itself. On the engine thread, so commands never overlap."""
+        method, needs = COMMANDS[command]
+        self._require(command, needs)
+        if command == "release_memory":
+            self.engine.check_memory_tags(payload)  # refused here, before any rank moves anything
+            self._parameter_count()
+            if self.sender is not None:
+                self.sender.buffers = [None, None]  # its pack buffers (device memory); the next sync makes them again
+        elif command == "resume_memory":
+            self.engine.check_memory_tags(payload)
         if self.world_size > 1:
-            dist.broadcast_object_list([("accumulate", samples)], src=0)
-        return self.engine.accumulate(samples)
+            dist.broadcast_object_list([(command, payload)], src=0)
+        return getattr(self.engine, method)(payload)
 
     def _weights(self):
         """Full HF-named weights, one tensor at a time: iterate it on the engine thread. An
         engine whose weights are sharded across ranks (Megatron with TP > 1) needs every rank in
         the gathers: rank 0 tells the others to join, and they gather as this is iterated."""
+        self._require("reading the weights", ("weights",))
         if self.world_size > 1 and getattr(self.engine, "collective_export", False):
             dist.broadcast_object_list([("weights", None)], src=0)
         return iter(self.engine.hf_weights())
 
-    def _checkpoint(self, command: str, path: str) -> dict[str, float]:
-        """save_checkpoint or load_checkpoint on every rank (each writes or reads its part)."""
-        if self.world_size > 1:
-            dist.broadcast_object_list([(command, path)], src=0)
-        return getattr(self.engine, command)(path)
+    def _parameter_count(self) -> int:
+        if self.parameters is None:
+            self.parameters = sum(t.numel() for _, t in self._weights())
+        return self.parameters
 
     def _stop_followers(self) -> None:
         if self.world_size > 1:
@@ -107,19 +143,40 @@ class TrainerService:
         return web.Response(status=200)
 
     async def info(self, request: web.Request) -> web.Response:
-        n = await self._run(lambda: sum(t.numel() for _, t in self._weights()))
-        return web.json_response({"version": self.engine.version, "ranks": self.world_size, "parameters": n})
+        n, memory = await self._run(lambda: (self._parameter_count(), self.engine.memory()))
+        return web.json_response({"version": self.engine.version, "ranks": self.world_size, "parameters": n,
+                                  "memory": memory})
+
+    async def _reply(self, command: str, payload: Any) -> web.Response:
+        try:
+            return web.json_response(await self._run(self._command, command, payload))
+        except RunError as e:
+            return refused(str(e))
 
     async def train(self, request: web.Request) -> web.Response:
         body = await request.json()
-        samples = [TrainSample.from_json(s) for s in body["samples"]]
-        stats = await self._run(self._train, samples)
-        return web.json_response(stats)
+        return await self._reply("train", [TrainSample.from_json(s) for s in body["samples"]])
 
     async def accumulate(self, request: web.Request) -> web.Response:
         body = await request.json()
-        samples = [TrainSample.from_json(s) for s in body["samples"]]
-        return web.json_response(await self._run(self._accumulate, samples))
+        return await self._reply("accumulate", [TrainSample.from_json(s) for s in body["samples"]])
+
+    async def _memory(self, command: str, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        if not isinstance(body, dict):
+            return refused(f"the body is {{\"tags\": [...] | null}}, not {body!r}")
+        tags = body.get("tags")
+        if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            return refused(f"tags must be a list of strings or null, not {tags!r}")
+        if self.syncing:  # its buckets are read between other work on the engine thread
+            return refused("a weight sync is reading the weights; move the memory once it is done")
+        return await self._reply(command, tags)
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        return await self._memory("release_memory", request)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        return await self._memory("resume_memory", request)
 
     async def init_weight_sync(self, request: web.Request) -> web.Response:
         import aiohttp
@@ -154,12 +211,15 @@ class TrainerService:
         if self.sender is None:
             return web.json_response({"success": False, "message": "call /init_weight_sync first"}, status=400)
         # The weights are read on the engine thread (no train batch runs meanwhile), bucket by bucket.
-        weights = await self._run(self._weights)
+        self.syncing += 1
         try:
+            weights = await self._run(self._weights)
             stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"),
                                            producer=self.worker)
-        except RunError as e:  # a server refused or the broadcast failed: the controller reports why
-            return web.json_response({"success": False, "message": str(e)}, status=400)
+        except RunError as e:  # released weights, a server's refusal or a failed broadcast: the controller reports why
+            return refused(str(e))
+        finally:
+            self.syncing -= 1
         return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
                                   "buckets": stats.buckets, "tensors": stats.tensors})
 
@@ -167,14 +227,17 @@ class TrainerService:
         """{"dir": D}: write the trainer's part of a checkpoint into D (rlctl/engines/train/ckpt_files.py)."""
         body = await request.json()
         start = asyncio.get_running_loop().time()
-        stats = await self._run(self._checkpoint, "save_checkpoint", str(body["dir"]))
+        try:
+            stats = await self._run(self._command, "save_checkpoint", str(body["dir"]))
+        except RunError as e:
+            return refused(str(e))
         return web.json_response({"success": True, "seconds": asyncio.get_running_loop().time() - start, **stats})
 
     async def load_checkpoint(self, request: web.Request) -> web.Response:
         """{"dir": D}: continue from the checkpoint in D; replies with its weight version."""
         body = await request.json()
         try:
-            stats = await self._run(self._checkpoint, "load_checkpoint", str(body["dir"]))
+            stats = await self._run(self._command, "load_checkpoint", str(body["dir"]))
         except RunError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, **stats})
@@ -182,7 +245,10 @@ class TrainerService:
     async def weight_checksums(self, request: web.Request) -> web.Response:
         # As the servers hold them: in their dtype.
         held = self.sender.server_dtype if self.sender is not None else None
-        sums = await self._run(lambda: {n: tensor_sha256(as_served(t, held)) for n, t in self._weights()})
+        try:
+            sums = await self._run(lambda: {n: tensor_sha256(as_served(t, held)) for n, t in self._weights()})
+        except RunError as e:
+            return refused(str(e))
         return web.json_response({"version": self.engine.version, "checksums": sums})
 
     async def shutdown(self, request: web.Request) -> web.Response:
@@ -211,6 +277,8 @@ class TrainerService:
         app.router.add_get("/weight_checksums", self.weight_checksums)
         app.router.add_post("/save_checkpoint", self.save_checkpoint)
         app.router.add_post("/load_checkpoint", self.load_checkpoint)
+        app.router.add_post("/release_memory_occupation", self.release_memory_occupation)
+        app.router.add_post("/resume_memory_occupation", self.resume_memory_occupation)
         app.router.add_post("/shutdown", self.shutdown)
         app.on_cleanup.append(self.on_cleanup)
         return app

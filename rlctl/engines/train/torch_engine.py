@@ -11,6 +11,11 @@ step of the batch.
 The model is not wrapped in torch's DistributedDataParallel, which all-reduces in every
 backward pass: here ranks run different numbers of micro-batches (their shares are cut by
 tokens), and one reduction per optimizer step is all a step needs.
+
+Between steps the engine can give its memory back (release_memory) and take it again, bit for
+bit (resume_memory): tag `weights` moves the parameters (the policy's one flat buffer, the KL
+reference model's) and the gradients held, tag `optimizer` the AdamW state
+(rlctl/engines/memory.py: pinned host memory from a GPU, a private file from the CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 
 from rlctl.algos.grpo import clipped_policy_loss, k3_kl, token_logprobs
 from rlctl.engines.train import ckpt_files
+from rlctl.engines.memory import Gradients, MemoryTags, ModelWeights, OptimizerState
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.errors import RunError
 from rlctl.engines.weightsync.flat import flatten_parameters
@@ -33,7 +39,7 @@ from rlctl.recipe import TrainConfig
 
 class TorchTrainEngine(PieceTraining):
     def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", offload_dir: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
@@ -43,13 +49,17 @@ class TorchTrainEngine(PieceTraining):
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         # Parameters as views of one buffer: a weight sync sends slices of it with no copy (weightsync/flat.py).
-        flatten_parameters(self.model)
+        flat = flatten_parameters(self.model)
         self.model.train()
         self.ref_model = None
+        weights = [Gradients(self.model), ModelWeights(self.model, flat)]  # released in this order, resumed in reverse
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            weights.insert(1, ModelWeights(self.ref_model, flatten_parameters(self.ref_model), "reference-weights"))
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.memory_tags = MemoryTags({"weights": weights, "optimizer": [OptimizerState(self.optimizer)]},
+                                      self.device, offload_dir)
         self.version = 0
         self._acc = new_accumulator()
 
@@ -138,6 +148,38 @@ class TorchTrainEngine(PieceTraining):
         # named_parameters() lists a tied lm_head once, under the embedding's name: the server's
         # state_dict shares that storage, so one copy updates both.
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    # -- memory (a shared pool multiplexes several runs' models on one device) --------------------
+
+    def memory(self) -> dict:
+        """The footprint: weights_bytes (parameters, the reference model's, gradients held),
+        optimizer_bytes, and which of them are on the device now."""
+        m = self.memory_tags
+        return {"weights_bytes": m.nbytes("weights"), "optimizer_bytes": m.nbytes("optimizer"), "resident": m.resident()}
+
+    def memory_resident(self) -> dict[str, bool]:
+        return self.memory_tags.resident()
+
+    def check_memory_tags(self, tags: list[str] | None) -> None:
+        try:
+            self.memory_tags.select(tags)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+
+    def release_memory(self, tags: list[str] | None) -> dict:
+        """Move the memory under `tags` (weights, optimizer; None = both) off the device; tags
+        already released are left as they are. A train batch half accumulated keeps its gradients.
+        Returns once every rank has moved its own (this rank's bytes in the reply)."""
+        moved = self.memory_tags.release(tags)
+        if self.world_size > 1:
+            dist.barrier()
+        return {"released": moved.tags, "bytes": moved.bytes, "seconds": moved.seconds}
+
+    def resume_memory(self, tags: list[str] | None) -> dict:
+        moved = self.memory_tags.resume(tags)
+        if self.world_size > 1:
+            dist.barrier()
+        return {"resumed": moved.tags, "bytes": moved.bytes, "seconds": moved.seconds}
 
     # -- checkpoints (rlctl/engines/train/ckpt_files.py has the files) ---------------------------
 

@@ -11,8 +11,8 @@ Any other bucket (another order, a cast, another dtype) is packed, received and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -20,11 +20,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class FlatParams:
-    buffer: torch.Tensor
-    """uint8, every parameter's bytes back to back."""
+    buffer: torch.Tensor | None
+    """uint8, every parameter's bytes back to back; None while detach()ed (memory released)."""
     spans: dict[str, tuple[int, int]]
     """state_dict name -> (byte offset, bytes); tied names share one span."""
     dtype: torch.dtype
+    owners: list[tuple[Any, int, int, tuple[int, ...]]] = field(default_factory=list)
+    """(parameter, byte offset, bytes, shape) of each parameter once: what detach() and attach() re-point."""
 
     def slice_for(self, names: list[str], dtypes: list[str], sizes: list[int]) -> torch.Tensor | None:
         """The part of the buffer a flattened bucket of these tensors fills exactly, or None."""
@@ -37,7 +39,27 @@ class FlatParams:
             if self.spans.get(name) != (offset, n):
                 return None
             offset += n
-        return self.buffer[start:offset]
+        return self.buffer[start:offset] if self.buffer is not None else None
+
+    def detach(self) -> torch.Tensor:
+        """Take the buffer out of the model and return it: every parameter then points at an
+        empty tensor, so that dropping the returned buffer frees the memory (rlctl/engines/memory.py)."""
+        import torch
+
+        assert self.buffer is not None, "detached already"
+        buffer, self.buffer = self.buffer, None
+        empty = torch.empty(0, dtype=self.dtype, device=buffer.device)
+        for p, _, _, _ in self.owners:
+            p.data = empty
+        return buffer
+
+    def attach(self, buffer: torch.Tensor) -> None:
+        """Point every parameter (tied names with it: one Parameter) at its span of `buffer`, a
+        uint8 tensor of the detached one's size."""
+        assert buffer.dtype.itemsize == 1 and buffer.numel() == sum(n for _, _, n, _ in self.owners)
+        for p, offset, n, shape in self.owners:
+            p.data = buffer[offset:offset + n].view(self.dtype).view(shape)
+        self.buffer = buffer
 
 
 def flatten_parameters(model) -> FlatParams | None:
@@ -53,6 +75,7 @@ def flatten_parameters(model) -> FlatParams | None:
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     spans: dict[str, tuple[int, int]] = {}
     by_tensor: dict[int, tuple[int, int]] = {}
+    owners = []
     offset = 0
     with torch.no_grad():
         for name, p in params:
@@ -61,8 +84,9 @@ def flatten_parameters(model) -> FlatParams | None:
             view.copy_(p.data)
             p.data = view
             spans[name] = by_tensor[id(p)] = (offset, n)
+            owners.append((p, offset, n, tuple(p.shape)))
             offset += n
         for name, t in model.state_dict(keep_vars=True).items():  # tied names: the same parameter
             if name not in spans and id(t) in by_tensor:
                 spans[name] = by_tensor[id(t)]
-    return FlatParams(buffer, spans, dtype)
+    return FlatParams(buffer, spans, dtype, owners)

@@ -143,6 +143,8 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.paused = False
+        self.held = False
+        """Memory released (or on its way out or back): no step runs, whatever pause says."""
         self.cond = threading.Condition()
         # Held for each decode step and for each weight load: weights never change mid-step.
         self.model_lock = threading.Lock()
@@ -151,7 +153,7 @@ class Engine:
         # transformers 5.2x renamed the forward argument past_key_values to cache.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokens_generated = 0
-        self.cache = BatchCache()  # only the scheduler thread touches it
+        self.cache = BatchCache()  # only the scheduler thread touches it (and drop_cache, when no step can run)
 
     def start(self) -> None:
         self.thread.start()
@@ -191,6 +193,27 @@ class Engine:
             self.paused = False
             self.cond.notify_all()
 
+    def hold(self, on: bool) -> None:
+        """Keep the scheduler from stepping while the model's memory is released (requests
+        already waiting stay queued for after the resume)."""
+        with self.cond:
+            self.held = on
+            self.cond.notify_all()
+
+    def idle_for_release(self, waiting_ok_when_paused: bool) -> bool:
+        """Nothing running, and nothing waiting unless generation is paused (SGLang 0.5.21 on
+        releases memory with requests queued behind a pause; 0.5.15 wants no request at all)."""
+        with self.cond:
+            return not self.running and (not self.waiting or (waiting_ok_when_paused and self.paused))
+
+    def cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.cache.layers)
+
+    def drop_cache(self) -> None:
+        """Free the KV cache rows still held (those of requests aborted while no step ran since).
+        The caller holds model_lock with the scheduler held (hold()), so no step is using them."""
+        self.cache = BatchCache()
+
     def load(self) -> dict[str, int]:
         with self.cond:
             return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
@@ -206,7 +229,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self._stop and (self.paused or not (self.waiting or self.running)):
+                while not self._stop and (self.paused or self.held or not (self.waiting or self.running)):
                     self.cond.wait()
                 if self._stop:
                     return

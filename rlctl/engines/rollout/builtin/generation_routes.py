@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from rlctl.engines.rollout.builtin.engine import Request, SamplingParams, future_callback
-from rlctl.engines.rollout.builtin.state import ServerState, status_ok
+from rlctl.engines.rollout.builtin.state import RELEASED, ServerState, error, status_ok
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -77,7 +77,9 @@ class GenerationRoutes:
                 raise TypeError("return_logprob must be a boolean")
             rid = body.get("rid") or uuid.uuid4().hex
         except (TypeError, ValueError, KeyError) as e:
-            return web.json_response({"error": {"message": str(e)}}, status=400)
+            return error(str(e))
+        if engine.held:  # memory released (memory_routes.py): SGLang's error reply, nothing queued
+            return error(f"generation refused: {RELEASED}")
 
         loop = asyncio.get_running_loop()
         rids = rid if isinstance(rid, list) else [rid if not is_batch else f"{rid}-{i}" for i in range(len(batch_ids))]

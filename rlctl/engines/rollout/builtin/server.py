@@ -5,7 +5,8 @@
 It listens at once and answers 503 on /health until the model is loaded, as SGLang does. This
 module is the process: its flags, loading the model, health and info, and the route table. The
 routes live beside it by concern: generation_routes.py (/generate and its controls),
-weight_routes.py (the weight-update group and sessions); engine.py is the generation loop.
+weight_routes.py (the weight-update group and sessions), memory_routes.py (releasing and
+resuming the model's memory); engine.py is the generation loop.
 
 With `--api-key-file FILE` (every rlctl run gives its token file) every route but /health asks for
 `Authorization: Bearer <token>`, 401 without it and 403 with a wrong one, and
@@ -28,6 +29,7 @@ from aiohttp import web
 from rlctl.door import read_token_file, token_middleware
 from rlctl.engines.rollout.builtin.engine import Engine
 from rlctl.engines.rollout.builtin.generation_routes import GenerationRoutes
+from rlctl.engines.rollout.builtin.memory_routes import MemoryRoutes
 from rlctl.engines.rollout.builtin.state import ServerState
 from rlctl.engines.rollout.builtin.weight_routes import WeightRoutes
 from rlctl.engines.weightsync.flat import flatten_parameters
@@ -76,6 +78,7 @@ class BuiltinServer:
         self.state = ServerState(args)
         self.generation = GenerationRoutes(self.state)
         self.weights = WeightRoutes(self.state)
+        self.memory = MemoryRoutes(self.state, self.weights)
         # --api-key-file: every route but /health asks for this token (rlctl/door.py); none = open
         self.token = read_token_file(args.api_key_file) if args.api_key_file else None
 
@@ -85,6 +88,7 @@ class BuiltinServer:
         async def load() -> None:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, load_model, self.state)
+                self.memory.setup()
             except Exception as e:  # noqa: BLE001 - fatal: say why in one line, exit non-zero
                 self.state.loading_error = f"{e.__class__.__name__}: {e}".splitlines()[0]
                 log.error("model load failed: %s", self.state.loading_error)
@@ -97,6 +101,8 @@ class BuiltinServer:
             self.state.engine.stop()
         if self.state.tp_ranks is not None:
             self.state.tp_ranks.stop()
+        if self.state.memory is not None:
+            self.state.memory.cleanup()  # the offload directory, and any weights still in it
 
     # -- health and info -----------------------------------------------------------------------
 
@@ -152,7 +158,7 @@ class BuiltinServer:
 
     def routes(self) -> list[tuple[str, str, Callable]]:
         """(method, path, handler) of every route, with SGLang's names and aliases."""
-        gen, w = self.generation, self.weights
+        gen, w, m = self.generation, self.weights, self.memory
         table = [("GET", path, self.health) for path in ("/health", "/health_generate")]
         if self.state.sessions_required():  # /ready came with SGLang 0.5.21's sessions (not in 0.5.15)
             table.append(("GET", "/ready", self.health))
@@ -173,6 +179,10 @@ class BuiltinServer:
                   ("POST", "/destroy_weights_update_group", w.destroy_weights_update_group),
                   ("POST", "/get_weights_by_name", w.get_weights_by_name),
                   ("GET", "/rlctl/weight_checksums", w.weight_checksums)]
+        table += [(method, path, handler) for path, handler in (("/release_memory_occupation", m.release_memory_occupation),
+                                                                ("/resume_memory_occupation", m.resume_memory_occupation))
+                  for method in ("GET", "POST")]  # SGLang's api_route(methods=["GET", "POST"])
+        table.append(("GET", "/rlctl/memory", m.memory))
         return table
 
     def app(self) -> web.Application:
@@ -207,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default="", metavar="FILE",
                    help="every route but /health asks for `Authorization: Bearer` + the token in FILE (an rlctl "
                         "run's token file); without it the server is open to anyone who reaches it")
+    p.add_argument("--offload-dir", default="", metavar="DIR",
+                   help="where a CPU server's released weights wait (a private directory made inside DIR); "
+                        "default: the system's temporary directory")
     p.add_argument("--weight-group-master", default="", metavar="ADDRESS",
                    help="join weight-update groups whose master_address is this one only (the run's trainer)")
     return p

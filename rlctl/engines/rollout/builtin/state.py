@@ -25,6 +25,8 @@ class ServerState:
     """--tp-size > 1: the TpRanks (tp_ranks.py) that receive weights beside rank 0."""
     flat: Any = None
     """The FlatParams (rlctl/engines/weightsync/flat.py) the model's parameters are views of, or None."""
+    memory: Any = None
+    """The MemoryTags (rlctl/engines/memory.py) of /release_memory_occupation, once the model is loaded."""
 
     @property
     def tp_size(self) -> int:
@@ -32,6 +34,10 @@ class ServerState:
 
     def ready(self) -> bool:
         return self.engine is not None
+
+    def weights_released(self) -> bool:
+        """The parameters are off the device (memory_routes.py): nothing may read or write them."""
+        return self.memory is not None and "weights" in self.memory.released
 
     def sessions_required(self) -> bool:
         """SGLang >= 0.5.21 refuses weight updates outside a session; older versions have none."""
@@ -52,3 +58,11 @@ def ok(message: str = "") -> web.Response:
 
 def fail(message: str, status: int = 400) -> web.Response:
     return web.json_response({"success": False, "message": message}, status=status)
+
+
+def error(message: str, status: int = 400) -> web.Response:
+    """SGLang's _create_error_response: what /generate and the memory routes answer when the call fails."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+RELEASED = "the model's memory is released; call /resume_memory_occupation first"

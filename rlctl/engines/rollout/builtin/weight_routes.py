@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from rlctl.engines.rollout.builtin.state import ServerState, fail, ok
+from rlctl.engines.rollout.builtin.state import RELEASED, ServerState, fail, ok
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +109,9 @@ class WeightRoutes:
             return fail(f"bad request: {e}")
         engine = self.state.engine
         assert engine is not None
-        async with self.update_lock:
+        async with self.update_lock:  # a release waits for this lock too (memory_routes.py)
+            if self.state.weights_released():  # before any receive: the sender sees the refusal
+                return fail(f"Failed to update weights: {RELEASED}")
             state = engine.model.state_dict()
             unknown = [n for n in bucket["names"] if n not in state]
             try:  # received all the same (the sender is broadcasting), into the parameters if all are known
@@ -143,6 +145,8 @@ class WeightRoutes:
         engine = self.state.engine
         assert engine is not None
         async with self.update_lock:
+            if self.state.weights_released():
+                return fail(f"Failed to update weights from tensor: {RELEASED}")
             try:
                 named = await self._in_executor(ipc.loads, payloads[0])
             except Exception as e:  # noqa: BLE001 - an unreadable payload is the sender's error
@@ -244,6 +248,8 @@ class WeightRoutes:
         body = await request.json()
         engine = self.state.engine
         assert engine is not None
+        if self.state.weights_released():
+            return fail(f"Failed to get weights: {RELEASED}")
         state = engine.model.state_dict()
         name = body.get("name")
         if name not in state:
@@ -259,8 +265,15 @@ class WeightRoutes:
 
         engine = self.state.engine
         assert engine is not None
-        with engine.model_lock:
-            sums = {n: tensor_sha256(t) for n, t in engine.model.state_dict().items()}
+
+        def checksums() -> dict[str, str] | None:
+            with engine.model_lock:  # a release holds it while the weights leave
+                if self.state.weights_released():
+                    return None
+                return {n: tensor_sha256(t) for n, t in engine.model.state_dict().items()}
+        sums = await self._in_executor(checksums)
+        if sums is None:
+            return fail(RELEASED)
         tp = self.state.tp_ranks
         others = await self._in_executor(lambda: tp.call("checksums")) if tp is not None else []
         # tp_ranks: what TP ranks 1.. received (each whole tensor of every sync so far)
