@@ -41,7 +41,8 @@ class Layer(enum.IntEnum):
       over events, tracking, GRPO math, rewards and tasks, data, the tiny model, workloads.
       Any module of the package not placed elsewhere is foundation.
     ENGINES: the rollout and train engines, their HTTP clients and services, weight sync.
-    SCHEDULING: the pipeline modes over the engines' interfaces (rlctl.pipelines).
+    SCHEDULING: the pipeline modes over the engines' interfaces (rlctl.pipelines), and the shared
+    pool's placement and time slicing of several runs' calls (rlctl.plex).
     SIMULATION: the same scheduler over simulated engines in virtual time (rlctl.sim).
     ORCHESTRATION: what puts the pieces together into a running run and watches it: the
       launchers (local and Slurm), the worker entry point of every process, the controller, and
@@ -71,6 +72,7 @@ LAYERS: dict[str, Layer] = {
     "rlctl.status": Layer.ORCHESTRATION,
     "rlctl.sim": Layer.SIMULATION,
     "rlctl.pipelines": Layer.SCHEDULING,
+    "rlctl.plex": Layer.SCHEDULING,
     "rlctl.engines": Layer.ENGINES,
     "rlctl": Layer.FOUNDATION,
     "rlctl.recipe": Layer.SCHEMA,

@@ -40,13 +40,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Protocol
 
 from rlctl.errors import RunError
 
 
-class State(str, Enum):
+class State(StrEnum):
     ACTIVE = "active"
     WEIGHTS = "weights"
     OFFLOADED = "offloaded"
@@ -178,7 +178,6 @@ class SliceScheduler:
 
     def resident(self, device: int) -> float:
         return sum(m.resident() for m in self.models.values() if device in m.devices)
-
     # -- calls -------------------------------------------------------------------------------
 
     @asynccontextmanager
@@ -236,8 +235,6 @@ class SliceScheduler:
         self.busy_s[device] += now - start
         self.holder[device] = None
         self.emit("slice", now, job=job.name, device=device, start=start, seconds=now - start)
-
-    # -- the policy --------------------------------------------------------------------------
 
     def _priority(self, w: _Waiting) -> tuple:
         job = self.jobs[w.job]
@@ -387,8 +384,6 @@ class SliceScheduler:
         if job is not None and job.since.get(device) == since:
             job.yielding.add(device)
         self._dispatch()
-
-    # -- reading -----------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock.now()
