@@ -71,12 +71,18 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             await scorer.ready()
             recorder.emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode, host=HOST,
                           **({"resumed_from": start} if resume_from else {}))
+            if recipe.launcher is Launcher.POOL:  # every call through the pool's slices (rlctl/plex/gates.py)
+                from rlctl.launchers.pool.client import pooled
+
+                servers, pooled_trainer = pooled(rd.read()["pool"], servers, None, session, token)
             pool = RolloutPool(servers)
             watch = ServerWatch(pool, servers, recipe, rd, recorder.emit, clock)
             failover = FailoverTrainer(trainer, watch, weight_group_former(trainer, recipe, plan))
             trainer = failover
             if recipe.pipeline.check_weights:
                 trainer = CheckedTrainer(failover, failover.synced, recorder.emit, clock)
+            if recipe.launcher is Launcher.POOL:
+                pooled_trainer.inner, trainer = trainer, pooled_trainer
             state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
             await send_initial_weights(trainer, recorder.emit, clock, version=int(state["version"]) if state else 0)
             pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,

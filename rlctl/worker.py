@@ -97,8 +97,10 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     from rlctl.engines.rollout.builtin import server
 
     role = plan.rollout[index]
-    if recipe.rollout.cpus:
-        os.sched_setaffinity(0, recipe.rollout.cpus)
+    placed = info.get("pool", {}).get("placement", {}).get(role.name)  # launcher=pool: the pool's choice
+    cpus = placed.get("cpus") if placed else recipe.rollout.cpus
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     step = {"slurm_step": slurm_step()} if "SLURM_STEP_ID" in os.environ else {}  # failover kills a frozen one
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)), **step)
     if recipe.rollout.engine is RolloutEngine.SGLANG:
@@ -109,7 +111,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         "--random-seed", str(recipe.run.seed * 1000 + index),
         "--max-running-requests", str(recipe.rollout.max_running_requests),
         "--threads", str(recipe.run.threads_per_process),
-        "--device", process_device(recipe.rollout.device, index, recipe.rollout.gpus),
+        "--device", placed["device"] if placed else process_device(recipe.rollout.device, index, recipe.rollout.gpus),
         "--tp-size", str(recipe.rollout.builtin.tp_size),
         *(["--emulate-sglang", recipe.rollout.builtin.emulate_sglang] if recipe.rollout.builtin.emulate_sglang else []),
     ])
@@ -150,8 +152,9 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     from rlctl.engines.train.torch_engine import TorchTrainEngine
     from rlctl.engines.weightsync import tcp_store
 
-    _threads(recipe, recipe.train.cpus)
     role = plan.trainers[rank]
+    placed = info.get("pool", {}).get("placement", {}).get(role.name)  # launcher=pool: the pool's choice
+    _threads(recipe, placed.get("cpus") if placed else recipe.train.cpus)
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
     token = _run_token(rd) if rank == 0 else None
     world = len(plan.trainers)
@@ -172,8 +175,9 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
         engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
                                      world, device=process_device(Device.CUDA, rank, recipe.train.gpus), init_method=init_method)
     else:
+        device = placed["device"] if placed else process_device(recipe.train.device, rank, recipe.train.gpus)
         engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
-                                  device=process_device(recipe.train.device, rank, recipe.train.gpus))
+                                  device=device)
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
         service = TrainerService(engine, world, token=token)

@@ -86,11 +86,19 @@ def _check_engines_importable(r) -> None:
 def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
     from rlctl.launchers.local import start_supervisor
     from rlctl.plan import local_plan
-    from rlctl.recipe import recipe_to_yaml
+    from rlctl.recipe import Launcher, recipe_to_yaml
     from rlctl.rundir import create_run_dir
 
     _check_engines_importable(r)
     info = _run_info(r, recipe, overrides, local_plan(r).to_json())
+    if r.launcher is Launcher.POOL:
+        from rlctl.launchers.pool.pooldir import PoolDir
+
+        pd = PoolDir((Path(r.pool.dir) / r.pool.name).resolve())
+        if not pd.alive():
+            raise RunError(f"pool.name: pool {r.pool.name} is not up in {pd.path.parent}; "
+                           f"start it with `rlctl pool up POOL.yaml` or set pool.dir")
+        info["pool_dir"] = str(pd.path)
     rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), info, shared_group=r.run.shared_group)
     start_supervisor(rd)
     if detach:

@@ -18,12 +18,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlctl.checkpoint import PREEMPTED_EXIT
 from rlctl.door import TOKEN_FILE, TOKEN_FILE_ENV
 from rlctl.launchers.health import healthy
+from rlctl.errors import RunError
 from rlctl.plan import Role, RunPlan
-from rlctl.recipe import Recipe, recipe_from_yaml
+from rlctl.recipe import Launcher, Recipe, recipe_from_yaml
 from rlctl.rundir import RunDir, RunState
 from rlctl.tail import last_log_line
 
@@ -98,6 +100,8 @@ class Supervisor:
         self.running = False
         """True once the controller runs: a server that dies then is restarted, not fatal."""
         self.restarts: dict[str, int] = {}
+        self.pool: Any = None
+        """launcher=pool: the PoolDir the run is attached to, while it is."""
 
     def _on_signal(self, signum: int, frame) -> None:
         self.cancel_signal = signum
@@ -111,6 +115,7 @@ class Supervisor:
             state, reason = self._run()
         finally:
             self._stop_all(graceful=state is RunState.COMPLETED)
+            self._leave_pool(reason)
             self.rd.event("run_end", state=state.value, reason=reason)
             self.rd.set_state(state, reason)
         return 0 if state is RunState.COMPLETED else 1
@@ -167,6 +172,8 @@ class Supervisor:
             if prep.proc.returncode != 0:
                 return RunState.FAILED, f"building the model {describe_exit(prep.proc.returncode)}; see {self.rd.log_path('prepare')}"
 
+        if self.recipe.launcher is Launcher.POOL:
+            return self._run_in_pool()
         servers = [self._start(r) for r in self.plan.rollout]
         pending = {c.role.name: url for c, url in zip(servers, self.plan.server_urls, strict=False)}
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -194,6 +201,50 @@ class Supervisor:
             if controller.proc.poll() == 0:
                 return RunState.COMPLETED, "all steps done"
             time.sleep(POLL_S)
+
+    def _run_in_pool(self) -> tuple[RunState, str]:
+        """launcher=pool: the pool starts the servers and trainers on its devices (attach waits
+        until they answer); the controller runs here as in any run. The run fails when the pool
+        lets it go (one of its engines died, the pool shut down)."""
+        from rlctl.launchers.pool.client import attach, request
+        from rlctl.launchers.pool.pooldir import PoolDir
+
+        pd = PoolDir(Path(self.rd.read()["pool_dir"]))
+        try:
+            attach(pd, self.rd.path, timeout_s=SERVER_START_TIMEOUT_S + 60)
+        except RunError as e:
+            return RunState.FAILED, f"not attached: {e}"
+        self.pool = pd
+        controller = self._start(self.plan.controller)
+        self.rd.set_state(RunState.RUNNING)
+        self.running = True
+        asked = 0.0
+        while True:
+            failure = self._failure()
+            if failure:
+                return failure
+            if controller.proc.poll() == 0:
+                return RunState.COMPLETED, "all steps done"
+            if time.monotonic() - asked > 1.0:
+                asked = time.monotonic()
+                try:
+                    ended = request(pd, "GET", f"/jobs/{self.rd.id}")["ended"]
+                except RunError as e:
+                    ended = str(e)
+                if ended:
+                    return RunState.FAILED, f"pool {pd.name} let the run go: {ended}"
+            time.sleep(POLL_S)
+
+    def _leave_pool(self, reason: str) -> None:
+        if self.pool is None:
+            return
+        from rlctl.launchers.pool.client import detach
+
+        try:
+            detach(self.pool, self.rd.id, reason)
+        except RunError:
+            pass  # already let go (or the pool is gone): its engines are stopped either way
+        self.pool = None
 
     def _stop_all(self, graceful: bool) -> None:
         """Stop every child: SIGTERM, then SIGKILL after a grace period.

@@ -1,0 +1,85 @@
+"""Talking to a live pool: the blocking calls of the CLI and a run's supervisor (attach, detach,
+status, shutdown), and the lease a run's controller takes slices through (rlctl/plex/gates.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from rlctl.door import bearer
+from rlctl.errors import RunError
+from rlctl.launchers.pool.pooldir import PoolDir
+
+
+def request(pd: PoolDir, method: str, path: str, body: dict[str, Any] | None = None,
+            timeout_s: float = 10.0) -> dict[str, Any]:
+    """One call to the pool's service with the pool's token; RunError saying why if it fails."""
+    if not pd.alive():
+        raise RunError(f"pool {pd.name} is not up ({pd.path}); start it with `rlctl pool up POOL.yaml`")
+    url = pd.read()["url"] + path
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **bearer(pd.token())})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            why = json.loads(e.read()).get("error", e.reason)
+        except ValueError:
+            why = e.reason
+        raise RunError(f"pool {pd.name}: {why}") from None
+    except OSError as e:
+        raise RunError(f"pool {pd.name} at {url}: {e}") from None
+
+
+def attach(pd: PoolDir, run_dir: Path, timeout_s: float) -> dict[str, Any]:
+    return request(pd, "POST", "/jobs", {"run_dir": str(run_dir.resolve())}, timeout_s=timeout_s)
+
+
+def detach(pd: PoolDir, job: str, reason: str) -> dict[str, Any]:
+    from urllib.parse import quote
+
+    return request(pd, "DELETE", f"/jobs/{job}?reason={quote(reason)}", timeout_s=30.0)
+
+
+class PoolLease:
+    """The pool as one run's controller sees it: `slice` asks for the devices of a call, with the
+    run's own token, and gives them back when the call is done (also when it fails)."""
+
+    def __init__(self, url: str, session, token: str) -> None:
+        self.url = url.rstrip("/")
+        self.session = session
+        self.headers = bearer(token)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.session.post(self.url + path, json=body, headers=self.headers) as resp:
+            data = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise RunError(f"pool: {path}: {data.get('error') if isinstance(data, dict) else data}")
+            return data
+
+    @asynccontextmanager
+    async def slice(self, job: str, needs: list[tuple[str, Any]], kind: str) -> AsyncIterator[None]:
+        granted = await self._post(f"/jobs/{job}/slice", {"needs": [[m, str(s)] for m, s in needs], "kind": kind})
+        try:
+            yield
+        finally:
+            await asyncio.shield(self._post(f"/jobs/{job}/release", {"call": granted["call"]}))
+
+
+def pooled(pool: dict[str, Any], servers: list, trainer: Any, session, token: str) -> tuple[list, Any]:
+    """A run's servers and trainer with every call through its pool (run.json's `pool`, written
+    by the pool when it attached the run)."""
+    from rlctl.plex.gates import PooledRollout, PooledTrainer
+
+    lease = PoolLease(pool["url"], session, token)
+    names = [f"rollout-{i}" for i in range(len(servers))]
+    wrapped = [PooledRollout(s, lease, pool["job"], n) for s, n in zip(servers, names, strict=True)]
+    return wrapped, PooledTrainer(trainer, lease, pool["job"], "trainer", names)

@@ -1,0 +1,165 @@
+"""One run attached to a live pool: its models (placed once), its engine processes (started by the
+pool on the devices placement chose, logging into the run's own directory), and the moves of its
+models between memory states (the engines' own release/resume calls, with the run's token).
+
+A rollout model's working memory is its KV cache (SGLang's tag `kv_cache`), its weights are tag
+`weights`; a trainer's working memory is its optimizer state (`optimizer`). How much a model
+holds is estimated from its weights file before anything starts (a rollout server: the weights,
+plus a KV cache of a quarter of them; a trainer: weights, gradients and two Adam moments, four
+times the weights), and what the engines report is recorded once they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlctl.door import read_token
+from rlctl.errors import RunError
+from rlctl.plan import Role, RunPlan
+from rlctl.plex.placement import Block
+from rlctl.plex.scheduler import Model, State
+from rlctl.recipe import Device, Recipe, recipe_from_yaml
+from rlctl.rundir import RunDir
+
+_HAS = {State.ACTIVE: {"weights", "working"}, State.WEIGHTS: {"weights"}, State.OFFLOADED: set()}
+
+
+def weights_bytes(model_path: str) -> float:
+    files = list(Path(model_path).glob("*.safetensors")) or list(Path(model_path).glob("*.bin"))
+    return float(sum(f.stat().st_size for f in files))
+
+
+def job_blocks(recipe: Recipe, model_path: str) -> list[Block]:
+    w = weights_bytes(model_path)
+    n = recipe.rollout.servers
+    return [Block("rollout", n, w, w / 4, parts=n), Block("trainer", recipe.train.ranks, w, 3 * w)]
+
+
+@dataclass
+class PoolJob:
+    rd: RunDir
+    recipe: Recipe
+    plan: RunPlan
+    token: str
+    share: float
+    models: list[Model] = field(default_factory=list)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)
+    """Models whose processes have loaded them: only those have memory to move."""
+    attached_at: float = field(default_factory=time.monotonic)
+    ended: str | None = None
+    """Why it left the pool (detached, a process died), once it has."""
+
+    @classmethod
+    def from_run_dir(cls, run_dir: Path) -> PoolJob:
+        rd = RunDir(run_dir)
+        info = rd.read()
+        recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
+        try:
+            token = read_token(rd.path)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        return cls(rd, recipe, RunPlan.from_json(info["plan"]), token, recipe.pool.share)
+
+    @property
+    def name(self) -> str:
+        return self.rd.id
+
+    def roles(self, model: Model) -> list[Role]:
+        if model.name == "trainer":
+            return list(self.plan.trainers)
+        return [self.plan.rollout[int(model.name.rsplit("-", 1)[1])]]
+
+    def placement(self, cpus_per_device: int, kind: Device, gpus: list[int]) -> dict[str, dict[str, Any]]:
+        """Each process's device: its cores on a CPU pool, its GPU on a GPU pool."""
+        out = {}
+        for m in self.models:
+            for role, device in zip(self.roles(m), m.devices, strict=True):
+                if kind is Device.CUDA:
+                    out[role.name] = {"device": f"cuda:{gpus[device] if gpus else device}", "pool_device": device}
+                else:
+                    first = device * cpus_per_device
+                    out[role.name] = {"device": "cpu", "cpus": list(range(first, first + cpus_per_device)),
+                                      "pool_device": device}
+        return out
+
+    def exited(self) -> tuple[str, int] | None:
+        for name, p in self.procs.items():
+            code = p.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        import signal
+
+        for p in self.procs.values():
+            _killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+            time.sleep(0.05)
+        for name, p in self.procs.items():
+            _killpg(p.pid, signal.SIGKILL)
+            if p.poll() is None:
+                p.wait(timeout=5)
+            self.rd.event("server_down" if name.startswith("rollout") else "process_exit", role=name, code=p.returncode)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class EngineMover:
+    """The scheduler's Mover for live jobs: the engines' release/resume memory calls."""
+
+    def __init__(self, jobs: dict[str, PoolJob], session_factory) -> None:
+        self.jobs = jobs
+        self.session = session_factory
+
+    async def __call__(self, model: Model, to: State) -> None:
+        job = self.jobs.get(model.job)
+        if job is None or model.name not in job.started:
+            return  # not loaded yet (its start loads it) or gone: no memory to move
+        release, resume = _HAS[model.state] - _HAS[to], _HAS[to] - _HAS[model.state]
+        client = self._client(job, model)
+        working = "optimizer" if model.name == "trainer" else "kv_cache"
+        tags = lambda names: sorted(working if n == "working" else n for n in names)  # noqa: E731
+        if release:
+            await client.release_memory_occupation(tags(release))
+        if resume:
+            await client.resume_memory_occupation(tags(resume))
+
+    def _client(self, job: PoolJob, model: Model):
+        from rlctl.engines.rollout.client import RolloutClient
+        from rlctl.engines.train.client import TrainerClient
+
+        if model.name == "trainer":
+            return TrainerClient(job.plan.trainer_url, self.session(), job.token)
+        url = job.plan.server_urls[int(model.name.rsplit("-", 1)[1])]
+        return RolloutClient(url, self.session(), job.token)
+
+
+async def wait_healthy(urls: list[str], job: PoolJob, timeout_s: float) -> None:
+    from rlctl.launchers.health import healthy
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        died = job.exited()
+        if died:
+            raise RunError(f"{died[0]} exited with code {died[1]} while starting; see {job.rd.log_path(died[0])}")
+        if time.monotonic() > deadline:
+            raise RunError(f"{', '.join(pending)} not healthy after {timeout_s:.0f} s; see the run's logs")
+        ok = await asyncio.gather(*(asyncio.to_thread(healthy, u) for u in pending))
+        pending = [u for u, up in zip(pending, ok, strict=True) if not up]
+        if pending:
+            await asyncio.sleep(0.2)

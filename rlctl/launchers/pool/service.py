@@ -1,0 +1,338 @@
+"""The pool's service: `python -m rlctl.launchers.pool.service --pool-dir DIR`, started by `rlctl
+pool up`. One aiohttp server on 127.0.0.1 (a free port, written to pool.json) over one
+SliceScheduler (rlctl/plex/scheduler.py) for the pool's devices.
+
+Routes (every one but /health asks for a token):
+    POST   /jobs                 {run_dir}            pool token: attach a run (place, start its engines)
+    GET    /jobs/{job}                                pool token: its state and usage
+    DELETE /jobs/{job}                                pool token: detach it (stop its engines)
+    POST   /jobs/{job}/slice     {needs, kind}        the run's own token: wait for a slice -> {call}
+    POST   /jobs/{job}/release   {call}               the run's own token: the call is done
+    GET    /status                                    pool token: devices, jobs, usage
+    POST   /shutdown                                  pool token: detach every job and stop
+
+A run's calls carry the run's token, which only that run (and the pool that started its engines)
+can read: one run cannot take or give back another's slices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rlctl.door import refusal
+from rlctl.errors import RlctlError, RunError
+from rlctl.launchers.pool.jobs import EngineMover, PoolJob, job_blocks, wait_healthy
+from rlctl.launchers.pool.pooldir import PoolDir
+from rlctl.plex.placement import Layout
+from rlctl.plex.scheduler import SliceScheduler, State
+from rlctl.recipe import Device
+from rlctl.recipe.load import load_pool_file
+
+log = logging.getLogger("rlctl.pool")
+START_TIMEOUT_S = 300.0
+USAGE_EVERY_S = 2.0
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+
+def device_memory(spec) -> float:
+    """Bytes the scheduler lets one device's models hold."""
+    d = spec.pool.devices
+    if d.memory_gb:
+        return d.memory_gb * 1e9
+    if d.kind is Device.CUDA:
+        import torch
+
+        return float(torch.cuda.get_device_properties(d.gpus[0] if d.gpus else 0).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / d.count
+
+
+class PoolService:
+    def __init__(self, pd: PoolDir) -> None:
+        self.pd = pd
+        self.spec = load_pool_file(pd.spec_path)
+        self.token = pd.token()
+        self.t0 = time.monotonic()
+        capacity = dict.fromkeys(range(self.spec.pool.devices.count), device_memory(self.spec))
+        self.layout = Layout(capacity)
+        self.jobs: dict[str, PoolJob] = {}
+        self._session = None
+        self.sched = SliceScheduler(capacity, MonotonicClock(), EngineMover(self.jobs, lambda: self._session),
+                                    self.emit, quantum_s=self.spec.pool.quantum_s)
+        self.calls: dict[str, tuple[str, asyncio.Event, asyncio.Task]] = {}
+        self.stopping = asyncio.Event()
+
+    def emit(self, kind: str, t: float, **fields: Any) -> None:
+        for key in ("start",):
+            if key in fields:
+                fields[key] = round(fields[key] - self.t0, 6)
+        self.pd.event(kind, round(t - self.t0, 6), **fields)
+
+    # -- the door ------------------------------------------------------------------------------
+
+    def middleware(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def door(request: web.Request, handler):
+            parts = request.path.strip("/").split("/")
+            token = self.token
+            if len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("slice", "release"):
+                job = self.jobs.get(parts[1])
+                token = job.token if job else self.token  # an unknown job: refused below, or 404
+            status = refusal(request.path, request.headers.get("Authorization"), token)
+            if status is not None:
+                return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
+            return await handler(request)
+
+        return door
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    async def attach(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        try:
+            job = PoolJob.from_run_dir(Path(body["run_dir"]))
+            if job.name in self.jobs:
+                raise RunError(f"{job.name} is already attached")
+            await self._admit(job)
+        except (RlctlError, KeyError, ValueError, OSError) as e:
+            return web.json_response({"error": str(e)}, status=409)
+        return web.json_response({"job": job.name, "placement": job.rd.read()["pool"]["placement"]})
+
+    async def _admit(self, job: PoolJob) -> None:
+        info = job.rd.read()
+        job.models = self.layout.place(job.name, job_blocks(job.recipe, info["model_path"]))
+        try:
+            self.sched.add_job(job.name, job.models, job.share)
+        except RunError:
+            self.layout.forget(job.name)
+            raise
+        self.jobs[job.name] = job
+        d = self.spec.pool.devices
+        placement = job.placement(d.cpus_per_device, d.kind, d.gpus)
+        port = self.pd.read()["port"]
+        job.rd.update(lambda r: r.update(pool={"name": self.pd.name, "url": f"http://127.0.0.1:{port}", "job": job.name,
+                                               "placement": placement}))
+        self.emit("job_attached", time.monotonic(), job=job.name, run_dir=str(job.rd.path), share=job.share,
+                  models={m.name: list(m.devices) for m in job.models})
+        try:
+            for m in job.models:  # each start is a slice: the memory it loads into is made free first
+                async with self.sched.slice(job.name, [(m.name, State.ACTIVE)], "start"):
+                    await self._start(job, m)
+        except BaseException as e:
+            await self._detach(job, f"did not start: {e}")
+            raise
+
+    async def _start(self, job: PoolJob, model) -> None:
+        from rlctl.launchers.local import run_env, spawn, worker_command
+
+        env = run_env(job.rd)
+        for role in job.roles(model):
+            cmd = worker_command(role.kind, job.rd.path, role.index)
+            proc = spawn(cmd, job.rd.log_path(role.name), die_with_parent=True, env=env)
+            job.procs[role.name] = proc
+            job.rd.record_process(role.name, pid=proc.pid, port=role.port, log=str(job.rd.log_path(role.name)),
+                                  pool=self.pd.name)
+        urls = [job.plan.trainer_url] if model.name == "trainer" else \
+            [job.plan.server_urls[int(model.name.rsplit("-", 1)[1])]]
+        await wait_healthy(urls, job, START_TIMEOUT_S)
+        job.started.add(model.name)
+        for url in urls:
+            if model.name != "trainer":
+                job.rd.event("server_up", role=job.roles(model)[0].name, url=url)
+
+    async def detach(self, request):
+        from aiohttp import web
+
+        job = self.jobs.get(request.match_info["job"])
+        if job is None:
+            return web.json_response({"error": "no such job"}, status=404)
+        usage = await self._detach(job, request.query.get("reason", "detached"))
+        return web.json_response({"job": job.name, "usage": usage})
+
+    async def _detach(self, job: PoolJob, reason: str) -> dict[str, Any]:
+        if job.ended is None:
+            job.ended = reason
+            for call_id, (owner, _, task) in list(self.calls.items()):
+                if owner == job.name:
+                    task.cancel()
+                    self.calls.pop(call_id, None)
+            usage = self._usage(job)
+            self.sched.remove_job(job.name)
+            self.layout.forget(job.name)
+            await asyncio.to_thread(job.stop)
+            job.rd.update(lambda r: r.setdefault("pool", {}).update(usage=usage, detached=reason))
+            self.emit("job_detached", time.monotonic(), job=job.name, reason=reason, **usage)
+        self.jobs.pop(job.name, None)
+        return job.rd.read().get("pool", {}).get("usage", {})
+
+    def _usage(self, job: PoolJob) -> dict[str, Any]:
+        """What it used (its slices and moves) against what the same placement would hold as a
+        dedicated run: every process its own device for the whole time."""
+        state = self.sched.snapshot()["jobs"].get(job.name, {})
+        wall = time.monotonic() - job.attached_at
+        devices = sum(len(m.devices) for m in job.models)
+        return {"used_device_s": round(state.get("used_s", 0.0), 3), "moved_device_s": round(state.get("moved_s", 0.0), 3),
+                "wall_s": round(wall, 3), "devices": devices, "dedicated_device_s": round(wall * devices, 3),
+                "share": job.share}
+
+    async def job_state(self, request):
+        from aiohttp import web
+
+        job = self.jobs.get(request.match_info["job"])
+        if job is None:
+            return web.json_response({"error": "no such job"}, status=404)
+        return web.json_response({"job": job.name, "ended": job.ended, "usage": self._usage(job)})
+
+    # -- slices --------------------------------------------------------------------------------
+
+    async def slice(self, request):
+        from aiohttp import web
+
+        name = request.match_info["job"]
+        if name not in self.jobs:
+            return web.json_response({"error": f"job {name} is not in the pool"}, status=404)
+        body = await request.json()
+        needs = [(m, State(s)) for m, s in body["needs"]]
+        entered, done = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            async with self.sched.slice(name, needs, str(body.get("kind", "call"))):
+                entered.set()
+                await done.wait()
+
+        task = asyncio.create_task(hold())
+        waiter = asyncio.create_task(entered.wait())
+        try:
+            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not entered.is_set():
+                task.cancel()  # the caller left, or the slice failed
+            waiter.cancel()
+        if not entered.is_set():
+            error = task.exception() if task.done() and not task.cancelled() else None
+            return web.json_response({"error": str(error or "cancelled")}, status=409)
+        call_id = uuid.uuid4().hex
+        self.calls[call_id] = (name, done, task)
+        return web.json_response({"call": call_id})
+
+    async def release(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        entry = self.calls.pop(str(body.get("call")), None)
+        if entry is None or entry[0] != request.match_info["job"]:
+            return web.json_response({"error": "no such call"}, status=404)
+        entry[1].set()
+        await asyncio.gather(entry[2], return_exceptions=True)
+        return web.json_response({})
+
+    # -- the service ---------------------------------------------------------------------------
+
+    async def status(self, request):
+        from aiohttp import web
+
+        snap = self.sched.snapshot()
+        elapsed = time.monotonic() - self.t0
+        return web.json_response({"name": self.pd.name, "uptime_s": elapsed, "devices": snap["devices"],
+                                  "models": snap["models"], "jobs": {n: self._usage(j) for n, j in self.jobs.items()}})
+
+    async def shutdown(self, request):
+        from aiohttp import web
+
+        self.stopping.set()
+        return web.json_response({"stopping": True})
+
+    async def watch(self) -> None:
+        """A job whose engine died leaves the pool (its run fails; the others go on); each job's
+        usage is written into its run directory every few seconds."""
+        last = 0.0
+        while True:
+            await asyncio.sleep(0.5)
+            for job in list(self.jobs.values()):
+                died = job.exited() if job.started else None
+                if died and job.ended is None:
+                    await self._detach(job, f"{died[0]} exited with code {died[1]}")
+            if time.monotonic() - last > USAGE_EVERY_S:
+                last = time.monotonic()
+                for job in list(self.jobs.values()):
+                    usage = self._usage(job)
+                    job.rd.update(lambda r, u=usage: r.setdefault("pool", {}).update(usage=u))
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application(middlewares=[self.middleware()], client_max_size=1 << 20)
+        app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
+        app.router.add_get("/status", self.status)
+        app.router.add_post("/jobs", self.attach)
+        app.router.add_get("/jobs/{job}", self.job_state)
+        app.router.add_delete("/jobs/{job}", self.detach)
+        app.router.add_post("/jobs/{job}/slice", self.slice)
+        app.router.add_post("/jobs/{job}/release", self.release)
+        app.router.add_post("/shutdown", self.shutdown)
+        return app
+
+
+async def serve(pd: PoolDir) -> None:
+    import signal
+
+    import aiohttp
+    from aiohttp import web
+
+    service = PoolService(pd)
+    runner = web.AppRunner(service.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.stopping.set)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        service._session = session
+        pd.write(state="up", pid=os.getpid(), port=port, url=f"http://127.0.0.1:{port}",
+                 devices=service.spec.pool.devices.count)
+        service.emit("pool_up", time.monotonic(), devices=service.spec.pool.devices.count,
+                     memory_bytes=service.sched.capacity[0])
+        watching = asyncio.create_task(service.watch())
+        await service.stopping.wait()
+        watching.cancel()
+        for job in list(service.jobs.values()):
+            await service._detach(job, "the pool shut down")
+    await runner.cleanup()
+    service.emit("pool_down", time.monotonic())
+    pd.write(state="down")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlctl.launchers.pool.service")
+    p.add_argument("--pool-dir", required=True, type=Path)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s pool: %(message)s")
+    pd = PoolDir(args.pool_dir)
+    try:
+        asyncio.run(serve(pd))
+    except RlctlError as e:
+        print(f"error: {e}", flush=True)
+        pd.write(state="failed", reason=str(e))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
