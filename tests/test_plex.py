@@ -11,7 +11,7 @@ from rlctl.plex.placement import Block, Layout, co_location_fits
 from rlctl.plex.scheduler import Model, SliceScheduler, State
 from rlctl.sim.loop import VirtualClock, run_virtual
 
-A, W, O = State.ACTIVE, State.WEIGHTS, State.OFFLOADED
+A, W, OFF = State.ACTIVE, State.WEIGHTS, State.OFFLOADED
 
 
 class Moves:
@@ -63,7 +63,7 @@ def test_one_job_at_a_time_per_device_and_the_quantum_passes_it_on():
     # a holds until its quantum (5 s) is over and the calls it has running then end: then b.
     assert 6.0 <= b_start <= 7.0
     spans = sorted((start, end, job) for job, _, start, end in log)
-    for (s1, e1, j1), (s2, _, j2) in zip(spans, spans[1:]):
+    for (_, e1, j1), (s2, _, j2) in zip(spans, spans[1:]):
         assert j1 == j2 or s2 >= e1 - 1e-9, "two jobs ran on one device at once"
 
 
@@ -106,7 +106,7 @@ def test_memory_cap_is_kept_by_moving_idle_models_out_first():
         s = scheduler({0: 100.0}, events, mover=moves)
         s.add_job("a", [Model("a", "r", (0,), 30, 50)])  # active 80: fits alone
         s.add_job("b", [Model("b", "t", (0,), 30, 40)])  # active 70: starts offloaded
-        assert s.models[("b", "t")].state is O
+        assert s.models[("b", "t")].state is OFF
         await call(s, "a", [("r", A)], "generate", 1.0, log)
         await call(s, "b", [("t", A)], "train", 1.0, log)
         await call(s, "a", [("r", A)], "generate", 1.0, log)
@@ -114,9 +114,9 @@ def test_memory_cap_is_kept_by_moving_idle_models_out_first():
 
     s = run_virtual(main())
     # b in: a's KV out first (80 -> 30), then b's weights and optimizer in (30 + 70 = 100).
-    assert moves.done[:2] == [("a", "r", A, W), ("b", "t", O, A)]
+    assert moves.done[:2] == [("a", "r", A, W), ("b", "t", OFF, A)]
     # a back: b must give up all but 0 of its 70 (30 + 70 would exceed 100 again with a's 80).
-    assert moves.done[2:] == [("b", "t", A, W), ("b", "t", W, O), ("a", "r", W, A)]
+    assert moves.done[2:] == [("b", "t", A, W), ("b", "t", W, OFF), ("a", "r", W, A)]
     assert s.resident(0) <= 100.0
     moved = [e for e in events if e["event"] == "move"]
     assert all(e["ok"] for e in moved) and len(moved) == 5

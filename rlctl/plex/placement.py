@@ -64,9 +64,10 @@ class Layout:
                 self.load[d] += b.load
                 self.occupants[d].add(f"{job}/{b.name}/{b.load}")
             mine |= set(run)
-            width = b.size // b.parts
+            width = max(1, b.size // b.parts)  # more parts than devices: they take turns on them
             for i, name in enumerate(b.model_names()):
-                models.append(Model(job, name, run[i * width:(i + 1) * width], b.weights, b.working))
+                start = (i * width) % b.size
+                models.append(Model(job, name, run[start:start + width], b.weights, b.working))
         return models
 
     def _best_run(self, job: str, b: Block, mine: set[int]) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -51,12 +52,18 @@ def detach(pd: PoolDir, job: str, reason: str) -> dict[str, Any]:
 
 class PoolLease:
     """The pool as one run's controller sees it: `slice` asks for the devices of a call, with the
-    run's own token, and gives them back when the call is done (also when it fails)."""
+    run's own token, and gives them back when the call is done (also when it fails).
+
+    Calls that need the same models join a slice already granted (one round trip to the pool
+    for a batch of generates, not two per generate) while it is younger than the job's quantum;
+    the slice goes back when its last call ends. After the quantum a new call asks again, so the
+    pool can still pass the devices on."""
 
     def __init__(self, url: str, session, token: str) -> None:
         self.url = url.rstrip("/")
         self.session = session
         self.headers = bearer(token)
+        self.open: dict[tuple, _Shared] = {}
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self.session.post(self.url + path, json=body, headers=self.headers) as resp:
@@ -67,11 +74,39 @@ class PoolLease:
 
     @asynccontextmanager
     async def slice(self, job: str, needs: list[tuple[str, Any]], kind: str) -> AsyncIterator[None]:
-        granted = await self._post(f"/jobs/{job}/slice", {"needs": [[m, str(s)] for m, s in needs], "kind": kind})
+        key = (job, tuple((m, str(s)) for m, s in needs), kind)
+        shared = self.open.get(key)
+        if shared is None or shared.closing or time.monotonic() > shared.join_until:
+            shared = self.open[key] = _Shared()
+            shared.task = asyncio.ensure_future(self._post(f"/jobs/{job}/slice", {"needs": [list(k) for k in key[1]],
+                                                                                   "kind": kind}))
+        shared.users += 1
         try:
+            granted = await asyncio.shield(shared.task)
+            shared.join_until = min(shared.join_until, time.monotonic() + float(granted.get("join_s", 0.0)))
             yield
         finally:
-            await asyncio.shield(self._post(f"/jobs/{job}/release", {"call": granted["call"]}))
+            shared.users -= 1
+            if shared.users == 0:
+                shared.closing = True
+                if self.open.get(key) is shared:
+                    del self.open[key]
+                if shared.task.done():
+                    await self._give_back(job, shared.task)
+                else:  # every caller left before the grant: give it back when it comes
+                    shared.task.add_done_callback(lambda t: asyncio.ensure_future(self._give_back(job, t)))
+
+    async def _give_back(self, job: str, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None:
+            await asyncio.shield(self._post(f"/jobs/{job}/release", {"call": task.result()["call"]}))
+
+
+class _Shared:
+    def __init__(self) -> None:
+        self.task: asyncio.Future | None = None
+        self.users = 0
+        self.closing = False
+        self.join_until = float("inf")
 
 
 def pooled(pool: dict[str, Any], servers: list, trainer: Any, session, token: str) -> tuple[list, Any]:

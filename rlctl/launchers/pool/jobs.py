@@ -35,10 +35,11 @@ def weights_bytes(model_path: str) -> float:
     return float(sum(f.stat().st_size for f in files))
 
 
-def job_blocks(recipe: Recipe, model_path: str) -> list[Block]:
+def job_blocks(recipe: Recipe, model_path: str, devices: int) -> list[Block]:
+    """A run's servers (spread over up to all the pool's devices) and its trainer ranks."""
     w = weights_bytes(model_path)
     n = recipe.rollout.servers
-    return [Block("rollout", n, w, w / 4, parts=n), Block("trainer", recipe.train.ranks, w, 3 * w)]
+    return [Block("rollout", min(n, devices), w, w / 4, parts=n), Block("trainer", recipe.train.ranks, w, 3 * w)]
 
 
 @dataclass

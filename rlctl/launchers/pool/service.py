@@ -115,7 +115,7 @@ class PoolService:
 
     async def _admit(self, job: PoolJob) -> None:
         info = job.rd.read()
-        job.models = self.layout.place(job.name, job_blocks(job.recipe, info["model_path"]))
+        job.models = self.layout.place(job.name, job_blocks(job.recipe, info["model_path"], len(self.layout.capacity)))
         try:
             self.sched.add_job(job.name, job.models, job.share)
         except RunError:
@@ -128,7 +128,8 @@ class PoolService:
         job.rd.update(lambda r: r.update(pool={"name": self.pd.name, "url": f"http://127.0.0.1:{port}", "job": job.name,
                                                "placement": placement}))
         self.emit("job_attached", time.monotonic(), job=job.name, run_dir=str(job.rd.path), share=job.share,
-                  models={m.name: list(m.devices) for m in job.models})
+                  models={m.name: {"devices": list(m.devices), "weights_bytes": m.weights, "working_bytes": m.working}
+                          for m in job.models})
         try:
             for m in job.models:  # each start is a slice: the memory it loads into is made free first
                 async with self.sched.slice(job.name, [(m.name, State.ACTIVE)], "start"):
@@ -228,7 +229,9 @@ class PoolService:
             return web.json_response({"error": str(error or "cancelled")}, status=409)
         call_id = uuid.uuid4().hex
         self.calls[call_id] = (name, done, task)
-        return web.json_response({"call": call_id})
+        job = self.sched.jobs.get(name)
+        join_s = self.spec.pool.quantum_s * (job.share if job else 1.0)  # a slice stays joinable this long
+        return web.json_response({"call": call_id, "join_s": join_s})
 
     async def release(self, request):
         from aiohttp import web

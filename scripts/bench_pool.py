@@ -1,0 +1,159 @@
+"""Side by side: runs on a shared pool, against each run alone (dedicated, one after the other) and
+all of them started together on the same devices with no pool (naive co-location).
+
+    python scripts/bench_pool.py --sim             # 8 jobs on 64 simulated H200s (recipes/pool/sim-64gpu.yaml)
+    python scripts/bench_pool.py --cpu             # 3 quickstart runs (sync, rolloutpipe, async) on this CPU
+    python scripts/bench_pool.py --cpu --gpu       # the same with two GPU-bench runs on one GPU (see --help)
+
+CPU: the devices are this machine's cores (2 here: the pool makes each core a device). A run's
+device-seconds are its wall time x the devices it holds: dedicated, both cores for its whole run;
+naive co-location and the pool, both cores until the last run ends (the pool also reports what
+each run used: its slices and model moves). Rewards are the mean of the last 5 steps; the spread
+of each dedicated run is taken over --seeds seeds. One job runs with share 2 in the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = [("sync", "pipeline.mode=sync", 0, 1.0), ("pipe", "pipeline.mode=rolloutpipe", 1, 1.0),
+        ("async", "pipeline.mode=async", 2, 2.0)]
+
+
+def rlctl(*args: str, cwd: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "rlctl", *args], cwd=cwd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"rlctl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()[-600:]}")
+    return out.stdout.strip()
+
+
+def launch(recipe: str, overrides: list[str], cwd: Path) -> str:
+    return rlctl("launch", recipe, *overrides, "--detach", cwd=cwd).splitlines()[-1]
+
+
+def wait(run_ids: list[str], cwd: Path) -> dict[str, dict]:
+    """Each run's run.json once all have ended, with `wall_s` from creation to end."""
+    done: dict[str, dict] = {}
+    while len(done) < len(run_ids):
+        for rid in run_ids:
+            info = json.loads((cwd / "runs" / rid / "run.json").read_text())
+            if rid not in done and info["state"] in ("completed", "failed", "cancelled"):
+                if info["state"] != "completed":
+                    raise SystemExit(f"{rid} {info['state']}: {info.get('exit_reason')}")
+                done[rid] = info
+        time.sleep(0.5)
+    return done
+
+
+def wall_s(cwd: Path, rid: str) -> float:
+    events = [json.loads(line) for line in (cwd / "runs" / rid / "events.jsonl").read_text().splitlines() if line]
+    created = json.loads((cwd / "runs" / rid / "run.json").read_text())["created"]
+    from datetime import datetime
+
+    t0 = datetime.fromisoformat(created).timestamp()
+    return max(e["t"] for e in events) - t0
+
+
+def final_reward(cwd: Path, rid: str) -> float:
+    metrics = [json.loads(line) for line in (cwd / "runs" / rid / "metrics.jsonl").read_text().splitlines() if line]
+    return statistics.mean(m["reward_mean"] for m in metrics[-5:])
+
+
+def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str]) -> None:
+    cores = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="rlctl-bench-pool-") as tmp:
+        cwd = Path(tmp)
+        common = [f"run.steps={steps}", *extra]
+        rows: dict[str, dict] = {name: {} for name, *_ in JOBS}
+        start = time.monotonic()
+        for name, mode, seed, _ in JOBS:  # dedicated: one after the other, each with every core
+            rewards = []
+            for k in range(seeds):
+                rid = launch(recipe, [*common, mode, f"run.seed={seed + 10 * k}", f"run.name=ded-{name}-{k}"], cwd)
+                wait([rid], cwd)
+                rewards.append(final_reward(cwd, rid))
+                if k == 0:
+                    rows[name]["dedicated_s"] = wall_s(cwd, rid)
+            rows[name]["dedicated_reward"] = rewards
+        print(f"dedicated runs done in {time.monotonic() - start:.0f} s", flush=True)
+        t = time.monotonic()
+        ids = {name: launch(recipe, [*common, mode, f"run.seed={seed}", f"run.name=naive-{name}"], cwd)
+               for name, mode, seed, _ in JOBS}
+        wait(list(ids.values()), cwd)
+        naive_makespan = time.monotonic() - t
+        for name, rid in ids.items():
+            rows[name]["naive_s"], rows[name]["naive_reward"] = wall_s(cwd, rid), final_reward(cwd, rid)
+        pool_file = ROOT / "recipes" / "pool" / "cpu.yaml"
+        rlctl("pool", "up", str(pool_file), f"pool.devices.count={cores}", cwd=cwd)
+        try:
+            t = time.monotonic()
+            ids = {name: launch(recipe, [*common, mode, f"run.seed={seed}", f"run.name=pool-{name}", "launcher=pool",
+                                         "pool.name=cpu", f"pool.share={share}"], cwd)
+                   for name, mode, seed, share in JOBS}
+            infos = wait(list(ids.values()), cwd)
+            pool_makespan = time.monotonic() - t
+        finally:
+            rlctl("pool", "down", "cpu", cwd=cwd)
+        for name, rid in ids.items():
+            usage = infos[rid]["pool"]["usage"]
+            rows[name].update(pool_s=wall_s(cwd, rid), pool_reward=final_reward(cwd, rid),
+                              used=usage["used_device_s"], moved=usage["moved_device_s"], share=usage["share"])
+        print_cpu(rows, cores, naive_makespan, pool_makespan)
+
+
+def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_makespan: float) -> None:
+    print(f"{'job':<7}{'share':>6}{'alone s':>9}{'naive s':>9}{'pool s':>8}{'used dev-s':>11}"
+          f"{'reward alone (seeds)':>26}{'naive':>7}{'pool':>7}")
+    for name, r in rows.items():
+        spread = r["dedicated_reward"]
+        print(f"{name:<7}{r['share']:>6g}{r['dedicated_s']:>9.1f}{r['naive_s']:>9.1f}{r['pool_s']:>8.1f}{r['used']:>11.1f}"
+              f"{min(spread):>12.3f}..{max(spread):.3f} ({len(spread)}){r['naive_reward']:>8.3f}{r['pool_reward']:>7.3f}")
+    dedicated = sum(r["dedicated_s"] for r in rows.values()) * cores
+    naive, pooled = naive_makespan * cores, pool_makespan * cores
+    used = sum(r["used"] for r in rows.values())
+    print(f"device-seconds ({cores} devices): dedicated {dedicated:.0f}, naive co-location {naive:.0f} "
+          f"({naive / dedicated:.2f}x), pool {pooled:.0f} ({pooled / dedicated:.2f}x; {1 - pooled / dedicated:.0%} "
+          f"below dedicated), used in the pool {used:.0f}")
+    per_share = {n: r["used"] / r["pool_s"] / r["share"] for n, r in rows.items()}
+    print("device time per second of wall, per unit of share, in the pool: "
+          + ", ".join(f"{n} {v:.2f}" for n, v in per_share.items()))
+
+
+def sim_bench(pool_file: Path) -> None:
+    from rlctl.commands.simulate import render_pool
+    from rlctl.recipe.load import load_pool_file
+    from rlctl.sim.pool import simulate_pool
+
+    t = time.perf_counter()
+    result = simulate_pool(load_pool_file(pool_file))
+    print(render_pool(result))
+    print(f"(simulated in {time.perf_counter() - t:.1f} s of wall time)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sim", action="store_true")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--pool-file", type=Path, default=ROOT / "recipes" / "pool" / "sim-64gpu.yaml")
+    p.add_argument("--recipe", default=str(ROOT / "recipes" / "quickstart.yaml"))
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE for every run (--cpu)")
+    args = p.parse_args()
+    if args.sim:
+        sim_bench(args.pool_file)
+    if args.cpu:
+        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides)
+
+
+if __name__ == "__main__":
+    main()

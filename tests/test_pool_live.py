@@ -1,0 +1,132 @@
+"""A live pool end to end: `rlctl pool up`, two runs attached with `launcher: pool` sharing its two
+devices under a memory cap that forces model moves, the door between them, a run killed in the
+pool while the other goes on, and `rlctl pool down`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, QUICKSTART, REPO, rlctl, wait_for
+from rlctl.door import bearer, read_token
+from rlctl.rundir import RunDir, pid_alive
+
+pytestmark = pytest.mark.slow
+
+# The FAST model's weights are ~90 kB: a server active is counted ~112 kB, a trainer ~358 kB
+# (rlctl/launchers/pool/jobs.py), and each device gets a trainer and two servers (582 kB). 500 kB
+# holds any one call's models, never all three active: the test checks this from the pool's events.
+POOL = ["pool.devices.count=2", "pool.devices.memory_gb=0.0005", "pool.quantum_s=0.5"]
+
+
+@pytest.fixture
+def pool(tmp_path):
+    res = rlctl("pool", "up", str(REPO / "recipes" / "pool" / "cpu.yaml"), *POOL, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    yield tmp_path / "pools" / "cpu"
+    res = rlctl("pool", "down", "cpu", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    state = json.loads((tmp_path / "pools" / "cpu" / "pool.json").read_text())
+    assert state["state"] == "down" and not pid_alive(state["pid"])
+
+
+def launch(tmp_path: Path, name: str, *overrides: str) -> RunDir:
+    res = rlctl("launch", "--detach", str(QUICKSTART), *FAST, "launcher=pool", "pool.name=cpu", f"run.name={name}",
+                "pipeline.check_weights=true", *overrides, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    return RunDir(tmp_path / "runs" / res.stdout.strip().splitlines()[-1])
+
+
+def ended(rd: RunDir) -> dict | None:
+    info = rd.read()
+    return info if info["state"] in ("completed", "failed", "cancelled") else None
+
+
+def status(url: str, path: str, token: str, body: dict | None = None) -> int:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **bearer(token)},
+                                 method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
+    a = launch(tmp_path, "a", "run.steps=4", "run.seed=1")
+    b = launch(tmp_path, "b", "run.steps=4", "run.seed=2", "pipeline.mode=rolloutpipe")
+    wait_for(lambda: a.read()["state"] == "running" and b.read()["state"] == "running", 300, "both runs to run")
+    url = json.loads((pool / "pool.json").read_text())["url"]
+    ta, tb, tp = read_token(a.path), read_token(b.path), (pool / "token").read_text().strip()
+    assert len({ta, tb, tp}) == 3
+    # One run cannot take (or give back) the other's slices, nor ask the pool what it holds.
+    needs = {"needs": [["rollout-0", "active"]], "kind": "generate"}
+    assert status(url, f"/jobs/{b.id}/slice", ta, needs) == 403
+    assert status(url, f"/jobs/{b.id}/release", ta, {"call": "x"}) == 403
+    assert status(url, f"/jobs/{b.id}/slice", tp, needs) == 403  # the pool's token is not the run's
+    assert status(url, "/status", ta) == 403
+    assert status(url, "/status", tp) == 200
+    # Nor reach the other's engines, which the pool started with the other's token.
+    b_server = b.read()["processes"]["rollout-0"]["port"]
+    assert status(f"http://127.0.0.1:{b_server}", "/get_model_info", ta) == 403
+    assert status(f"http://127.0.0.1:{b_server}", "/get_model_info", tb) == 200
+    for rd in (a, b):
+        info = wait_for(lambda rd=rd: ended(rd), 600, f"{rd.id} to end")
+        assert info["state"] == "completed", info["exit_reason"]
+        usage = info["pool"]["usage"]
+        assert 0 < usage["used_device_s"] < usage["dedicated_device_s"]
+        # pipeline.check_weights: after every sync each server's weights hashed equal to the
+        # trainer's, moves to host and back included.
+        checks = [e for e in rd.events() if e["event"] == "weights_checked"]
+        assert len(checks) >= 4 and all(e["servers"] == 2 for e in checks)
+    events = [json.loads(line) for line in (pool / "events.jsonl").read_text().splitlines()]
+    cap = next(e["memory_bytes"] for e in events if e["event"] == "pool_up")
+    need = {0: 0.0, 1: 0.0}
+    for e in (e for e in events if e["event"] == "job_attached"):
+        for m in e["models"].values():
+            for d in m["devices"]:
+                need[d] += m["weights_bytes"] + m["working_bytes"]
+    assert min(need.values()) > cap  # all of a device's models cannot be active at once
+    moves = [e for e in events if e["event"] == "move"]
+    assert moves and all(e["ok"] for e in moves)  # the cap was felt: models left and came back
+    assert {e["job"] for e in moves} == {a.id, b.id}
+    assert {"offloaded", "weights"} & {e["to"] for e in moves}
+    slices = [e for e in events if e["event"] == "slice"]
+    for d in (0, 1):  # never two runs on one device at once
+        spans = sorted((e["start"], e["start"] + e["seconds"], e["job"]) for e in slices if e["device"] == d)
+        for (s1, e1, j1), (s2, _, j2) in zip(spans, spans[1:]):
+            assert j1 == j2 or s2 >= e1 - 1e-6, (d, s1, e1, j1, s2, j2)
+    res = rlctl("pool", "status", "cpu", cwd=tmp_path)
+    assert res.returncode == 0 and "device" in res.stdout
+
+
+def test_a_run_killed_in_the_pool_leaves_the_other_running(pool, tmp_path):
+    a = launch(tmp_path, "a", "run.steps=200")
+    b = launch(tmp_path, "b", "run.steps=6", "run.seed=3")
+    wait_for(lambda: any(e["event"] == "step_end" for e in a.events()), 300, "a's first step")
+    victim = a.read()["processes"]["rollout-1"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    info = wait_for(lambda: ended(a), 120, "a to end")
+    assert info["state"] == "failed" and "rollout-1 exited with code -9" in info["exit_reason"]
+    info = wait_for(lambda: ended(b), 600, "b to end")
+    assert info["state"] == "completed", info["exit_reason"]
+    for role, proc in a.read()["processes"].items():  # the pool stopped a's other engines
+        assert role == "supervisor" or not pid_alive(proc["pid"]), role
+
+
+def test_launch_into_a_pool_that_is_not_up(tmp_path):
+    res = rlctl("launch", str(QUICKSTART), *FAST, "launcher=pool", "pool.name=nowhere", cwd=tmp_path)
+    assert res.returncode == 1
+    assert "pool nowhere is not up" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = rlctl("launch", str(QUICKSTART), *FAST, "launcher=pool", cwd=tmp_path)
+    assert res.returncode == 2 and "pool.name" in res.stderr
+    res = rlctl("pool", "up", str(REPO / "recipes" / "pool" / "cpu.yaml"), "pool.devices.bogus=1", cwd=tmp_path)
+    assert res.returncode == 2 and "unknown key" in res.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
