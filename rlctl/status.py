@@ -129,6 +129,8 @@ def detail(rd: RunDir) -> dict[str, Any]:
     out["last_events"], events_problems = jsonl_tail(rd.events_path, 10)  # not the whole log: it can be GBs
     out["last_metrics"] = (jsonl_tail(rd.metrics_path, 1)[0] or [None])[-1]
     out["wandb"] = (info.get("tracking") or {}).get("wandb")
+    pool = info.get("pool")  # launcher=pool: the pool's name and this run's usage of its devices
+    out["pool"] = {"name": pool.get("name"), "usage": pool.get("usage") or {}} if isinstance(pool, dict) else None
     out["logs"] = [str(p) for p in rd.log_files().values()]
     out["checkpoints"] = [c.describe() for c in list_checkpoints(rd.path)]  # rlctl/checkpoint.py
     out["attempts"] = attempts(info)

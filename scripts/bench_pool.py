@@ -63,15 +63,25 @@ def wall_s(cwd: Path, rid: str) -> float:
     return max(e["t"] for e in events) - t0
 
 
+def started_s(cwd: Path, rid: str) -> float:
+    """From launch to the controller's run_start: starting the engines."""
+    from datetime import datetime
+
+    events = [json.loads(line) for line in (cwd / "runs" / rid / "events.jsonl").read_text().splitlines() if line]
+    t0 = datetime.fromisoformat(json.loads((cwd / "runs" / rid / "run.json").read_text())["created"]).timestamp()
+    return next(e["t"] for e in events if e["event"] == "run_start") - t0
+
+
 def final_reward(cwd: Path, rid: str) -> float:
     metrics = [json.loads(line) for line in (cwd / "runs" / rid / "metrics.jsonl").read_text().splitlines() if line]
     return statistics.mean(m["reward_mean"] for m in metrics[-5:])
 
 
-def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str]) -> None:
+def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], keep: Path | None) -> None:
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="rlctl-bench-pool-") as tmp:
-        cwd = Path(tmp)
+        cwd = keep or Path(tmp)
+        cwd.mkdir(parents=True, exist_ok=True)
         common = [f"run.steps={steps}", *extra]
         rows: dict[str, dict] = {name: {} for name, *_ in JOBS}
         start = time.monotonic()
@@ -82,7 +92,7 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str]) -> None:
                 wait([rid], cwd)
                 rewards.append(final_reward(cwd, rid))
                 if k == 0:
-                    rows[name]["dedicated_s"] = wall_s(cwd, rid)
+                    rows[name]["dedicated_s"], rows[name]["dedicated_start"] = wall_s(cwd, rid), started_s(cwd, rid)
             rows[name]["dedicated_reward"] = rewards
         print(f"dedicated runs done in {time.monotonic() - start:.0f} s", flush=True)
         t = time.monotonic()
@@ -92,6 +102,7 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str]) -> None:
         naive_makespan = time.monotonic() - t
         for name, rid in ids.items():
             rows[name]["naive_s"], rows[name]["naive_reward"] = wall_s(cwd, rid), final_reward(cwd, rid)
+            rows[name]["naive_start"] = started_s(cwd, rid)
         pool_file = ROOT / "recipes" / "pool" / "cpu.yaml"
         rlctl("pool", "up", str(pool_file), f"pool.devices.count={cores}", cwd=cwd)
         try:
@@ -105,7 +116,7 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str]) -> None:
             rlctl("pool", "down", "cpu", cwd=cwd)
         for name, rid in ids.items():
             usage = infos[rid]["pool"]["usage"]
-            rows[name].update(pool_s=wall_s(cwd, rid), pool_reward=final_reward(cwd, rid),
+            rows[name].update(pool_s=wall_s(cwd, rid), pool_reward=final_reward(cwd, rid), pool_start=started_s(cwd, rid),
                               used=usage["used_device_s"], moved=usage["moved_device_s"], share=usage["share"])
         print_cpu(rows, cores, naive_makespan, pool_makespan)
 
@@ -123,6 +134,9 @@ def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_mak
     print(f"device-seconds ({cores} devices): dedicated {dedicated:.0f}, naive co-location {naive:.0f} "
           f"({naive / dedicated:.2f}x), pool {pooled:.0f} ({pooled / dedicated:.2f}x; {1 - pooled / dedicated:.0%} "
           f"below dedicated), used in the pool {used:.0f}")
+    print("of which starting the engines (s): " + ", ".join(
+        f"{n} alone {r['dedicated_start']:.1f} naive {r['naive_start']:.1f} pool {r['pool_start']:.1f}"
+        for n, r in rows.items()))
     per_share = {n: r["used"] / r["pool_s"] / r["share"] for n, r in rows.items()}
     print("device time per second of wall, per unit of share, in the pool: "
           + ", ".join(f"{n} {v:.2f}" for n, v in per_share.items()))
@@ -147,12 +161,13 @@ def main() -> None:
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "quickstart.yaml"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--keep", type=Path, help="Keep the runs and the pool in this directory.")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE for every run (--cpu)")
     args = p.parse_args()
     if args.sim:
         sim_bench(args.pool_file)
     if args.cpu:
-        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides)
+        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.keep)
 
 
 if __name__ == "__main__":

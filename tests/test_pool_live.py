@@ -105,6 +105,12 @@ def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
             assert j1 == j2 or s2 >= e1 - 1e-6, (d, s1, e1, j1, s2, j2)
     res = rlctl("pool", "status", "cpu", cwd=tmp_path)
     assert res.returncode == 0 and "device" in res.stdout
+    res = rlctl("status", a.id, cwd=tmp_path)
+    assert res.returncode == 0 and "pool cpu: used" in res.stdout, res.stdout
+    res = rlctl("pool", "trace", "cpu", "-o", str(tmp_path / "pool-trace.json"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    spans = [e for e in json.loads((tmp_path / "pool-trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {0, 1} and {e["args"]["job"] for e in spans} == {a.id, b.id}
 
 
 def test_a_run_killed_in_the_pool_leaves_the_other_running(pool, tmp_path):

@@ -91,6 +91,26 @@ def status(name: str = typer.Argument("", help="The pool's name (none: every poo
     print(render_status(request(pd, "GET", "/status")))
 
 
+@app.command("trace", no_args_is_help=True)
+def trace(name: str = typer.Argument(..., help="The pool's name."),
+          output: Path = typer.Option(..., "-o", "--output", help="The trace file to write (JSON)."),
+          pools_dir: Path = typer.Option(Path("pools"), "--dir", help="Where pools are.")) -> None:
+    """The pool's timeline for Perfetto: a track per device, each run's slices and model moves on it."""
+    import json
+
+    from rlctl.launchers.pool.pooldir import PoolDir
+    from rlctl.metrics.trace import pool_chrome_trace
+
+    pd = PoolDir(pools_dir / name)
+    pd.read()  # no such pool: one line, exit 1
+    data = pool_chrome_trace(pd.events())
+    try:
+        output.write_text(json.dumps(data))
+    except OSError as e:
+        raise UsageError(f"cannot write {output}: {e.strerror}") from None
+    print(f"{output}: {len(data['traceEvents'])} trace events from pool {name}")
+
+
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"pool {s['name']}: up {s['uptime_s']:.0f} s, {len(s['devices'])} device(s)",
              f"{'device':>6}  {'holder':<34}{'memory GB':>14}{'busy':>7}"]

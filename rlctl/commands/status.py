@@ -131,6 +131,16 @@ def render_detail(d: dict[str, Any]) -> Group:
     if wb:
         where = wb.get("url") or f"in {wb.get('dir')}"
         parts.append(Text(f"wandb ({wb.get('mode')}): run {wb.get('id')} {where}"))
+    pool = d.get("pool")
+    if pool and isinstance(pool.get("usage"), dict) and pool["usage"]:
+        u = pool["usage"]
+        try:
+            parts.append(Text(f"pool {one_line(str(pool['name']), 60)}: used {float(u['used_device_s']):.1f} device-s "
+                              f"(moves {float(u['moved_device_s']):.1f}) of {float(u['dedicated_device_s']):.1f} a "
+                              f"dedicated placement holds ({int(u['devices'])} devices x {float(u['wall_s']):.1f} s), "
+                              f"share {u['share']}"))
+        except (KeyError, TypeError, ValueError):
+            parts.append(Text("pool: usage unreadable", style="red"))
     parts.extend(Text(f"damaged: {p}", style="red") for p in d.get("problems", []))
     if d["last_metrics"]:
         parts.extend(Text(line) for line in _metrics_lines(d["last_metrics"]))

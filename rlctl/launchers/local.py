@@ -209,13 +209,12 @@ class Supervisor:
         from rlctl.launchers.pool.client import attach, request
         from rlctl.launchers.pool.pooldir import PoolDir
 
-        pd = PoolDir(Path(self.rd.read()["pool_dir"]))
+        pd = self.pool = PoolDir(Path(self.rd.read()["pool_dir"]))  # detached at the end, attached or not
+        controller = self._start(self.plan.controller)  # starts meanwhile; it waits for the engines
         try:
             attach(pd, self.rd.path, timeout_s=SERVER_START_TIMEOUT_S + 60)
         except RunError as e:
             return RunState.FAILED, f"not attached: {e}"
-        self.pool = pd
-        controller = self._start(self.plan.controller)
         self.rd.set_state(RunState.RUNNING)
         self.running = True
         asked = 0.0

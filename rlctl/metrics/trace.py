@@ -98,3 +98,27 @@ def _track_names(tid_of: dict[str, int], trainer_ranks: int) -> list[dict[str, A
         out.append({"name": "thread_name", "ph": "M", "pid": 2, "tid": rank, "args": {"name": f"trainer-{rank}"}})
     out.append({"name": "thread_name", "ph": "M", "pid": 3, "tid": 0, "args": {"name": "steps"}})
     return out
+
+
+def pool_chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A pool's events.jsonl (rlctl/launchers/pool/) as a Chrome trace: one track per device, on
+    which each run's slices and each model move are spans, so the runs show interleaved."""
+    out: list[dict[str, Any]] = []
+    skipped = 0
+    devices: set[int] = set()
+    for e in events:
+        if not usable(e) or e["event"] not in ("slice", "move"):
+            continue
+        try:
+            start, seconds = float(e["start"]), float(e["seconds"])
+            on = [int(e["device"])] if e["event"] == "slice" else [int(d) for d in e["devices"]]
+            name = str(e["job"]) if e["event"] == "slice" else f"{e['job']}/{e['model']} {e['from']}->{e['to']}"
+        except (KeyError, TypeError, ValueError):
+            skipped += 1
+            continue
+        for d in on:
+            devices.add(d)
+            out.append({"name": name, "cat": e["event"], "ph": "X", "pid": 1, "tid": d,
+                        "ts": start * 1e6, "dur": max(seconds, 0.0) * 1e6, "args": {"job": e["job"]}})
+    meta = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": d, "args": {"name": f"device {d}"}} for d in sorted(devices)]
+    return {"traceEvents": meta + out, "displayTimeUnit": "ms", "otherData": {"skipped_events": skipped}}

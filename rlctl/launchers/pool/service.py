@@ -130,13 +130,21 @@ class PoolService:
         self.emit("job_attached", time.monotonic(), job=job.name, run_dir=str(job.rd.path), share=job.share,
                   models={m.name: {"devices": list(m.devices), "weights_bytes": m.weights, "working_bytes": m.working}
                           for m in job.models})
-        try:
-            for m in job.models:  # each start is a slice: the memory it loads into is made free first
-                async with self.sched.slice(job.name, [(m.name, State.ACTIVE)], "start"):
-                    await self._start(job, m)
+        try:  # a start is a slice: the memory it loads into is made free first
+            if self._fit_together(job):  # all at once, as a run of its own starts them
+                async with self.sched.slice(job.name, [(m.name, State.ACTIVE) for m in job.models], "start"):
+                    await asyncio.gather(*(self._start(job, m) for m in job.models))
+            else:
+                for m in job.models:
+                    async with self.sched.slice(job.name, [(m.name, State.ACTIVE)], "start"):
+                        await self._start(job, m)
         except BaseException as e:
             await self._detach(job, f"did not start: {e}")
             raise
+
+    def _fit_together(self, job: PoolJob) -> bool:
+        return all(sum(m.resident(State.ACTIVE) for m in job.models if d in m.devices) <= self.sched.capacity[d]
+                   for d in {d for m in job.models for d in m.devices})
 
     async def _start(self, job: PoolJob, model) -> None:
         from rlctl.launchers.local import run_env, spawn, worker_command
