@@ -142,6 +142,95 @@ def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_mak
           + ", ".join(f"{n} {v:.2f}" for n, v in per_share.items()))
 
 
+class GpuMemory:
+    """The GPU's used memory (nvidia-smi), polled in a thread: the peak since the last reset."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = 0.0
+        self.stop = threading.Event()
+        threading.Thread(target=self._poll, daemon=True).start()
+
+    def used(self) -> float:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10)
+        return float(out.stdout.split()[0]) * 2**20
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.5):
+            self.peak = max(self.peak, self.used())
+
+
+BALLAST = """import sys, time, torch
+x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda:0")
+print("ballast", x.numel(), flush=True)
+time.sleep(3600)
+"""
+
+
+def gpu_bench(phase: str, steps: int, work: Path) -> None:
+    """One GPU, two GPU-bench runs (seeds 0 and 1). dedicated: each alone, its peak memory noted;
+    naive/pool: a ballast fills the GPU down to 1.5x the larger peak (less than both runs need
+    together), then both runs start together with no pool, or on a pool capped at that."""
+    import torch
+
+    work.mkdir(parents=True, exist_ok=True)
+    results = json.loads((work / "gpu.json").read_text()) if (work / "gpu.json").exists() else {}
+    recipe = str(ROOT / "recipes" / "bench-longtail-gpu.yaml")
+    runs = [("a", 0), ("b", 1)]
+    mem = GpuMemory()
+    if phase == "dedicated":
+        from rlctl.models.tiny import ensure_tiny_model
+        from rlctl.recipe import load_recipe
+
+        r = load_recipe(recipe)
+        ensure_tiny_model(r.model.init, r.data.task)  # built once, before any run is timed
+        for name, seed in runs:
+            mem.peak = mem.used()
+            base = mem.peak
+            rid = launch(recipe, [f"run.steps={steps}", f"run.seed={seed}", f"run.name=ded-{name}"], work)
+            wait([rid], work)
+            results[f"ded-{name}"] = {"wall_s": wall_s(work, rid), "peak_bytes": mem.peak - base,
+                                      "reward": final_reward(work, rid)}
+    else:
+        total = torch.cuda.get_device_properties(0).total_memory
+        cap = 1.5 * max(results["ded-a"]["peak_bytes"], results["ded-b"]["peak_bytes"])
+        ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(int(total - cap - mem.used()))])
+        time.sleep(15)
+        try:
+            # A dedicated run's peak, split as the runs' processes hold it (about 2:1 trainer to
+            # server for this recipe), is what each run tells the pool it needs.
+            peak = max(results["ded-a"]["peak_bytes"], results["ded-b"]["peak_bytes"]) / 1e9
+            extra = ["launcher=pool", "pool.name=gpu", f"pool.trainer_memory_gb={0.65 * peak:.1f}",
+                     f"pool.rollout_memory_gb={0.45 * peak:.1f}"] if phase == "pool" else []
+            if phase == "pool":
+                rlctl("pool", "up", str(ROOT / "recipes" / "pool" / "gpu.yaml"), f"pool.devices.memory_gb={cap / 1e9 - 3:.1f}",
+                      cwd=work)
+            t = time.monotonic()
+            ids = {name: launch(recipe, [f"run.steps={steps}", f"run.seed={seed}", f"run.name={phase}-{name}", *extra], work)
+                   for name, seed in runs}
+            ended = {}
+            while len(ended) < len(ids):
+                for name, rid in ids.items():
+                    info = json.loads((work / "runs" / rid / "run.json").read_text())
+                    if info["state"] in ("completed", "failed", "cancelled"):
+                        ended[name] = info
+                time.sleep(1)
+            results[phase] = {"makespan_s": time.monotonic() - t, "cap_bytes": cap,
+                              "runs": {n: {"state": i["state"], "reason": i.get("exit_reason"),
+                                           "usage": (i.get("pool") or {}).get("usage"),
+                                           "reward": final_reward(work, ids[n]) if i["state"] == "completed" else None}
+                                       for n, i in ended.items()}}
+        finally:
+            if phase == "pool":
+                subprocess.run([sys.executable, "-m", "rlctl", "pool", "down", "gpu"], cwd=work, timeout=120)
+            ballast.kill()
+    mem.stop.set()
+    (work / "gpu.json").write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+
+
 def sim_bench(pool_file: Path) -> None:
     from rlctl.commands.simulate import render_pool
     from rlctl.recipe.load import load_pool_file
@@ -162,12 +251,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--keep", type=Path, help="Keep the runs and the pool in this directory.")
+    p.add_argument("--gpu", choices=["dedicated", "naive", "pool"], help="One phase of the one-GPU bench.")
+    p.add_argument("--gpu-dir", type=Path, default=Path("/tmp/rlctl-gpu-pool-bench"))
     p.add_argument("overrides", nargs="*", help="KEY=VALUE for every run (--cpu)")
     args = p.parse_args()
     if args.sim:
         sim_bench(args.pool_file)
     if args.cpu:
         cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.keep)
+    if args.gpu:
+        gpu_bench(args.gpu, args.steps, args.gpu_dir)
 
 
 if __name__ == "__main__":

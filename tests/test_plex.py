@@ -209,3 +209,28 @@ def test_simulated_pool_of_two_sync_jobs_costs_less_than_dedicated(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "fewer than dedicated" in out.stdout and "naive co-location: does not fit on 16 of 16 GPUs" in out.stdout
+
+
+def test_models_are_not_moved_out_and_back_at_every_call_boundary():
+    """Two jobs whose trainers cannot both be active on one device, each training in pieces with
+    short gaps: a device waits a moment for its holder's next piece until its quantum is over,
+    so the models swap about once per quantum, not once per piece."""
+    events = []
+    moves = Moves(0.5)
+
+    async def main():
+        s = scheduler({0: 100.0}, events, quantum_s=10.0, mover=moves)
+        s.add_job("a", [Model("a", "t", (0,), 20, 50)])
+        s.add_job("b", [Model("b", "t", (0,), 20, 50)])
+
+        async def pieces(job: str):
+            for _ in range(40):
+                await call(s, job, [("t", A)], "train", 1.0, [])
+                await asyncio.sleep(0.01)  # the controller sends the next piece
+
+        await asyncio.gather(pieces("a"), pieces("b"))
+
+    run_virtual(main())
+    promotions = [m for m in moves.done if m[3] is A]
+    # 80 s of calls in turns of ~10 s: ~8 swaps; without waiting, one per piece (~80).
+    assert 4 <= len(promotions) <= 14, len(promotions)

@@ -34,9 +34,13 @@ class Block:
     load: float = 0.5
     """Expected fraction of the time it keeps its devices busy."""
     parts: int = 1
+    numbered: bool = False
+    """Its models are NAME-0 .. NAME-(parts-1) (rollout servers, even one); else one model NAME."""
 
     def model_names(self) -> list[str]:
-        return [self.name] if self.parts == 1 else [f"{self.name}-{i}" for i in range(self.parts)]
+        if self.parts == 1 and not self.numbered:
+            return [self.name]
+        return [f"{self.name}-{i}" for i in range(self.parts)]
 
 
 class Layout:

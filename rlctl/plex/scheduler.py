@@ -1,32 +1,27 @@
 """Function-level time slicing of shared devices among several runs' models (the pool's core).
 
-A pool hosts several jobs' models on its devices, each model on a fixed set of devices (strict
-affinity: placed once, never migrated). A job's engine calls (a generate, a forward/backward, an
-optimizer step, a weight sync) each need some of its models, so some devices. A device runs one
-job's calls at a time: the job *holds* it while any of its calls run there, and any number of
-that job's calls may run together (a rollout server batches many generates). The scheduler
-decides who holds each device next, and moves models between memory states so that the next
-holder's models fit:
+A pool hosts several jobs' models on its devices, each model on a fixed set of devices (placed
+once, never migrated). A job's calls (a generate, a forward/backward, an optimizer step, a weight
+sync) each need some of its models in at least some memory state:
 
     active     weights and working memory (KV cache, or gradients and optimizer state)
     weights    weights only (working memory released)
     offloaded  nothing on the device (weights in host memory)
 
-The rules, all in `_dispatch`:
-- A call is granted on all its devices at once, or waits (no partial holds, so no job holds one
-  device while waiting for another).
-- Waiting calls are taken in policy order: first the calls of a job that already holds one of
-  their devices (finishing what runs frees devices, and a weight sync that paused a job's own
-  generates must get through for them to finish), then the job with the least device time per
-  unit of share, then the job whose models need no transition, then the oldest. A call that
-  cannot be granted reserves its free devices, so calls behind it cannot starve it.
-- Time slices: once a job has held a device for its quantum (`quantum_s` x share) while another
-  job waits for it, the holder's new generates there wait; its running calls finish and the
-  device passes on. Other calls (train, sync) are never held back: they end by themselves.
-- Moves: before a grant runs, the models it needs are made active; if the device's memory cap
-  would be exceeded, models of jobs not running there are demoted, least recently used first:
-  working memory first, then weights. Moves take time (`Mover`), counted as the moved model's
-  job's device time.
+A device runs one job's calls at a time (the job *holds* it while any of them run; any number of
+that job's calls may run together). `_dispatch` decides who holds each device next, and moves
+models between states (`Mover`: the engines' release/resume calls, or simulated copies) so that
+the next holder's models fit the device's memory. The rules (docs/pool.md says why):
+- A call is granted on all its devices at once, or waits: no partial holds.
+- Waiting calls are taken in order: those of a job that holds one of their devices; the job with
+  the least device time per unit of share; weight syncs, then training, then generates; calls
+  that need no move; the oldest. A call that cannot run reserves its free devices.
+- Once a job's turn on a device (its slices, with gaps under `linger_s` between them) has lasted
+  its quantum (`quantum_s` x share) while another job waits, its new generates there wait.
+  Until then a device it just left waits `linger_s` for its next call before a job whose models
+  must be moved in takes it: models are not moved out and back at every call boundary.
+- Moves demote models of jobs not running there, least recently used first, working memory
+  before weights; they count as the moved model's job's device time.
 
 Everything reads time through a `Clock` and runs on one asyncio loop, so the same code schedules
 a live pool (rlctl/launchers/pool/) and a simulated one in virtual time (rlctl/sim/pool.py).
@@ -37,64 +32,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
 from rlctl.errors import RunError
+from rlctl.plex.state import RANK as _RANK
+from rlctl.plex.state import Clock, Emit, Model, Mover, State
+
+__all__ = ["Clock", "Emit", "Model", "Mover", "SliceScheduler", "State"]
 
 
-class State(StrEnum):
-    ACTIVE = "active"
-    WEIGHTS = "weights"
-    OFFLOADED = "offloaded"
-
-
-@dataclass(eq=False)
-class Model:
-    """One job's model (a rollout server, or a trainer) on its devices."""
-
-    job: str
-    name: str
-    """"rollout-0", "trainer": the job's own name for it."""
-    devices: tuple[int, ...]
-    weights: float
-    """Bytes of weights on each of its devices."""
-    working: float
-    """Bytes besides the weights on each device when active (KV cache; gradients, optimizer)."""
-    state: State = State.ACTIVE
-    target: State = State.ACTIVE
-    """The state it is in, or is moving to."""
-    last_used: float = 0.0
-    users: int = 0
-    """Granted calls that need it: it may not move while there are any."""
-    moving: asyncio.Future | None = None
-
-    def resident(self, state: State | None = None) -> float:
-        state = state or self.state
-        return {State.ACTIVE: self.weights + self.working, State.WEIGHTS: self.weights, State.OFFLOADED: 0.0}[state]
-
-
-_RANK = {State.ACTIVE: 0, State.WEIGHTS: 1, State.OFFLOADED: 2}
-"""Lower is more resident: a model in state x serves a call that needs y when rank x <= rank y."""
 _KIND_RANK = {"sync": 0, "train": 1, "checkpoint": 1, "generate": 2}
 """Among one job's waiting calls: a weight sync first (it may hold the job's paused generates),
 then training, then generates (which keep coming; training waits on none of them)."""
-
-
-class Mover(Protocol):
-    async def __call__(self, model: Model, to: State) -> None:
-        """Move the model to state `to` (release or resume its memory)."""
-
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-
-Emit = Callable[..., None]
-"""emit(kind, t, **fields): the pool's event sink."""
 
 
 @dataclass
@@ -145,6 +97,12 @@ class SliceScheduler:
         self._waiting: dict[tuple[str, tuple[str, ...], str], _Waiting] = {}
         self._order = itertools.count()
         self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}
+        self.linger_s = 0.05 * quantum_s
+        """How long a device waits for its last holder's next call, while that holder's turn is
+        shorter than its quantum, before a job whose models must be moved in may take it."""
+        self.turn: dict[int, tuple[str, float]] = {}
+        """device -> (job, when its turn began): its slices with gaps under linger_s between them."""
+        self.last_end: dict[int, float] = {}
 
     # -- jobs and models ---------------------------------------------------------------------
 
@@ -234,6 +192,7 @@ class SliceScheduler:
         job.used += now - start
         self.busy_s[device] += now - start
         self.holder[device] = None
+        self.last_end[device] = now
         self.emit("slice", now, job=job.name, device=device, start=start, seconds=now - start)
 
     def _priority(self, w: _Waiting) -> tuple:
@@ -252,7 +211,7 @@ class SliceScheduler:
             plan = self._grantable(w, reserved)
             if plan is not None:
                 self._grant(w, plan)
-            else:
+            elif not any(self._lingering(d, w.job) for d in w.devices):  # a lingering device stays its holder's
                 for d in w.devices:
                     reserved.setdefault(d, w)
         self._waiting = {k: w for k, w in self._waiting.items() if w.futures}
@@ -263,7 +222,25 @@ class SliceScheduler:
         for d in w.devices:
             if self.holder[d] not in (None, w.job) or reserved.get(d, w) is not w:
                 return None
-        return self._evictions(w)
+        plan = self._evictions(w)
+        moves = plan or any(_RANK[m.target] > _RANK[st] for m, st in w.needs)
+        if plan is not None and moves and any(self._lingering(d, w.job) for d in w.devices):
+            return None  # moving models in and out at every call boundary would cost more than the calls
+        return plan
+
+    def _lingering(self, d: int, job: str) -> bool:
+        """Is device d kept a moment for its last holder (another job, mid-turn)?"""
+        last, began = self.turn.get(d, (None, 0.0))
+        if self.holder[d] is not None or last in (None, job) or last not in self.jobs:
+            return False
+        now, end = self.clock.now(), self.last_end.get(d, 0.0)
+        if now - end >= self.linger_s or end - began >= self.quantum_s * self.jobs[last].share:
+            return False
+        if (last, d) not in self._timers:  # look again when the moment is over
+            loop = asyncio.get_running_loop()
+            self._timers[(last, d)] = loop.call_at(loop.time() + end + self.linger_s - now, self._quantum_due, last, d,
+                                                   None)
+        return True
 
     def _evictions(self, w: _Waiting) -> list[tuple[Model, State]] | None:
         """The demotions that make room for w's models on its devices (least recently used
@@ -302,6 +279,9 @@ class SliceScheduler:
                 self.holder[d] = w.job
                 job.since[d] = now
                 job.holds[d] = 0
+                last, _ = self.turn.get(d, (None, 0.0))
+                if last != w.job or now - self.last_end.get(d, 0.0) > self.linger_s:
+                    self.turn[d] = (w.job, now)
             job.holds[d] += len(futures)
         for m in w.models:
             m.users += len(futures)
@@ -366,22 +346,22 @@ class SliceScheduler:
             if holder is None or not (wanted.get(d, set()) - {holder}):
                 continue
             job = self.jobs[holder]
-            due = job.since[d] + self.quantum_s * job.share
+            began = self.turn.get(d, (holder, job.since[d]))[1]
+            due = began + self.quantum_s * job.share
             if d in job.yielding:
                 continue
             if now >= due:
                 job.yielding.add(d)
             elif (holder, d) not in self._timers:
                 loop = asyncio.get_running_loop()
-                self._timers[(holder, d)] = loop.call_at(loop.time() + due - now, self._quantum_due, holder, d,
-                                                         job.since[d])
+                self._timers[(holder, d)] = loop.call_at(loop.time() + due - now, self._quantum_due, holder, d, began)
 
-    def _quantum_due(self, holder: str, device: int, since: float) -> None:
+    def _quantum_due(self, holder: str, device: int, since: float | None) -> None:
         """The slice that began at `since` is over (marked here: the clock's rounding may leave it a
         hair short of `due`, and a timer per hair would never let time move)."""
         del self._timers[(holder, device)]
         job = self.jobs.get(holder)
-        if job is not None and job.since.get(device) == since:
+        if job is not None and since is not None and device in job.since and self.turn.get(device, ("", None))[1] == since:
             job.yielding.add(device)
         self._dispatch()
 

@@ -116,7 +116,15 @@ class PoolConfig(Section):
     """Where pools' directories are (a pool is `DIR/NAME`)."""
     share: float = 1.0
     """Its share of contended devices (2: twice the device time of a share-1 job)."""
+    rollout_memory_gb: float = 0.0
+    """What one rollout server holds on its device when active (0: estimated from the weights,
+    rlctl/launchers/pool/jobs.py). Set it from a dedicated run's peak when the estimate is short."""
+    trainer_memory_gb: float = 0.0
+    """The same for one trainer rank."""
 
     def check(self) -> None:
         if self.share <= 0:
             raise FieldError("share", f"must be > 0, got {self.share}")
+        for key in ("rollout_memory_gb", "trainer_memory_gb"):
+            if getattr(self, key) < 0:
+                raise FieldError(key, f"must be >= 0, got {getattr(self, key)}")

@@ -99,7 +99,8 @@ def blocks(recipe: Recipe, cost: CostModel, sim: PoolSimConfig, loads: dict[str,
     per_server = cost.model.weight_bytes / s.tp
     servers = s.rollout_gpus // s.tp
     rollout = sum(loads.get(f"rollout-{i}", 0.5) for i in range(servers)) / servers
-    out = [Block("rollout", s.rollout_gpus, per_server, hbm * cost.memory_fraction - per_server, rollout, parts=servers)]
+    out = [Block("rollout", s.rollout_gpus, per_server, hbm * cost.memory_fraction - per_server, rollout,
+                 parts=servers, numbered=True)]
     n = s.trainer_gpus
     out.append(Block("trainer", n, 2 * params / n, 16 * params / n + sim.activation_gb * GB, loads.get("trainer", 0.5)))
     return out

@@ -4,9 +4,7 @@ models between memory states (the engines' own release/resume calls, with the ru
 
 A rollout model's working memory is its KV cache (SGLang's tag `kv_cache`), its weights are tag
 `weights`; a trainer's working memory is its optimizer state (`optimizer`). How much a model
-holds is estimated from its weights file before anything starts (a rollout server: the weights,
-plus a KV cache of a quarter of them; a trainer: weights, gradients and two Adam moments, four
-times the weights), and what the engines report is recorded once they run.
+holds is estimated from its weights file before anything starts (job_blocks).
 """
 
 from __future__ import annotations
@@ -36,10 +34,30 @@ def weights_bytes(model_path: str) -> float:
 
 
 def job_blocks(recipe: Recipe, model_path: str, devices: int) -> list[Block]:
-    """A run's servers (spread over up to all the pool's devices) and its trainer ranks."""
+    """A run's servers (spread over up to all the pool's devices) and its trainer ranks, with the
+    bytes each holds per device: a server its weights as stored, plus a KV cache counted as a
+    quarter of them (the built-in server's grows with its batch); a torch trainer fp32 weights
+    (and an fp32 reference model with KL), plus fp32 gradients and two Adam moments (12 bytes a
+    parameter), split over its ranks."""
+    import json
+
     w = weights_bytes(model_path)
-    n = recipe.rollout.servers
-    return [Block("rollout", min(n, devices), w, w / 4, parts=n), Block("trainer", recipe.train.ranks, w, 3 * w)]
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+    except (OSError, ValueError):
+        stored = "float32"
+    params = w / {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(stored).removeprefix("torch."), 4)
+    n, ranks = recipe.rollout.servers, recipe.train.ranks
+    trainer_weights = 4 * params * (2 if recipe.train.kl_coef > 0 else 1) / ranks
+    server_working, trainer_working = w / 4, 12 * params / ranks
+    said = recipe.pool  # the run's own numbers, when it gives them, over the estimates
+    if said.rollout_memory_gb:
+        server_working = max(0.0, said.rollout_memory_gb * 1e9 - w)
+    if said.trainer_memory_gb:
+        trainer_working = max(0.0, said.trainer_memory_gb * 1e9 - trainer_weights)
+    return [Block("rollout", min(n, devices), w, server_working, parts=n, numbered=True),
+            Block("trainer", ranks, trainer_weights, trainer_working)]
 
 
 @dataclass
@@ -134,10 +152,15 @@ class EngineMover:
         client = self._client(job, model)
         working = "optimizer" if model.name == "trainer" else "kv_cache"
         tags = lambda names: sorted(working if n == "working" else n for n in names)  # noqa: E731
-        if release:
-            await client.release_memory_occupation(tags(release))
-        if resume:
-            await client.resume_memory_occupation(tags(resume))
+        try:
+            if release:
+                await client.release_memory_occupation(tags(release))
+            if resume:
+                await client.resume_memory_occupation(tags(resume))
+        except Exception:
+            if job.ended or job.exited():
+                return  # its engine is gone, and its memory with it: nothing to move (the pool lets it go)
+            raise
 
     def _client(self, job: PoolJob, model: Model):
         from rlctl.engines.rollout.client import RolloutClient

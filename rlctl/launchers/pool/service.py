@@ -111,6 +111,9 @@ class PoolService:
             await self._admit(job)
         except (RlctlError, KeyError, ValueError, OSError) as e:
             return web.json_response({"error": str(e)}, status=409)
+        except Exception as e:  # a bug: the run says what it was, the log has the traceback
+            log.exception("attaching %s", body.get("run_dir"))
+            return web.json_response({"error": f"{type(e).__name__}: {e} (see the pool's log)"}, status=500)
         return web.json_response({"job": job.name, "placement": job.rd.read()["pool"]["placement"]})
 
     async def _admit(self, job: PoolJob) -> None:
