@@ -191,7 +191,11 @@ class Supervisor:
 
         for r in self.plan.trainers:
             self._start(r)
-        controller = self._start(self.plan.controller)
+        return self._watch(self._start(self.plan.controller))
+
+    def _watch(self, controller: Child, pool_said=lambda: None) -> tuple[RunState, str]:
+        """The run is running: until the controller ends or something fails (`pool_said()`: why
+        the pool let the run go, or None)."""
         self.rd.set_state(RunState.RUNNING)
         self.running = True
         while True:
@@ -200,6 +204,9 @@ class Supervisor:
                 return failure
             if controller.proc.poll() == 0:
                 return RunState.COMPLETED, "all steps done"
+            ended = pool_said()
+            if ended:
+                return RunState.FAILED, ended
             time.sleep(POLL_S)
 
     def _run_in_pool(self) -> tuple[RunState, str]:
@@ -215,24 +222,19 @@ class Supervisor:
             attach(pd, self.rd.path, timeout_s=SERVER_START_TIMEOUT_S + 60)
         except RunError as e:
             return RunState.FAILED, f"not attached: {e}"
-        self.rd.set_state(RunState.RUNNING)
-        self.running = True
-        asked = 0.0
-        while True:
-            failure = self._failure()
-            if failure:
-                return failure
-            if controller.proc.poll() == 0:
-                return RunState.COMPLETED, "all steps done"
-            if time.monotonic() - asked > 1.0:
-                asked = time.monotonic()
-                try:
-                    ended = request(pd, "GET", f"/jobs/{self.rd.id}")["ended"]
-                except RunError as e:
-                    ended = str(e)
-                if ended:
-                    return RunState.FAILED, f"pool {pd.name} let the run go: {ended}"
-            time.sleep(POLL_S)
+        asked = [0.0]
+
+        def pool_said() -> str | None:  # once a second
+            if time.monotonic() - asked[0] < 1.0:
+                return None
+            asked[0] = time.monotonic()
+            try:
+                ended = request(pd, "GET", f"/jobs/{self.rd.id}")["ended"]
+            except RunError as e:
+                ended = str(e)
+            return f"pool {pd.name} let the run go: {ended}" if ended else None
+
+        return self._watch(controller, pool_said)
 
     def _leave_pool(self, reason: str) -> None:
         if self.pool is None:

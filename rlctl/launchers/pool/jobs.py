@@ -10,7 +10,6 @@ holds is estimated from its weights file before anything starts (job_blocks).
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -118,23 +117,18 @@ class PoolJob:
     def stop(self, grace_s: float = 3.0) -> None:
         import signal
 
+        from rlctl.launchers.local import _signal_group
+
         for p in self.procs.values():
-            _killpg(p.pid, signal.SIGTERM)
+            _signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
             time.sleep(0.05)
         for name, p in self.procs.items():
-            _killpg(p.pid, signal.SIGKILL)
+            _signal_group(p.pid, signal.SIGKILL)
             if p.poll() is None:
                 p.wait(timeout=5)
             self.rd.event("server_down" if name.startswith("rollout") else "process_exit", role=name, code=p.returncode)
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class EngineMover:

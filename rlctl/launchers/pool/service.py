@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rlctl.door import refusal
+from rlctl.door import listening_socket, refusal
 from rlctl.errors import RlctlError, RunError
 from rlctl.launchers.pool.jobs import EngineMover, PoolJob, job_blocks, wait_healthy
 from rlctl.launchers.pool.pooldir import PoolDir
@@ -74,9 +74,8 @@ class PoolService:
         self.stopping = asyncio.Event()
 
     def emit(self, kind: str, t: float, **fields: Any) -> None:
-        for key in ("start",):
-            if key in fields:
-                fields[key] = round(fields[key] - self.t0, 6)
+        if "start" in fields:  # the scheduler's clock is monotonic: times from the pool's start
+            fields["start"] = round(fields["start"] - self.t0, 6)
         self.pd.event(kind, round(t - self.t0, 6), **fields)
 
     # -- the door ------------------------------------------------------------------------------
@@ -311,9 +310,9 @@ async def serve(pd: PoolDir) -> None:
     service = PoolService(pd)
     runner = web.AppRunner(service.app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    sock = listening_socket("127.0.0.1", 0)  # loopback only; the port is written to pool.json
+    port = sock.getsockname()[1]
+    await web.SockSite(runner, sock).start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stopping.set)
