@@ -3,13 +3,17 @@ all of them started together on the same devices with no pool (naive co-location
 
     python scripts/bench_pool.py --sim             # 8 jobs on 64 simulated H200s (recipes/pool/sim-64gpu.yaml)
     python scripts/bench_pool.py --cpu             # 3 quickstart runs (sync, rolloutpipe, async) on this CPU
-    python scripts/bench_pool.py --cpu --gpu       # the same with two GPU-bench runs on one GPU (see --help)
+    python scripts/bench_pool.py --cpu --steps 150 --seeds 3 --share-check rollout.servers=1 \
+        --placement 'train.cpus=[0]' 'rollout.cpus=[1]'   # disaggregated: trainer and server on their own core
+    python scripts/bench_pool.py --gpu dedicated|naive|pool   # two GPU-bench runs on one GPU (see gpu_bench)
 
 CPU: the devices are this machine's cores (2 here: the pool makes each core a device). A run's
 device-seconds are its wall time x the devices it holds: dedicated, both cores for its whole run;
 naive co-location and the pool, both cores until the last run ends (the pool also reports what
-each run used: its slices and model moves). Rewards are the mean of the last 5 steps; the spread
-of each dedicated run is taken over --seeds seeds. One job runs with share 2 in the pool.
+each run used: its slices and model moves). --placement says where a run's processes go alone
+and under naive co-location (in the pool, the pool places them). Rewards are the mean of the
+last 5 steps; the spread of each dedicated run is taken over --seeds seeds. One job runs with
+share 2 in the pool; --share-check runs the pool again with every share 1.
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ def final_reward(cwd: Path, rid: str) -> float:
     return statistics.mean(m["reward_mean"] for m in metrics[-5:])
 
 
-def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], keep: Path | None) -> None:
+def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: list[str], keep: Path | None,
+              share_check: bool) -> None:
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="rlctl-bench-pool-") as tmp:
         cwd = keep or Path(tmp)
@@ -88,7 +93,8 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], keep: Path 
         for name, mode, seed, _ in JOBS:  # dedicated: one after the other, each with every core
             rewards = []
             for k in range(seeds):
-                rid = launch(recipe, [*common, mode, f"run.seed={seed + 10 * k}", f"run.name=ded-{name}-{k}"], cwd)
+                rid = launch(recipe, [*common, *placement, mode, f"run.seed={seed + 10 * k}", f"run.name=ded-{name}-{k}"],
+                             cwd)
                 wait([rid], cwd)
                 rewards.append(final_reward(cwd, rid))
                 if k == 0:
@@ -96,29 +102,38 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], keep: Path 
             rows[name]["dedicated_reward"] = rewards
         print(f"dedicated runs done in {time.monotonic() - start:.0f} s", flush=True)
         t = time.monotonic()
-        ids = {name: launch(recipe, [*common, mode, f"run.seed={seed}", f"run.name=naive-{name}"], cwd)
+        ids = {name: launch(recipe, [*common, *placement, mode, f"run.seed={seed}", f"run.name=naive-{name}"], cwd)
                for name, mode, seed, _ in JOBS}
         wait(list(ids.values()), cwd)
         naive_makespan = time.monotonic() - t
         for name, rid in ids.items():
             rows[name]["naive_s"], rows[name]["naive_reward"] = wall_s(cwd, rid), final_reward(cwd, rid)
             rows[name]["naive_start"] = started_s(cwd, rid)
-        pool_file = ROOT / "recipes" / "pool" / "cpu.yaml"
-        rlctl("pool", "up", str(pool_file), f"pool.devices.count={cores}", cwd=cwd)
-        try:
-            t = time.monotonic()
-            ids = {name: launch(recipe, [*common, mode, f"run.seed={seed}", f"run.name=pool-{name}", "launcher=pool",
-                                         "pool.name=cpu", f"pool.share={share}"], cwd)
-                   for name, mode, seed, share in JOBS}
-            infos = wait(list(ids.values()), cwd)
-            pool_makespan = time.monotonic() - t
-        finally:
-            rlctl("pool", "down", "cpu", cwd=cwd)
+        ids, infos, pool_makespan = pool_phase(recipe, common, cores, cwd, "pool", {n: sh for n, *_, sh in JOBS})
         for name, rid in ids.items():
             usage = infos[rid]["pool"]["usage"]
             rows[name].update(pool_s=wall_s(cwd, rid), pool_reward=final_reward(cwd, rid), pool_start=started_s(cwd, rid),
                               used=usage["used_device_s"], moved=usage["moved_device_s"], share=usage["share"])
         print_cpu(rows, cores, naive_makespan, pool_makespan)
+        if share_check:  # the same pool with every share 1: what the larger share bought
+            ids, _, makespan = pool_phase(recipe, common, cores, cwd, "even", dict.fromkeys(rows, 1.0))
+            print("with every share 1 (s): " + ", ".join(
+                f"{n} {wall_s(cwd, rid):.1f} (share {rows[n]['share']:g}: {rows[n]['pool_s']:.1f})" for n, rid in ids.items())
+                  + f"; pool {makespan:.1f} ({pool_makespan:.1f})")
+
+
+def pool_phase(recipe: str, common: list[str], cores: int, cwd: Path, tag: str, shares: dict[str, float]):
+    """The jobs on a pool of this machine's cores, one device each; their run ids, run.json and makespan."""
+    rlctl("pool", "up", str(ROOT / "recipes" / "pool" / "cpu.yaml"), f"pool.devices.count={cores}", cwd=cwd)
+    try:
+        t = time.monotonic()
+        ids = {name: launch(recipe, [*common, mode, f"run.seed={seed}", f"run.name={tag}-{name}", "launcher=pool",
+                                     "pool.name=cpu", f"pool.share={shares[name]}"], cwd)
+               for name, mode, seed, _ in JOBS}
+        infos = wait(list(ids.values()), cwd)
+        return ids, infos, time.monotonic() - t
+    finally:
+        rlctl("pool", "down", "cpu", cwd=cwd)
 
 
 def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_makespan: float) -> None:
@@ -180,12 +195,12 @@ def gpu_bench(phase: str, steps: int, work: Path) -> None:
     recipe = str(ROOT / "recipes" / "bench-longtail-gpu.yaml")
     runs = [("a", 0), ("b", 1)]
     mem = GpuMemory()
-    if phase == "dedicated":
-        from rlctl.models.tiny import ensure_tiny_model
-        from rlctl.recipe import load_recipe
+    from rlctl.models.tiny import ensure_tiny_model
+    from rlctl.recipe import load_recipe
 
-        r = load_recipe(recipe)
-        ensure_tiny_model(r.model.init, r.data.task)  # built once, before any run is timed
+    r = load_recipe(recipe)
+    ensure_tiny_model(r.model.init, r.data.task)  # built once, before any run is timed
+    if phase == "dedicated":
         for name, seed in runs:
             mem.peak = mem.used()
             base = mem.peak
@@ -251,14 +266,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--keep", type=Path, help="Keep the runs and the pool in this directory.")
+    p.add_argument("--share-check", action="store_true",
+                   help="--cpu: run the pool again with every share 1, to show what the larger share bought.")
     p.add_argument("--gpu", choices=["dedicated", "naive", "pool"], help="One phase of the one-GPU bench.")
     p.add_argument("--gpu-dir", type=Path, default=Path("/tmp/rlctl-gpu-pool-bench"))
+    p.add_argument("--placement", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="Where a run's processes go when it runs alone and under naive co-location (--cpu), "
+                        "e.g. train.cpus=[0] rollout.cpus=[1]; in the pool, the pool places them.")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE for every run (--cpu)")
     args = p.parse_args()
     if args.sim:
         sim_bench(args.pool_file)
     if args.cpu:
-        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.keep)
+        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.placement, args.keep, args.share_check)
     if args.gpu:
         gpu_bench(args.gpu, args.steps, args.gpu_dir)
 

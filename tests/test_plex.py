@@ -234,3 +234,34 @@ def test_models_are_not_moved_out_and_back_at_every_call_boundary():
     promotions = [m for m in moves.done if m[3] is A]
     # 80 s of calls in turns of ~10 s: ~8 swaps; without waiting, one per piece (~80).
     assert 4 <= len(promotions) <= 14, len(promotions)
+
+
+def test_turns_grow_with_what_a_switch_costs():
+    """Trainers that take 2.5 s to move out or in, training in 10 s pieces with 1 s between them
+    (the controller's own work): with a 5 s quantum and a device kept only linger_s, every piece
+    would swap (5 s of moves per 10 s of work). The pool measures the moves, keeps a device for
+    its holder as long as a switch would take, and makes a turn last until the moves are at most
+    switch_overhead of it: a few swaps, and both jobs still take turns."""
+    events, log = [], []
+    moves = Moves(2.5)
+
+    async def main():
+        s = scheduler({0: 100.0}, events, quantum_s=5.0, mover=moves)
+        s.add_job("a", [Model("a", "t", (0,), 20, 50)])
+        s.add_job("b", [Model("b", "t", (0,), 20, 50)])
+
+        async def pieces(job: str):
+            for _ in range(12):
+                await call(s, job, [("t", A)], "train", 10.0, log)
+                await asyncio.sleep(1.0)
+
+        await asyncio.gather(pieces("a"), pieces("b"))
+
+    run_virtual(main())
+    promotions = [m for m in moves.done if m[3] is A]
+    assert 2 <= len(promotions) <= 8, len(promotions)  # one per piece would be ~23
+    turns = [job for job, *_ in sorted(log, key=lambda x: x[2])]
+    switches = sum(a != b for a, b in zip(turns, turns[1:]))
+    assert switches >= 2  # neither job waited for the other to finish all its pieces
+    moved = sum(e["seconds"] for e in events if e["event"] == "move")
+    assert moved / max(end for *_, end in log) < 0.15

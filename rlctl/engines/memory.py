@@ -4,7 +4,9 @@ A shared pool multiplexes several runs' models on one device: each model process
 release what it holds there (weights, KV cache, optimizer state) and resume it later exactly as
 it was. The bytes leave for host memory:
 
-- from a CUDA device, into one pinned CPU tensor (copies at full PCIe speed both ways);
+- from a CUDA device, into one pinned CPU tensor (copies at full PCIe speed both ways), kept for
+  the next release: pinning gigabytes of host memory takes longer than copying them, so a model
+  in a pool holds its released bytes' worth of host memory for the life of its process;
 - from the CPU there is no other memory to go to, so they go to a file in a private directory
   (0700, the file 0600; PrivateDir) and the tensor is freed. The file is synced and dropped from
   the page cache, so the memory is the system's again until the resume reads it back.
@@ -43,6 +45,19 @@ class PrivateDir:
     def __init__(self, base: str | None = None) -> None:
         self.base = base or None
         self.path: Path | None = None
+        self.host: dict[str, torch.Tensor] = {}
+        """name -> the host buffer its last release used (pinned where CUDA is), for the next."""
+
+    def host_buffer(self, name: str, nbytes: int) -> torch.Tensor:
+        """nbytes of host memory for `name`'s bytes: the buffer its last release used when that is
+        large enough, else a new one."""
+        import torch
+
+        buf = self.host.get(name)
+        if buf is None or buf.numel() < nbytes:
+            self.host.pop(name, None)  # freed before the larger one is pinned
+            buf = self.host[name] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return buf[:nbytes]
 
     def new_file(self, name: str) -> int:
         """Create `name` in the directory, 0600, and return its descriptor (open for writing)."""
@@ -54,6 +69,7 @@ class PrivateDir:
         return os.open(self.path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 
     def cleanup(self) -> None:
+        self.host.clear()
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             self.path = None
@@ -84,7 +100,6 @@ class Stash:
     def take(cls, tensors: list[torch.Tensor], where: PrivateDir, name: str, to_file: bool | None = None) -> Stash:
         """Copy the tensors' bytes off their device: to a file when they are all on the CPU, else
         to host memory (`to_file` forces either). The caller frees the tensors afterwards."""
-        import torch
 
         tensors = [t.detach().contiguous() for t in tensors]
         stash = cls([(t.dtype, tuple(t.shape), t.device) for t in tensors], [t.numel() * t.element_size() for t in tensors])
@@ -101,7 +116,7 @@ class Stash:
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             return stash
-        stash.host = torch.empty(stash.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        stash.host = where.host_buffer(name, stash.nbytes)
         offset = 0
         for t, n in zip(tensors, stash.sizes, strict=True):
             stash.host[offset:offset + n].copy_(_as_bytes(t), non_blocking=True)

@@ -17,9 +17,13 @@ the next holder's models fit the device's memory. The rules (docs/pool.md says w
   the least device time per unit of share; weight syncs, then training, then generates; calls
   that need no move; the oldest. A call that cannot run reserves its free devices.
 - Once a job's turn on a device (its slices, with gaps under `linger_s` between them) has lasted
-  its quantum (`quantum_s` x share) while another job waits, its new generates there wait.
-  Until then a device it just left waits `linger_s` for its next call before a job whose models
-  must be moved in takes it: models are not moved out and back at every call boundary.
+  its quantum while another job waits, its new generates there wait. The quantum is `quantum_s`
+  x share, or longer where handing the device over costs moves: a turn lasts at least the moves
+  the switch needs (as long as they took last time) / `switch_overhead`, so that moving models
+  takes at most that fraction of a device's time.
+  Until then a device it just left waits for its next call before a job whose models must be
+  moved in takes it, as long as those moves would take (at least `linger_s`): models are not
+  moved out and back at every call boundary.
 - Moves demote models of jobs not running there, least recently used first, working memory
   before weights; they count as the moved model's job's device time.
 
@@ -39,7 +43,7 @@ from typing import Any
 
 from rlctl.errors import RunError
 from rlctl.plex.state import RANK as _RANK
-from rlctl.plex.state import Clock, Emit, Model, Mover, State
+from rlctl.plex.state import Clock, Emit, JobState, Model, Mover, State
 
 __all__ = ["Clock", "Emit", "Model", "Mover", "SliceScheduler", "State"]
 
@@ -47,22 +51,6 @@ __all__ = ["Clock", "Emit", "Model", "Mover", "SliceScheduler", "State"]
 _KIND_RANK = {"sync": 0, "train": 1, "checkpoint": 1, "generate": 2}
 """Among one job's waiting calls: a weight sync first (it may hold the job's paused generates),
 then training, then generates (which keep coming; training waits on none of them)."""
-
-
-@dataclass
-class JobState:
-    name: str
-    share: float = 1.0
-    used: float = 0.0
-    """Device-seconds: its slices on every device, plus its models' moves."""
-    moved: float = 0.0
-    """The part of `used` spent moving its models."""
-    holds: dict[int, int] = field(default_factory=dict)
-    """device -> calls of this job running there."""
-    since: dict[int, float] = field(default_factory=dict)
-    """device -> when this job's current slice there began."""
-    yielding: set[int] = field(default_factory=set)
-    """Devices where its new generates wait: its slice is over and another job waits."""
 
 
 @dataclass(eq=False)
@@ -83,13 +71,14 @@ class _Waiting:
 
 class SliceScheduler:
     def __init__(self, devices: dict[int, float], clock: Clock, mover: Mover, emit: Emit | None = None,
-                 quantum_s: float = 5.0) -> None:
+                 quantum_s: float = 5.0, switch_overhead: float = 0.1) -> None:
         self.capacity = dict(devices)
         """device -> memory cap in bytes."""
         self.clock = clock
         self.mover = mover
         self.emit = emit or (lambda kind, t, **f: None)
         self.quantum_s = quantum_s
+        self.switch_overhead = switch_overhead
         self.jobs: dict[str, JobState] = {}
         self.models: dict[tuple[str, str], Model] = {}
         self.holder: dict[int, str | None] = dict.fromkeys(devices)
@@ -211,7 +200,7 @@ class SliceScheduler:
             plan = self._grantable(w, reserved)
             if plan is not None:
                 self._grant(w, plan)
-            elif not any(self._lingering(d, w.job) for d in w.devices):  # a lingering device stays its holder's
+            elif not any(self._lingering(d, w) for d in w.devices):  # a lingering device stays its holder's
                 for d in w.devices:
                     reserved.setdefault(d, w)
         self._waiting = {k: w for k, w in self._waiting.items() if w.futures}
@@ -224,34 +213,49 @@ class SliceScheduler:
                 return None
         plan = self._evictions(w)
         moves = plan or any(_RANK[m.target] > _RANK[st] for m, st in w.needs)
-        if plan is not None and moves and any(self._lingering(d, w.job) for d in w.devices):
+        if plan is not None and moves and any(self._lingering(d, w) for d in w.devices):
             return None  # moving models in and out at every call boundary would cost more than the calls
         return plan
 
-    def _lingering(self, d: int, job: str) -> bool:
-        """Is device d kept a moment for its last holder (another job, mid-turn)?"""
+    def _lingering(self, d: int, w: _Waiting) -> bool:
+        """Is device d kept a moment for its last holder (another job, mid-turn)? It waits as
+        long as the moves w needs would take (and at least linger_s): idling that long for a
+        call that may come costs at most what switching now would (the ski-rental rule)."""
         last, began = self.turn.get(d, (None, 0.0))
-        if self.holder[d] is not None or last in (None, job) or last not in self.jobs:
+        if self.holder[d] is not None or last in (None, w.job) or last not in self.jobs:
             return False
         now, end = self.clock.now(), self.last_end.get(d, 0.0)
-        if now - end >= self.linger_s or end - began >= self.quantum_s * self.jobs[last].share:
+        switch = self._switch_s(w)
+        wait = max(self.linger_s, switch)
+        if now - end >= wait or end - began >= self._quantum(last, switch):
             return False
         if (last, d) not in self._timers:  # look again when the moment is over
             loop = asyncio.get_running_loop()
-            self._timers[(last, d)] = loop.call_at(loop.time() + end + self.linger_s - now, self._quantum_due, last, d,
-                                                   None)
+            self._timers[(last, d)] = loop.call_at(loop.time() + end + wait - now, self._quantum_due, last, d, None)
         return True
 
-    def _evictions(self, w: _Waiting) -> list[tuple[Model, State]] | None:
+    def _quantum(self, holder: str, switch_s: float) -> float:
+        """How long the holder's turn lasts while another job waits: its share of the quantum,
+        and at least the switch's moves / switch_overhead."""
+        return self.jobs[holder].share * max(self.quantum_s, switch_s / self.switch_overhead)
+
+    def _switch_s(self, w: _Waiting) -> float:
+        """Seconds of moves w needs before it runs (each as long as that move took last time;
+        one never made yet counts nothing)."""
+        moves = (self._evictions(w, busy_too=True) or []) + [(m, st) for m, st in w.needs if _RANK[m.target] > _RANK[st]]
+        return sum(m.move_s.get((m.target, to), 0.0) for m, to in moves)
+
+    def _evictions(self, w: _Waiting, busy_too: bool = False) -> list[tuple[Model, State]] | None:
         """The demotions that make room for w's models on its devices (least recently used
-        first), or None when no set of them does."""
+        first), or None when no set of them does. busy_too: as if the models in use were not."""
         plan: list[tuple[Model, State]] = []
         state = {m: m.target for m in self.models.values()}
         for m, st in w.needs:
             state[m] = min(state[m], st, key=_RANK.__getitem__)
         for d in sorted(w.devices):
             on_d = [m for m in self.models.values() if d in m.devices]
-            others = sorted((m for m in on_d if m not in w.models and self._movable(m)), key=lambda m: m.last_used)
+            others = sorted((m for m in on_d if m not in w.models and (busy_too or self._movable(m))),
+                            key=lambda m: m.last_used)
             for step in (State.WEIGHTS, State.OFFLOADED):
                 for m in others:
                     if sum(x.resident(state[x]) for x in on_d) <= self.capacity[d]:
@@ -280,8 +284,8 @@ class SliceScheduler:
                 job.since[d] = now
                 job.holds[d] = 0
                 last, _ = self.turn.get(d, (None, 0.0))
-                if last != w.job or now - self.last_end.get(d, 0.0) > self.linger_s:
-                    self.turn[d] = (w.job, now)
+                if last != w.job or now - self.last_end.get(d, 0.0) > self.linger_s and not self._wanted(d, w.job):
+                    self.turn[d] = (w.job, now)  # a new turn, unless it comes back to a device kept for it
             job.holds[d] += len(futures)
         for m in w.models:
             m.users += len(futures)
@@ -321,11 +325,12 @@ class SliceScheduler:
         done.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)  # retrieved here too
 
     async def _move(self, m: Model, to: State) -> None:
-        start, before = self.clock.now(), m.state
+        start, before, said = self.clock.now(), m.state, None
         try:
             if m.state is not to:
-                await self.mover(m, to)
+                said = await self.mover(m, to)
                 m.state = to
+                m.move_s[(before, to)] = self.clock.now() - start
         finally:
             seconds = self.clock.now() - start
             job = self.jobs.get(m.job)
@@ -333,36 +338,45 @@ class SliceScheduler:
                 job.used += seconds * len(m.devices)
                 job.moved += seconds * len(m.devices)
             self.emit("move", self.clock.now(), job=m.job, model=m.name, devices=list(m.devices), start=start,
-                      seconds=seconds, to=to.value, ok=m.state is to, **{"from": before.value})
+                      seconds=seconds, to=to.value, ok=m.state is to, **{"from": before.value}, **(said or {}))
 
     def _check_quanta(self) -> None:
-        """Mark holders whose slice is over while another job waits; wake up when one will be."""
-        wanted: dict[int, set[str]] = {}
-        for w in self._waiting.values():
-            for d in w.devices:
-                wanted.setdefault(d, set()).add(w.job)
+        """Mark holders whose turn is over while another job waits; wake up when one will be."""
         now = self.clock.now()
         for d, holder in self.holder.items():
-            if holder is None or not (wanted.get(d, set()) - {holder}):
+            if holder is None or d in self.jobs[holder].yielding:
                 continue
-            job = self.jobs[holder]
-            began = self.turn.get(d, (holder, job.since[d]))[1]
-            due = began + self.quantum_s * job.share
-            if d in job.yielding:
+            due = self._due(d, holder)
+            if due is None:
                 continue
             if now >= due:
-                job.yielding.add(d)
+                self.jobs[holder].yielding.add(d)
             elif (holder, d) not in self._timers:
                 loop = asyncio.get_running_loop()
+                began = self.turn.get(d, (holder, 0.0))[1]
                 self._timers[(holder, d)] = loop.call_at(loop.time() + due - now, self._quantum_due, holder, d, began)
 
+    def _wanted(self, d: int, job: str) -> bool:
+        return any(d in w.devices and w.job != job and w.futures for w in self._waiting.values())
+
+    def _due(self, d: int, holder: str) -> float | None:
+        """When the holder's turn on d ends, if another job waits for d."""
+        waiting = [w for w in self._waiting.values() if d in w.devices and w.job != holder and w.futures]
+        if not waiting:
+            return None
+        began = self.turn.get(d, (holder, self.jobs[holder].since[d]))[1]
+        return began + self._quantum(holder, min(self._switch_s(w) for w in waiting))
+
     def _quantum_due(self, holder: str, device: int, since: float | None) -> None:
-        """The slice that began at `since` is over (marked here: the clock's rounding may leave it a
-        hair short of `due`, and a timer per hair would never let time move)."""
+        """The turn that began at `since` may be over: marked here when it is, to within a
+        millisecond (the clock's rounding may leave it a hair short, and a timer per hair would
+        never let time move); a turn whose quantum grew meanwhile gets a new timer."""
         del self._timers[(holder, device)]
         job = self.jobs.get(holder)
         if job is not None and since is not None and device in job.since and self.turn.get(device, ("", None))[1] == since:
-            job.yielding.add(device)
+            due = self._due(device, holder)
+            if due is not None and self.clock.now() >= due - 1e-3:
+                job.yielding.add(device)
         self._dispatch()
 
     def snapshot(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
@@ -34,10 +34,28 @@ class Model:
     users: int = 0
     """Granted calls that need it: it may not move while there are any."""
     moving: asyncio.Future | None = None
+    move_s: dict[tuple[State, State], float] = field(default_factory=dict)
+    """(from, to) -> seconds its last such move took: what moving it again is expected to cost."""
 
     def resident(self, state: State | None = None) -> float:
         state = state or self.state
         return {State.ACTIVE: self.weights + self.working, State.WEIGHTS: self.weights, State.OFFLOADED: 0.0}[state]
+
+
+@dataclass
+class JobState:
+    name: str
+    share: float = 1.0
+    used: float = 0.0
+    """Device-seconds: its slices on every device, plus its models' moves."""
+    moved: float = 0.0
+    """The part of `used` spent moving its models."""
+    holds: dict[int, int] = field(default_factory=dict)
+    """device -> calls of this job running there."""
+    since: dict[int, float] = field(default_factory=dict)
+    """device -> when this job's current slice there began."""
+    yielding: set[int] = field(default_factory=set)
+    """Devices where its new generates wait: its slice is over and another job waits."""
 
 
 RANK = {State.ACTIVE: 0, State.WEIGHTS: 1, State.OFFLOADED: 2}
@@ -45,8 +63,9 @@ RANK = {State.ACTIVE: 0, State.WEIGHTS: 1, State.OFFLOADED: 2}
 
 
 class Mover(Protocol):
-    async def __call__(self, model: Model, to: State) -> None:
-        """Move the model to state `to` (release or resume its memory)."""
+    async def __call__(self, model: Model, to: State) -> dict | None:
+        """Move the model to state `to` (release or resume its memory); what it returns (the
+        engine's own bytes and seconds, say) goes into the move's event."""
 
 
 class Clock(Protocol):

@@ -76,12 +76,17 @@ class PoolSpec(Section):
     quantum_s: float = 5.0
     """A device's time slice: once a job has held a device this long (times its share) while
     another waits, its new generates there wait for the other's turn."""
+    switch_overhead: float = 0.1
+    """The largest fraction of a device's time spent moving models to hand it from one job to
+    another: a turn lasts at least the moves its switch needs (as measured last time) / this."""
 
     def check(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name) or self.name.startswith("."):
             raise FieldError("name", f"'{self.name}' must be letters, digits, '-', '_' or '.', not starting with '.'")
         if self.quantum_s <= 0:
             raise FieldError("quantum_s", f"must be > 0, got {self.quantum_s}")
+        if not 0 < self.switch_overhead <= 1:
+            raise FieldError("switch_overhead", f"must be in (0, 1], got {self.switch_overhead}")
 
 
 @dataclass(kw_only=True)

@@ -144,7 +144,8 @@ async def _run_job(recipe: Recipe, cost: CostModel, sched: SliceScheduler, job: 
 
 
 def _schedule(jobs: list[tuple[str, Recipe, list[Model], float]], capacity: dict[int, float], sim: PoolSimConfig,
-              quantum_s: float) -> tuple[dict[str, float], dict[str, Any], SliceScheduler, list[dict[str, Any]]]:
+              quantum_s: float, switch_overhead: float = 0.1
+              ) -> tuple[dict[str, float], dict[str, Any], SliceScheduler, list[dict[str, Any]]]:
     """Run the jobs together on one scheduler; returns each job's end time, the scheduler's
     snapshot at the end, the scheduler, its events."""
     events: list[dict[str, Any]] = []
@@ -156,7 +157,8 @@ def _schedule(jobs: list[tuple[str, Recipe, list[Model], float]], capacity: dict
 
     async def main() -> tuple[SliceScheduler, dict[str, Any]]:
         sched = SliceScheduler(capacity, VirtualClock(), SimMover(sim, kept),
-                               lambda kind, t, **f: events.append({"t": t, "event": kind, **f}), quantum_s=quantum_s)
+                               lambda kind, t, **f: events.append({"t": t, "event": kind, **f}), quantum_s=quantum_s,
+                               switch_overhead=switch_overhead)
         for name, _, models, share in jobs:
             sched.add_job(name, models, share)
         await asyncio.gather(*(_run_job(r, cost_model(r), sched, name, done) for name, r, _, _ in jobs))
@@ -196,7 +198,7 @@ def simulate_pool(spec: PoolFile) -> PoolSimResult:
         models = layout.place(name, blocks(recipe, cost_model(recipe), sim, loads))
         jobs.append((name, recipe, models, share))
     naive = co_location_fits([m for _, _, models, _ in jobs for m in models], capacity)
-    done, snapshot, sched, events = _schedule(jobs, capacity, sim, spec.pool.quantum_s)
+    done, snapshot, sched, events = _schedule(jobs, capacity, sim, spec.pool.quantum_s, spec.pool.switch_overhead)
     used = snapshot["jobs"]
     for r in results:
         r.pool_s = done[r.name]

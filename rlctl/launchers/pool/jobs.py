@@ -138,23 +138,28 @@ class EngineMover:
         self.jobs = jobs
         self.session = session_factory
 
-    async def __call__(self, model: Model, to: State) -> None:
+    async def __call__(self, model: Model, to: State) -> dict | None:
+        """The engine's own account of the move ({"bytes", "engine_s"}) for the move's event."""
         job = self.jobs.get(model.job)
         if job is None or model.name not in job.started:
-            return  # not loaded yet (its start loads it) or gone: no memory to move
+            return None  # not loaded yet (its start loads it) or gone: no memory to move
         release, resume = _HAS[model.state] - _HAS[to], _HAS[to] - _HAS[model.state]
         client = self._client(job, model)
         working = "optimizer" if model.name == "trainer" else "kv_cache"
         tags = lambda names: sorted(working if n == "working" else n for n in names)  # noqa: E731
+        said: dict = {}
         try:
-            if release:
-                await client.release_memory_occupation(tags(release))
-            if resume:
-                await client.resume_memory_occupation(tags(resume))
+            for names, call in ((release, client.release_memory_occupation), (resume, client.resume_memory_occupation)):
+                if names:
+                    reply = await call(tags(names))
+                    if isinstance(reply, dict) and isinstance(reply.get("seconds"), int | float):
+                        said["bytes"] = said.get("bytes", 0) + int(reply.get("bytes") or 0)
+                        said["engine_s"] = said.get("engine_s", 0.0) + float(reply["seconds"])
         except Exception:
             if job.ended or job.exited():
-                return  # its engine is gone, and its memory with it: nothing to move (the pool lets it go)
+                return None  # its engine is gone, and its memory with it: nothing to move (the pool lets it go)
             raise
+        return said
 
     def _client(self, job: PoolJob, model: Model):
         from rlctl.engines.rollout.client import RolloutClient

@@ -69,7 +69,8 @@ class PoolService:
         self.jobs: dict[str, PoolJob] = {}
         self._session = None
         self.sched = SliceScheduler(capacity, MonotonicClock(), EngineMover(self.jobs, lambda: self._session),
-                                    self.emit, quantum_s=self.spec.pool.quantum_s)
+                                    self.emit, quantum_s=self.spec.pool.quantum_s,
+                                    switch_overhead=self.spec.pool.switch_overhead)
         self.calls: dict[str, tuple[str, asyncio.Event, asyncio.Task]] = {}
         self.stopping = asyncio.Event()
 
