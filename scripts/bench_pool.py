@@ -246,6 +246,26 @@ def gpu_bench(phase: str, steps: int, work: Path) -> None:
     print(json.dumps(results, indent=1))
 
 
+def gpu_table(work: Path) -> None:
+    """The one-GPU phases side by side (gpu.json): GPU-seconds on one GPU, each run's wall time."""
+    r = json.loads((work / "gpu.json").read_text())
+    alone = {n: r[f"ded-{n}"]["wall_s"] for n in ("a", "b")}
+    print(f"{'':<10}{'GPU-s':>8}{'vs dedicated':>14}  {'run a (s)':>12}{'run b (s)':>12}  notes")
+    print(f"{'dedicated':<10}{sum(alone.values()):>8.1f}{1:>14.2f}  {alone['a']:>12.1f}{alone['b']:>12.1f}  "
+          f"peaks {r['ded-a']['peak_bytes'] / 1e9:.1f} and {r['ded-b']['peak_bytes'] / 1e9:.1f} GB")
+    for phase in ("naive", "pool"):
+        if phase not in r:
+            continue
+        p, runs = r[phase], r[phase]["runs"]
+        ok = all(x["state"] == "completed" for x in runs.values())
+        walls = {n: (x["usage"] or {}).get("wall_s") if x["state"] == "completed" else None for n, x in runs.items()}
+        moved = sum((x["usage"] or {}).get("moved_device_s", 0.0) for x in runs.values())
+        cols = "".join(f"{walls[n]:>12.1f}" if walls.get(n) else f"{runs[n]['state']:>12}" for n in ("a", "b"))
+        note = f"cap {p['cap_bytes'] / 1e9:.0f} GB; " + (f"moves {moved:.1f} GPU-s" if ok else str(runs["a"]["reason"])[:60])
+        gpu_s = f"{p['makespan_s']:>8.1f}{p['makespan_s'] / sum(alone.values()):>14.2f}" if ok else f"{'-':>8}{'-':>14}"
+        print(f"{phase:<10}{gpu_s}  {cols}  {note}")
+
+
 def sim_bench(pool_file: Path) -> None:
     from rlctl.commands.simulate import render_pool
     from rlctl.recipe.load import load_pool_file
@@ -268,7 +288,8 @@ def main() -> None:
     p.add_argument("--keep", type=Path, help="Keep the runs and the pool in this directory.")
     p.add_argument("--share-check", action="store_true",
                    help="--cpu: run the pool again with every share 1, to show what the larger share bought.")
-    p.add_argument("--gpu", choices=["dedicated", "naive", "pool"], help="One phase of the one-GPU bench.")
+    p.add_argument("--gpu", choices=["dedicated", "naive", "pool", "table"],
+                   help="One phase of the one-GPU bench, or the table of those in --gpu-dir.")
     p.add_argument("--gpu-dir", type=Path, default=Path("/tmp/rlctl-gpu-pool-bench"))
     p.add_argument("--placement", nargs="*", default=[], metavar="KEY=VALUE",
                    help="Where a run's processes go when it runs alone and under naive co-location (--cpu), "
@@ -279,7 +300,9 @@ def main() -> None:
         sim_bench(args.pool_file)
     if args.cpu:
         cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.placement, args.keep, args.share_check)
-    if args.gpu:
+    if args.gpu == "table":
+        gpu_table(args.gpu_dir)
+    elif args.gpu:
         gpu_bench(args.gpu, args.steps, args.gpu_dir)
 
 

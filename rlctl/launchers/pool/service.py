@@ -194,10 +194,10 @@ class PoolService:
 
     def _usage(self, job: PoolJob) -> dict[str, Any]:
         """What it used (its slices and moves) against what the same placement would hold as a
-        dedicated run: every process its own device for the whole time."""
+        dedicated run: the devices its models are on, for the whole time."""
         state = self.sched.snapshot()["jobs"].get(job.name, {})
         wall = time.monotonic() - job.attached_at
-        devices = sum(len(m.devices) for m in job.models)
+        devices = len({d for m in job.models for d in m.devices})
         return {"used_device_s": round(state.get("used_s", 0.0), 3), "moved_device_s": round(state.get("moved_s", 0.0), 3),
                 "wall_s": round(wall, 3), "devices": devices, "dedicated_device_s": round(wall * devices, 3),
                 "share": job.share}
