@@ -93,8 +93,7 @@ def test_a_stash_gives_back_every_byte_from_host_memory_or_a_file(tmp_path):
         assert (stash.path is not None, stash.nbytes) == (to_file, 30 + 4 + 5 + 48 + 0 + 3)
         for a, b in zip(tensors, stash.restore(), strict=True):
             assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    # The host buffer is kept for the next release of the same name: reused when large enough
-    # (pinning gigabytes costs more than copying them), replaced when not; bytes exact both times.
+    # The host buffer is kept for the next release of the name: reused when large enough, else replaced.
     buffer = where.host["t"].data_ptr()
     for scale, same in ((2.0, True), (None, False)):
         again = [t * scale if t.is_floating_point() else t for t in tensors] if scale else [*tensors, torch.ones(7)]
