@@ -1,6 +1,6 @@
 """A live pool end to end: `rlctl pool up`, two runs attached with `launcher: pool` sharing its two
 devices under a memory cap that forces model moves, the door between them, a run killed in the
-pool while the other goes on, and `rlctl pool down`."""
+pool while the other goes on, a killed run resumed in the pool, and `rlctl pool down`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from conftest import FAST, QUICKSTART, REPO, rlctl, wait_for
 from rlctl.door import bearer, read_token
-from rlctl.rundir import RunDir, pid_alive
+from rlctl.rundir import RunDir, pid_alive, read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -136,3 +136,24 @@ def test_launch_into_a_pool_that_is_not_up(tmp_path):
     res = rlctl("pool", "up", str(REPO / "recipes" / "pool" / "cpu.yaml"), "pool.devices.bogus=1", cwd=tmp_path)
     assert res.returncode == 2 and "unknown key" in res.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_pooled_run_resumes_in_its_pool_and_only_while_it_is_up(pool, tmp_path):
+    a = launch(tmp_path, "a", "run.steps=12", "run.save_every=4")
+    metrics = lambda: [json.loads(x) for x in (a.path / "metrics.jsonl").read_text().splitlines() if x]  # noqa: E731
+    wait_for(lambda: (a.path / "metrics.jsonl").exists() and len(metrics()) >= 6, 300, "a's sixth step")
+    os.kill(a.read()["processes"]["trainer-0"]["pid"], signal.SIGKILL)
+    info = wait_for(lambda: ended(a), 120, "a to end")
+    assert info["state"] == "failed" and "trainer-0 exited with code -9" in info["exit_reason"]
+    assert rlctl("pool", "down", "cpu", cwd=tmp_path).returncode == 0
+    res = rlctl("resume", a.id, cwd=tmp_path)
+    assert res.returncode == 1 and "pool cpu is not up" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert rlctl("pool", "up", str(REPO / "recipes" / "pool" / "cpu.yaml"), *POOL, cwd=tmp_path).returncode == 0
+    res = rlctl("resume", a.id, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    info = a.read()
+    first, second = info["attempts"]
+    assert info["state"] == "completed" and first["state"] == "failed" and second["resumed_from"] in (4, 8)
+    assert sorted({m["step"] for m in metrics()}) == list(range(12))
+    attached = [e for e in read_jsonl(pool / "events.jsonl") if e["event"] == "job_attached" and e["job"] == a.id]
+    assert len(attached) == 2  # once per attempt, the second in the pool started again

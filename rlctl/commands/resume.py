@@ -26,9 +26,9 @@ def resumable(rd: RunDir) -> tuple[RunState, str | None, dict]:
     from rlctl.status import effective_state
 
     info = rd.read()
-    if info.get("launcher") not in ("local", "slurm"):
-        raise UsageError(f"run {rd.id} ran with launcher={info.get('launcher')}; rlctl resume continues local and "
-                         "Slurm runs")
+    if info.get("launcher") not in ("local", "slurm", "pool"):
+        raise UsageError(f"run {rd.id} ran with launcher={info.get('launcher')}; rlctl resume continues local, "
+                         "Slurm and pooled runs")
     if info.get("launcher") == "slurm":
         from rlctl.launchers.slurm import refresh
 
@@ -52,6 +52,8 @@ def resume_run(rd: RunDir, detach: bool) -> int:
     ckpt = find_checkpoint(rd.path)
     if info.get("launcher") == "slurm":
         return resubmit(rd, ckpt.steps, detach)
+    if info.get("launcher") == "pool":
+        _check_pool(info)
     if not RunState(info["state"]).finished:  # its supervisor died without saying so: say it now
         rd.set_state(state, why)
     attempt = prepare_resume(rd, ckpt)
@@ -62,6 +64,17 @@ def resume_run(rd: RunDir, detach: bool) -> int:
         print(rd.id)
         return 0
     return follow(rd)
+
+
+def _check_pool(info: dict) -> None:
+    """A pooled run continues in its pool (attached again, placed anew): it must be up."""
+    from rlctl.errors import RunError
+    from rlctl.launchers.pool.pooldir import PoolDir
+
+    pd = PoolDir(Path(info.get("pool_dir") or "."))
+    if not info.get("pool_dir") or not pd.alive():
+        raise RunError(f"pool {pd.name} is not up in {pd.path.parent}; start it again with "
+                       f"`rlctl pool up {pd.path / 'pool.yaml'}` to resume the run in it")
 
 
 def resubmit(rd: RunDir, steps: int, detach: bool) -> int:
