@@ -3,9 +3,10 @@ all of them started together on the same devices with no pool (naive co-location
 
     python scripts/bench_pool.py --sim             # 8 jobs on 64 simulated H200s (recipes/pool/sim-64gpu.yaml)
     python scripts/bench_pool.py --cpu             # 3 quickstart runs (sync, rolloutpipe, async) on this CPU
-    python scripts/bench_pool.py --cpu --steps 150 --seeds 3 --share-check rollout.servers=1 \
+    python scripts/bench_pool.py --cpu --steps 150 --seeds 3 rollout.servers=1 \
         --placement 'train.cpus=[0]' 'rollout.cpus=[1]'   # disaggregated: trainer and server on their own core
-    python scripts/bench_pool.py --gpu dedicated|naive|pool   # two GPU-bench runs on one GPU (see gpu_bench)
+    python scripts/bench_pool.py --share-check --steps 150 rollout.servers=1   # two like runs, shares 1 and 2
+    python scripts/bench_pool.py --gpu dedicated|naive|pool|table   # two GPU-bench runs on one GPU (gpu_bench)
 
 CPU: the devices are this machine's cores (2 here: the pool makes each core a device). A run's
 device-seconds are its wall time x the devices it holds: dedicated, both cores for its whole run;
@@ -13,7 +14,7 @@ naive co-location and the pool, both cores until the last run ends (the pool als
 each run used: its slices and model moves). --placement says where a run's processes go alone
 and under naive co-location (in the pool, the pool places them). Rewards are the mean of the
 last 5 steps; the spread of each dedicated run is taken over --seeds seeds. One job runs with
-share 2 in the pool; --share-check runs the pool again with every share 1.
+share 2 in the pool; --share-check runs two identical runs with shares 1 and 2.
 """
 
 from __future__ import annotations
@@ -81,8 +82,7 @@ def final_reward(cwd: Path, rid: str) -> float:
     return statistics.mean(m["reward_mean"] for m in metrics[-5:])
 
 
-def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: list[str], keep: Path | None,
-              share_check: bool) -> None:
+def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: list[str], keep: Path | None) -> None:
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="rlctl-bench-pool-") as tmp:
         cwd = keep or Path(tmp)
@@ -109,31 +109,44 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: 
         for name, rid in ids.items():
             rows[name]["naive_s"], rows[name]["naive_reward"] = wall_s(cwd, rid), final_reward(cwd, rid)
             rows[name]["naive_start"] = started_s(cwd, rid)
-        ids, infos, pool_makespan = pool_phase(recipe, common, cores, cwd, "pool", {n: sh for n, *_, sh in JOBS})
+        ids, infos, pool_makespan = pool_phase(recipe, common, cores, cwd, "pool", JOBS)
         for name, rid in ids.items():
             usage = infos[rid]["pool"]["usage"]
             rows[name].update(pool_s=wall_s(cwd, rid), pool_reward=final_reward(cwd, rid), pool_start=started_s(cwd, rid),
                               used=usage["used_device_s"], moved=usage["moved_device_s"], share=usage["share"])
         print_cpu(rows, cores, naive_makespan, pool_makespan)
-        if share_check:  # the same pool with every share 1: what the larger share bought
-            ids, _, makespan = pool_phase(recipe, common, cores, cwd, "even", dict.fromkeys(rows, 1.0))
-            print("with every share 1 (s): " + ", ".join(
-                f"{n} {wall_s(cwd, rid):.1f} (share {rows[n]['share']:g}: {rows[n]['pool_s']:.1f})" for n, rid in ids.items())
-                  + f"; pool {makespan:.1f} ({pool_makespan:.1f})")
 
 
-def pool_phase(recipe: str, common: list[str], cores: int, cwd: Path, tag: str, shares: dict[str, float]):
-    """The jobs on a pool of this machine's cores, one device each; their run ids, run.json and makespan."""
+def pool_phase(recipe: str, common: list[str], cores: int, cwd: Path, tag: str, jobs: list[tuple[str, str, int, float]]):
+    """The jobs (name, mode, seed, share) on a pool of this machine's cores, one device each;
+    their run ids, run.json and the makespan."""
     rlctl("pool", "up", str(ROOT / "recipes" / "pool" / "cpu.yaml"), f"pool.devices.count={cores}", cwd=cwd)
     try:
         t = time.monotonic()
         ids = {name: launch(recipe, [*common, mode, f"run.seed={seed}", f"run.name={tag}-{name}", "launcher=pool",
-                                     "pool.name=cpu", f"pool.share={shares[name]}"], cwd)
-               for name, mode, seed, _ in JOBS}
+                                     "pool.name=cpu", f"pool.share={share}"], cwd)
+               for name, mode, seed, share in jobs}
         infos = wait(list(ids.values()), cwd)
         return ids, infos, time.monotonic() - t
     finally:
         rlctl("pool", "down", "cpu", cwd=cwd)
+
+
+def share_bench(steps: int, recipe: str, extra: list[str], keep: Path | None) -> None:
+    """Two identical sync runs (same seed) on the pool, one with share 2: while both run, the
+    device time each gets per second, and when each ends."""
+    cores = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="rlctl-bench-share-") as tmp:
+        cwd = keep or Path(tmp)
+        cwd.mkdir(parents=True, exist_ok=True)
+        jobs = [("share1", "pipeline.mode=sync", 0, 1.0), ("share2", "pipeline.mode=sync", 0, 2.0)]
+        ids, infos, makespan = pool_phase(recipe, [f"run.steps={steps}", *extra], cores, cwd, "share", jobs)
+        print(f"{'job':<8}{'share':>6}{'wall s':>8}{'used dev-s':>11}{'dev-s per s':>12}{'steps/s':>9}")
+        for name, rid in ids.items():
+            usage, wall = infos[rid]["pool"]["usage"], wall_s(cwd, rid)
+            print(f"{name:<8}{usage['share']:>6g}{wall:>8.1f}{usage['used_device_s']:>11.1f}"
+                  f"{usage['used_device_s'] / usage['wall_s']:>12.2f}{steps / wall:>9.2f}")
+        print(f"makespan {makespan:.1f} s")
 
 
 def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_makespan: float) -> None:
@@ -287,7 +300,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--keep", type=Path, help="Keep the runs and the pool in this directory.")
     p.add_argument("--share-check", action="store_true",
-                   help="--cpu: run the pool again with every share 1, to show what the larger share bought.")
+                   help="Two identical sync runs on the CPU pool, shares 1 and 2: what the larger share buys.")
     p.add_argument("--gpu", choices=["dedicated", "naive", "pool", "table"],
                    help="One phase of the one-GPU bench, or the table of those in --gpu-dir.")
     p.add_argument("--gpu-dir", type=Path, default=Path("/tmp/rlctl-gpu-pool-bench"))
@@ -299,7 +312,9 @@ def main() -> None:
     if args.sim:
         sim_bench(args.pool_file)
     if args.cpu:
-        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.placement, args.keep, args.share_check)
+        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.placement, args.keep)
+    if args.share_check:
+        share_bench(args.steps, args.recipe, args.overrides, args.keep)
     if args.gpu == "table":
         gpu_table(args.gpu_dir)
     elif args.gpu:
