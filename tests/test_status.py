@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from rich.console import Console
 
 from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
@@ -98,7 +99,13 @@ def test_ctrl_c_in_launch_cancels_the_run(tmp_path):
         time.sleep(0.2)
     (rd,) = list_runs(tmp_path / "runs")
     os.kill(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=30) == 130
+    try:  # the pipes are read meanwhile: a launch blocked writing to a full pipe would look hung
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"launch still running 60 s after Ctrl-C; run state {rd.read()['state']}; stderr: {err[-1500:]}")
+    assert proc.returncode == 130, err
     assert rd.read()["state"] == "cancelled"
     assert processes_mentioning(rd.id) == []
 
