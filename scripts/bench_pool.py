@@ -133,8 +133,8 @@ def pool_phase(recipe: str, common: list[str], cores: int, cwd: Path, tag: str, 
 
 
 def share_bench(steps: int, recipe: str, extra: list[str], keep: Path | None) -> None:
-    """Two identical sync runs (same seed) on the pool, one with share 2: while both run, the
-    device time each gets per second, and when each ends."""
+    """Two identical sync runs (same seed) on the pool, one with share 2: each one's wall time,
+    its device time, and that per second of its time attached to the pool."""
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="rlctl-bench-share-") as tmp:
         cwd = keep or Path(tmp)
