@@ -95,9 +95,7 @@ def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
         from rlctl.launchers.pool.pooldir import PoolDir
 
         pd = PoolDir((Path(r.pool.dir) / r.pool.name).resolve())
-        if not pd.alive():
-            raise RunError(f"pool.name: pool {r.pool.name} is not up in {pd.path.parent}; "
-                           f"start it with `rlctl pool up POOL.yaml` or set pool.dir")
+        pd.require_up("pool.name", then=" or set pool.dir")
         info["pool_dir"] = str(pd.path)
     rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), info, shared_group=r.run.shared_group)
     start_supervisor(rd)

@@ -45,6 +45,7 @@ def resume_run(rd: RunDir, detach: bool) -> int:
     from rlctl.checkpoint import find_checkpoint, prepare_resume
     from rlctl.commands.launch import follow
     from rlctl.launchers.local import start_supervisor
+    from rlctl.launchers.pool.pooldir import PoolDir
 
     state, why, info = resumable(rd)
     if state is RunState.COMPLETED:
@@ -52,8 +53,8 @@ def resume_run(rd: RunDir, detach: bool) -> int:
     ckpt = find_checkpoint(rd.path)
     if info.get("launcher") == "slurm":
         return resubmit(rd, ckpt.steps, detach)
-    if info.get("launcher") == "pool":
-        _check_pool(info)
+    if info.get("launcher") == "pool":  # it continues in its pool, attached again and placed anew
+        PoolDir(Path(info.get("pool_dir") or ".")).require_up(then=" to resume the run in it")
     if not RunState(info["state"]).finished:  # its supervisor died without saying so: say it now
         rd.set_state(state, why)
     attempt = prepare_resume(rd, ckpt)
@@ -64,17 +65,6 @@ def resume_run(rd: RunDir, detach: bool) -> int:
         print(rd.id)
         return 0
     return follow(rd)
-
-
-def _check_pool(info: dict) -> None:
-    """A pooled run continues in its pool (attached again, placed anew): it must be up."""
-    from rlctl.errors import RunError
-    from rlctl.launchers.pool.pooldir import PoolDir
-
-    pd = PoolDir(Path(info.get("pool_dir") or "."))
-    if not info.get("pool_dir") or not pd.alive():
-        raise RunError(f"pool {pd.name} is not up in {pd.path.parent}; start it again with "
-                       f"`rlctl pool up {pd.path / 'pool.yaml'}` to resume the run in it")
 
 
 def resubmit(rd: RunDir, steps: int, detach: bool) -> int:

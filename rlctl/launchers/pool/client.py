@@ -21,8 +21,7 @@ from rlctl.launchers.pool.pooldir import PoolDir
 def request(pd: PoolDir, method: str, path: str, body: dict[str, Any] | None = None,
             timeout_s: float = 10.0) -> dict[str, Any]:
     """One call to the pool's service with the pool's token; RunError saying why if it fails."""
-    if not pd.alive():
-        raise RunError(f"pool {pd.name} is not up ({pd.path}); start it with `rlctl pool up POOL.yaml`")
+    pd.require_up()
     url = pd.read()["url"] + path
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,

@@ -63,6 +63,16 @@ class PoolDir:
             return False
         return state.get("state") == "up" and pid_alive(state.get("pid"), "rlctl.launchers.pool")
 
+    def require_up(self, key: str = "", then: str = "") -> None:
+        """RunError unless the pool's service is up: saying where it was looked for and how to
+        start it (its own pool.yaml when it has run here before); `key` names the recipe key
+        that chose it, `then` says what else would do."""
+        if self.alive():
+            return
+        spec = self.spec_path if self.spec_path.is_file() else "POOL.yaml"
+        raise RunError(f"{key + ': ' if key else ''}pool {self.name} is not up in {self.path.parent}; "
+                       f"start it with `rlctl pool up {spec}`{then}")
+
     def event(self, kind: str, t: float, **fields: Any) -> None:
         append_jsonl(self.events_path, {"t": t, "event": kind, **fields})
 
