@@ -25,10 +25,8 @@ server that took bucket i+1's announce first would receive bucket i's bytes as b
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Iterable
 
@@ -40,6 +38,7 @@ from rlctl.engines.weightsync.group import (
     in_daemon_thread,
     init_custom_process_group,
 )
+from rlctl.models.hf_config import declared_dtype, read_config
 
 if TYPE_CHECKING:
     import torch
@@ -66,11 +65,10 @@ def server_dtype(info: dict[str, Any]) -> str | None:
         return dtype
     if dtype != "auto":
         return None
-    try:
-        config = json.loads((Path(str(info.get("model_path", ""))) / "config.json").read_text())
-    except (OSError, ValueError):
+    config = read_config(str(info.get("model_path", "")))
+    if config is None:
         return None
-    declared = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    declared = declared_dtype(config)
     if declared != "float32":
         return declared if declared in ("float16", "bfloat16") else None
     return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"

@@ -18,6 +18,7 @@ from typing import Any
 
 from rlctl.door import read_token
 from rlctl.errors import RunError
+from rlctl.models.hf_config import declared_dtype, read_config
 from rlctl.plan import Role, RunPlan
 from rlctl.plex.placement import Block
 from rlctl.plex.scheduler import Model, State
@@ -38,15 +39,9 @@ def job_blocks(recipe: Recipe, model_path: str, devices: int) -> list[Block]:
     quarter of them (the built-in server's grows with its batch); a torch trainer fp32 weights
     (and an fp32 reference model with KL), plus fp32 gradients and two Adam moments (12 bytes a
     parameter), split over its ranks."""
-    import json
-
     w = weights_bytes(model_path)
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        stored = config.get("dtype") or config.get("torch_dtype") or "float32"
-    except (OSError, ValueError):
-        stored = "float32"
-    params = w / {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(stored).removeprefix("torch."), 4)
+    stored = declared_dtype(read_config(model_path))
+    params = w / {"float32": 4, "float16": 2, "bfloat16": 2}.get(stored, 4)
     n, ranks = recipe.rollout.servers, recipe.train.ranks
     trainer_weights = 4 * params * (2 if recipe.train.kl_coef > 0 else 1) / ranks
     server_working, trainer_working = w / 4, 12 * params / ranks
