@@ -211,54 +211,44 @@ def test_simulated_pool_of_two_sync_jobs_costs_less_than_dedicated(tmp_path):
     assert "fewer than dedicated" in out.stdout and "naive co-location: does not fit on 16 of 16 GPUs" in out.stdout
 
 
-def test_models_are_not_moved_out_and_back_at_every_call_boundary():
-    """Two jobs whose trainers cannot both be active on one device, each training in pieces with
-    short gaps: a device waits a moment for its holder's next piece until its quantum is over,
-    so the models swap about once per quantum, not once per piece."""
-    events = []
-    moves = Moves(0.5)
+def trainers_in_pieces(moves: Moves, quantum_s: float, pieces: int, piece_s: float, gap_s: float,
+                       events: list, log: list) -> list:
+    """Two jobs whose trainers cannot both be active on one device (20 + 50 of 100 each), each
+    training `pieces` pieces of piece_s with gap_s between them (the controller's own work);
+    the promotions the mover made."""
 
     async def main():
-        s = scheduler({0: 100.0}, events, quantum_s=10.0, mover=moves)
+        s = scheduler({0: 100.0}, events, quantum_s=quantum_s, mover=moves)
         s.add_job("a", [Model("a", "t", (0,), 20, 50)])
         s.add_job("b", [Model("b", "t", (0,), 20, 50)])
 
-        async def pieces(job: str):
-            for _ in range(40):
-                await call(s, job, [("t", A)], "train", 1.0, [])
-                await asyncio.sleep(0.01)  # the controller sends the next piece
+        async def train(job: str):
+            for _ in range(pieces):
+                await call(s, job, [("t", A)], "train", piece_s, log)
+                await asyncio.sleep(gap_s)
 
-        await asyncio.gather(pieces("a"), pieces("b"))
+        await asyncio.gather(train("a"), train("b"))
 
     run_virtual(main())
-    promotions = [m for m in moves.done if m[3] is A]
+    return [m for m in moves.done if m[3] is A]
+
+
+def test_models_are_not_moved_out_and_back_at_every_call_boundary():
+    """Pieces with short gaps: a device waits a moment for its holder's next piece until its
+    quantum is over, so the models swap about once per quantum, not once per piece."""
+    promotions = trainers_in_pieces(Moves(0.5), 10.0, 40, 1.0, 0.01, [], [])
     # 80 s of calls in turns of ~10 s: ~8 swaps; without waiting, one per piece (~80).
     assert 4 <= len(promotions) <= 14, len(promotions)
 
 
 def test_turns_grow_with_what_a_switch_costs():
-    """Trainers that take 2.5 s to move out or in, training in 10 s pieces with 1 s between them
-    (the controller's own work): with a 5 s quantum and a device kept only linger_s, every piece
-    would swap (5 s of moves per 10 s of work). The pool measures the moves, keeps a device for
-    its holder as long as a switch would take, and makes a turn last until the moves are at most
-    switch_overhead of it: a few swaps, and both jobs still take turns."""
+    """Trainers that take 2.5 s to move out or in, training in 10 s pieces with 1 s between them:
+    with a 5 s quantum and a device kept only linger_s, every piece would swap (5 s of moves per
+    10 s of work). The pool measures the moves, keeps a device for its holder as long as a switch
+    would take, and makes a turn last until the moves are at most switch_overhead of it: a few
+    swaps, and both jobs still take turns."""
     events, log = [], []
-    moves = Moves(2.5)
-
-    async def main():
-        s = scheduler({0: 100.0}, events, quantum_s=5.0, mover=moves)
-        s.add_job("a", [Model("a", "t", (0,), 20, 50)])
-        s.add_job("b", [Model("b", "t", (0,), 20, 50)])
-
-        async def pieces(job: str):
-            for _ in range(12):
-                await call(s, job, [("t", A)], "train", 10.0, log)
-                await asyncio.sleep(1.0)
-
-        await asyncio.gather(pieces("a"), pieces("b"))
-
-    run_virtual(main())
-    promotions = [m for m in moves.done if m[3] is A]
+    promotions = trainers_in_pieces(Moves(2.5), 5.0, 12, 10.0, 1.0, events, log)
     assert 2 <= len(promotions) <= 8, len(promotions)  # one per piece would be ~23
     turns = [job for job, *_ in sorted(log, key=lambda x: x[2])]
     switches = sum(a != b for a, b in zip(turns, turns[1:]))

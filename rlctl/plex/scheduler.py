@@ -284,7 +284,7 @@ class SliceScheduler:
                 job.since[d] = now
                 job.holds[d] = 0
                 last, _ = self.turn.get(d, (None, 0.0))
-                if last != w.job or now - self.last_end.get(d, 0.0) > self.linger_s and not self._wanted(d, w.job):
+                if last != w.job or now - self.last_end.get(d, 0.0) > self.linger_s and not self._others_waiting(d, w.job):
                     self.turn[d] = (w.job, now)  # a new turn, unless it comes back to a device kept for it
             job.holds[d] += len(futures)
         for m in w.models:
@@ -356,12 +356,13 @@ class SliceScheduler:
                 began = self.turn.get(d, (holder, 0.0))[1]
                 self._timers[(holder, d)] = loop.call_at(loop.time() + due - now, self._quantum_due, holder, d, began)
 
-    def _wanted(self, d: int, job: str) -> bool:
-        return any(d in w.devices and w.job != job and w.futures for w in self._waiting.values())
+    def _others_waiting(self, d: int, job: str) -> list[_Waiting]:
+        """Calls of other jobs waiting for device d."""
+        return [w for w in self._waiting.values() if d in w.devices and w.job != job and w.futures]
 
     def _due(self, d: int, holder: str) -> float | None:
         """When the holder's turn on d ends, if another job waits for d."""
-        waiting = [w for w in self._waiting.values() if d in w.devices and w.job != holder and w.futures]
+        waiting = self._others_waiting(d, holder)
         if not waiting:
             return None
         began = self.turn.get(d, (holder, self.jobs[holder].since[d]))[1]
