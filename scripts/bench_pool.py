@@ -117,10 +117,13 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: 
         print_cpu(rows, cores, naive_makespan, pool_makespan)
 
 
-def pool_phase(recipe: str, common: list[str], cores: int, cwd: Path, tag: str, jobs: list[tuple[str, str, int, float]]):
-    """The jobs (name, mode, seed, share) on a pool of this machine's cores, one device each;
-    their run ids, run.json and the makespan."""
-    rlctl("pool", "up", str(ROOT / "recipes" / "pool" / "cpu.yaml"), f"pool.devices.count={cores}", cwd=cwd)
+def pool_phase(recipe: str, common: list[str], cores: int, cwd: Path, tag: str, jobs: list[tuple[str, str, int, float]],
+               devices: int | None = None):
+    """The jobs (name, mode, seed, share) on a pool of this machine's cores (one device each, or
+    `devices` devices that split them); their run ids, run.json and the makespan."""
+    devices = devices or cores
+    rlctl("pool", "up", str(ROOT / "recipes" / "pool" / "cpu.yaml"), f"pool.devices.count={devices}",
+          f"pool.devices.cpus_per_device={cores // devices}", cwd=cwd)
     try:
         t = time.monotonic()
         ids = {name: launch(recipe, [*common, mode, f"run.seed={seed}", f"run.name={tag}-{name}", "launcher=pool",
@@ -133,20 +136,36 @@ def pool_phase(recipe: str, common: list[str], cores: int, cwd: Path, tag: str, 
 
 
 def share_bench(steps: int, recipe: str, extra: list[str], keep: Path | None) -> None:
-    """Two identical sync runs (same seed) on the pool, one with share 2: each one's wall time,
-    its device time, and that per second of its time attached to the pool."""
+    """Two identical sync runs (same seed) on a pool of one device (all the cores), one with
+    share 2: each one's wall time, its device time, and that per second of its time attached to
+    the pool. One device, so that their calls wait for each other and the pool decides who runs."""
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="rlctl-bench-share-") as tmp:
         cwd = keep or Path(tmp)
         cwd.mkdir(parents=True, exist_ok=True)
         jobs = [("share1", "pipeline.mode=sync", 0, 1.0), ("share2", "pipeline.mode=sync", 0, 2.0)]
-        ids, infos, makespan = pool_phase(recipe, [f"run.steps={steps}", *extra], cores, cwd, "share", jobs)
+        ids, infos, makespan = pool_phase(recipe, [f"run.steps={steps}", *extra], cores, cwd, "share", jobs, devices=1)
         print(f"{'job':<8}{'share':>6}{'wall s':>8}{'used dev-s':>11}{'dev-s per s':>12}{'steps/s':>9}")
         for name, rid in ids.items():
             usage, wall = infos[rid]["pool"]["usage"], wall_s(cwd, rid)
             print(f"{name:<8}{usage['share']:>6g}{wall:>8.1f}{usage['used_device_s']:>11.1f}"
                   f"{usage['used_device_s'] / usage['wall_s']:>12.2f}{steps / wall:>9.2f}")
         print(f"makespan {makespan:.1f} s")
+        split = contended_split(cwd / "pools" / "cpu" / "events.jsonl")
+        print("the device while both ran (from both started to the first detached): "
+              + ", ".join(f"{name} {split[rid]:.0%}" for name, rid in ids.items()))
+
+
+def contended_split(events_path: Path) -> dict[str, float]:
+    """Each job's part of the device time the pool gave out while every job was attached and
+    started (from the end of the last job's first slice, its start, to the first detach)."""
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line]
+    slices = [e for e in events if e["event"] == "slice"]
+    jobs = {e["job"] for e in slices}
+    lo = max(min(e["t"] for e in slices if e["job"] == j) for j in jobs)
+    hi = min(e["t"] for e in events if e["event"] == "job_detached")
+    got = {j: sum(max(0.0, min(e["t"], hi) - max(e["start"], lo)) for e in slices if e["job"] == j) for j in jobs}
+    return {j: v / sum(got.values()) for j, v in got.items()}
 
 
 def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_makespan: float) -> None:

@@ -143,6 +143,54 @@ def test_a_larger_share_gets_more_device_time():
     assert 1.6 < ratio < 2.5, jobs
 
 
+def chains(shares: dict[str, float], devices: dict[str, tuple[int, int]], until: float) -> tuple[dict, float]:
+    """Jobs that each make one call at a time, as a run's controller does: a generate on its
+    server's device, 20 ms of its own work, a train on its trainer's device, 20 ms, and again
+    (no moves: every model fits). Each job's device time, and the devices' idle time while a
+    call waited for them."""
+    events: list = []
+
+    async def main():
+        s = scheduler({0: 100.0, 1: 100.0}, events, quantum_s=2.0, mover=Moves(0.0))
+        for job, (server, trainer) in devices.items():
+            s.add_job(job, [Model(job, "r", (server,), 10, 10), Model(job, "t", (trainer,), 10, 10)], share=shares[job])
+
+        async def run(job: str):
+            while asyncio.get_running_loop().time() < until:
+                await call(s, job, [("r", A)], "generate", 0.3, [])
+                await asyncio.sleep(0.02)
+                await call(s, job, [("t", A)], "train", 0.3, [])
+                await asyncio.sleep(0.02)
+
+        await asyncio.gather(*(run(j) for j in devices))
+        return s.snapshot()
+
+    snap = run_virtual(main())
+    busy = sum(d["busy_s"] for d in snap["devices"].values())
+    return snap["jobs"], busy
+
+
+def test_a_larger_share_gets_more_of_a_device_its_calls_come_to_one_at_a_time():
+    """Two runs on one device, each making one call at a time: handed over at every call
+    boundary, they would alternate call by call whatever their shares. The device waits a moment
+    for the job more than a quantum behind its share, so the share-2 job gets about twice the
+    time; with equal shares it never waits, and the two split it evenly."""
+    jobs, _ = chains({"small": 1.0, "big": 2.0}, {"small": (0, 0), "big": (0, 0)}, 120.0)
+    ratio = jobs["big"]["used_s"] / jobs["small"]["used_s"]
+    assert 1.6 < ratio < 2.4, jobs
+    jobs, busy = chains({"a": 1.0, "b": 1.0}, {"a": (0, 0), "b": (0, 0)}, 120.0)
+    assert 0.9 < jobs["a"]["used_s"] / jobs["b"]["used_s"] < 1.1, jobs
+    assert busy > 0.98 * 120.0  # never idle while the other job waited (only the last calls' ends stick out)
+
+
+def test_runs_whose_calls_alternate_devices_are_not_kept_waiting():
+    """Two runs with their servers and trainers crossed over two devices: each comes back to a
+    device only after a call on the other, so waiting for it would only idle the device. Shares
+    1 and 2 then cost no device time: both devices stay busy."""
+    jobs, busy = chains({"a": 1.0, "b": 2.0}, {"a": (0, 1), "b": (1, 0)}, 120.0)
+    assert busy > 0.85 * 2 * 120.0, (busy, jobs)
+
+
 def test_a_job_that_leaves_fails_its_waiting_calls_and_frees_the_device():
     events, log = [], []
 

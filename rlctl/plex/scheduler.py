@@ -23,7 +23,10 @@ the next holder's models fit the device's memory. The rules (docs/pool.md says w
   takes at most that fraction of a device's time.
   Until then a device it just left waits for its next call before a job whose models must be
   moved in takes it, as long as those moves would take (at least `linger_s`): models are not
-  moved out and back at every call boundary.
+  moved out and back at every call boundary. Where no move is needed, the device waits
+  `linger_s` only for a job more than a quantum behind its share of device time that usually
+  comes back within it: a run's calls come one after another, so without waiting the jobs would
+  take strict turns call by call, whatever their shares.
 - Moves demote models of jobs not running there, least recently used first, working memory
   before weights; they count as the moved model's job's device time.
 
@@ -35,38 +38,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.errors import RunError
+from rlctl.plex.state import KIND_RANK as _KIND_RANK
 from rlctl.plex.state import RANK as _RANK
 from rlctl.plex.state import Clock, Emit, JobState, Model, Mover, State
+from rlctl.plex.state import Waiting as _Waiting
 
 __all__ = ["Clock", "Emit", "Model", "Mover", "SliceScheduler", "State"]
-
-
-_KIND_RANK = {"sync": 0, "train": 1, "checkpoint": 1, "generate": 2}
-"""Among one job's waiting calls: a weight sync first (it may hold the job's paused generates),
-then training, then generates (which keep coming; training waits on none of them)."""
-
-
-@dataclass(eq=False)
-class _Waiting:
-    """Waiting calls of one job that need the same models: granted together."""
-
-    job: str
-    needs: tuple[tuple[Model, State], ...]
-    kind: str
-    devices: frozenset[int]
-    order: int
-    futures: deque = field(default_factory=deque)
-
-    @property
-    def models(self) -> tuple[Model, ...]:
-        return tuple(m for m, _ in self.needs)
 
 
 class SliceScheduler:
@@ -147,6 +129,9 @@ class SliceScheduler:
         if waiting is None:
             devices = frozenset(d for m, _ in needed for d in m.devices)
             waiting = self._waiting[key] = _Waiting(job, needed, kind, devices, next(self._order))
+        now = self.clock.now()
+        for d in waiting.devices:
+            self.jobs[job].came_back(d, now)
         fut = asyncio.get_running_loop().create_future()
         waiting.futures.append(fut)
         self._dispatch()
@@ -177,7 +162,7 @@ class SliceScheduler:
         start = job.since.pop(device)
         job.holds.pop(device, None)
         job.yielding.discard(device)
-        now = self.clock.now()
+        now = job.left[device] = self.clock.now()
         job.used += now - start
         self.busy_s[device] += now - start
         self.holder[device] = None
@@ -212,27 +197,36 @@ class SliceScheduler:
             if self.holder[d] not in (None, w.job) or reserved.get(d, w) is not w:
                 return None
         plan = self._evictions(w)
-        moves = plan or any(_RANK[m.target] > _RANK[st] for m, st in w.needs)
-        if plan is not None and moves and any(self._lingering(d, w) for d in w.devices):
-            return None  # moving models in and out at every call boundary would cost more than the calls
+        if plan is not None and any(self._lingering(d, w) for d in w.devices):
+            return None  # kept a moment for the job that just left it
         return plan
 
     def _lingering(self, d: int, w: _Waiting) -> bool:
-        """Is device d kept a moment for its last holder (another job, mid-turn)? It waits as
-        long as the moves w needs would take (and at least linger_s): idling that long for a
-        call that may come costs at most what switching now would (the ski-rental rule)."""
+        """Is device d kept a moment for its last holder (another job)? Where w needs moves, for
+        as long as they would take (and at least linger_s) while the holder's turn lasts: idling
+        that long for a call that may come costs at most what switching now would (the
+        ski-rental rule). Where it needs none, linger_s for a holder owed device time that
+        usually comes back sooner (the anticipatory disk scheduler's rule)."""
         last, began = self.turn.get(d, (None, 0.0))
         if self.holder[d] is not None or last in (None, w.job) or last not in self.jobs:
             return False
         now, end = self.clock.now(), self.last_end.get(d, 0.0)
+        moves = self._evictions(w) or any(_RANK[m.target] > _RANK[st] for m, st in w.needs)
         switch = self._switch_s(w)
         wait = max(self.linger_s, switch)
-        if now - end >= wait or end - began >= self._quantum(last, switch):
+        if now - end >= wait or end - began >= self._quantum(last, switch) or not moves and not self._owed(last, w.job, d):
             return False
         if (last, d) not in self._timers:  # look again when the moment is over
             loop = asyncio.get_running_loop()
             self._timers[(last, d)] = loop.call_at(loop.time() + end + wait - now, self._quantum_due, last, d, None)
         return True
+
+    def _owed(self, last: str, other: str, d: int) -> bool:
+        """Is `last` more than a quantum of device time behind `other` for their shares, and
+        does it usually come back to d within linger_s?"""
+        a, b = self.jobs[last], self.jobs[other]
+        behind = (b.used / b.share - a.used / a.share) > self.quantum_s
+        return behind and a.think.get(d, float("inf")) < self.linger_s
 
     def _quantum(self, holder: str, switch_s: float) -> float:
         """How long the holder's turn lasts while another job waits: its share of the quantum,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -56,6 +57,37 @@ class JobState:
     """device -> when this job's current slice there began."""
     yielding: set[int] = field(default_factory=set)
     """Devices where its new generates wait: its slice is over and another job waits."""
+    left: dict[int, float] = field(default_factory=dict)
+    """device -> when its last slice there ended, until its next call there comes."""
+    think: dict[int, float] = field(default_factory=dict)
+    """device -> how long it takes to come back to the device after a slice there (a moving
+    average): the controller's own work between two calls, or its calls on other devices."""
+
+    def came_back(self, device: int, now: float) -> None:
+        if device in self.left and device not in self.holds:
+            gap = now - self.left.pop(device)
+            self.think[device] = gap if device not in self.think else 0.7 * self.think[device] + 0.3 * gap
+
+
+KIND_RANK = {"sync": 0, "train": 1, "checkpoint": 1, "generate": 2}
+"""Among one job's waiting calls: a weight sync first (it may hold the job's paused generates),
+then training, then generates (which keep coming; training waits on none of them)."""
+
+
+@dataclass(eq=False)
+class Waiting:
+    """Waiting calls of one job that need the same models: granted together."""
+
+    job: str
+    needs: tuple[tuple[Model, State], ...]
+    kind: str
+    devices: frozenset[int]
+    order: int
+    futures: deque = field(default_factory=deque)
+
+    @property
+    def models(self) -> tuple[Model, ...]:
+        return tuple(m for m, _ in self.needs)
 
 
 RANK = {State.ACTIVE: 0, State.WEIGHTS: 1, State.OFFLOADED: 2}
