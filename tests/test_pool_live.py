@@ -1,6 +1,7 @@
 """A live pool end to end: `rlctl pool up`, two runs attached with `launcher: pool` sharing its two
 devices under a memory cap that forces model moves, the door between them, a run killed in the
-pool while the other goes on, a killed run resumed in the pool, and `rlctl pool down`."""
+pool while the other goes on, a killed run resumed in the pool, and `rlctl pool down`. The
+engines start forked warm (rlctl/launchers/pool/warm.py), and cold in the resumed run's pool."""
 
 from __future__ import annotations
 
@@ -118,6 +119,8 @@ def test_a_run_killed_in_the_pool_leaves_the_other_running(pool, tmp_path):
     b = launch(tmp_path, "b", "run.steps=6", "run.seed=3")
     wait_for(lambda: any(e["event"] == "step_end" for e in a.events()), 300, "a's first step")
     victim = a.read()["processes"]["rollout-1"]["pid"]
+    forker = int(Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert b"rlctl.launchers.pool.warm" in Path(f"/proc/{forker}/cmdline").read_bytes()  # started warm
     os.kill(victim, signal.SIGKILL)
     info = wait_for(lambda: ended(a), 120, "a to end")
     assert info["state"] == "failed" and "rollout-1 exited with code -9" in info["exit_reason"]
@@ -148,7 +151,8 @@ def test_a_pooled_run_resumes_in_its_pool_and_only_while_it_is_up(pool, tmp_path
     assert rlctl("pool", "down", "cpu", cwd=tmp_path).returncode == 0
     res = rlctl("resume", a.id, cwd=tmp_path)
     assert res.returncode == 1 and "pool cpu is not up" in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    assert rlctl("pool", "up", str(REPO / "recipes" / "pool" / "cpu.yaml"), *POOL, cwd=tmp_path).returncode == 0
+    up = rlctl("pool", "up", str(REPO / "recipes" / "pool" / "cpu.yaml"), *POOL, "pool.warm_start=false", cwd=tmp_path)
+    assert up.returncode == 0  # this time its engines start cold, each a python of its own
     res = rlctl("resume", a.id, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     info = a.read()

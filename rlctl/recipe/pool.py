@@ -79,6 +79,10 @@ class PoolSpec(Section):
     switch_overhead: float = 0.1
     """The largest fraction of a device's time spent moving models to hand it from one job to
     another: a turn lasts at least the moves its switch needs (as measured last time) / this."""
+    warm_start: bool = True
+    """Fork the runs' engine processes from one that has imported torch and the engines already
+    (rlctl/launchers/pool/warm.py), instead of starting each cold: seconds of CPU less per
+    process, spent where the other runs compute. false: start each as a run of its own does."""
 
     def check(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name) or self.name.startswith("."):

@@ -31,6 +31,7 @@ from rlctl.door import listening_socket, refusal
 from rlctl.errors import RlctlError, RunError
 from rlctl.launchers.pool.jobs import EngineMover, PoolJob, job_blocks, wait_healthy
 from rlctl.launchers.pool.pooldir import PoolDir
+from rlctl.launchers.pool.warm import Forker
 from rlctl.plex.placement import Layout
 from rlctl.plex.scheduler import SliceScheduler, State
 from rlctl.recipe import Device
@@ -67,12 +68,16 @@ class PoolService:
         capacity = dict.fromkeys(range(self.spec.pool.devices.count), device_memory(self.spec))
         self.layout = Layout(capacity)
         self.jobs: dict[str, PoolJob] = {}
+        self.gone: dict[str, str | None] = {}
+        """Jobs that have left: why."""
         self._session = None
         self.sched = SliceScheduler(capacity, MonotonicClock(), EngineMover(self.jobs, lambda: self._session),
                                     self.emit, quantum_s=self.spec.pool.quantum_s,
                                     switch_overhead=self.spec.pool.switch_overhead)
         self.calls: dict[str, tuple[str, asyncio.Event, asyncio.Task]] = {}
         self.stopping = asyncio.Event()
+        self.forker: Forker | None = None
+        """Forks the jobs' engine processes warm (rlctl/launchers/pool/warm.py), with warm_start."""
 
     def emit(self, kind: str, t: float, **fields: Any) -> None:
         if "start" in fields:  # the scheduler's clock is monotonic: times from the pool's start
@@ -125,6 +130,7 @@ class PoolService:
             self.layout.forget(job.name)
             raise
         self.jobs[job.name] = job
+        self.gone.pop(job.name, None)
         d = self.spec.pool.devices
         placement = job.placement(d.cpus_per_device, d.kind, d.gpus)
         port = self.pd.read()["port"]
@@ -154,8 +160,11 @@ class PoolService:
 
         env = run_env(job.rd)
         for role in job.roles(model):
-            cmd = worker_command(role.kind, job.rd.path, role.index)
-            proc = spawn(cmd, job.rd.log_path(role.name), die_with_parent=True, env=env)
+            cmd, log_path = worker_command(role.kind, job.rd.path, role.index), job.rd.log_path(role.name)
+            if self.forker is not None:  # forked warm: torch and the engines are imported already
+                proc = await asyncio.to_thread(self.forker.spawn, cmd[3:], log_path, {**os.environ, **env})
+            else:
+                proc = spawn(cmd, log_path, die_with_parent=True, env=env)
             job.procs[role.name] = proc
             job.rd.record_process(role.name, pid=proc.pid, port=role.port, log=str(job.rd.log_path(role.name)),
                                   pool=self.pd.name)
@@ -190,6 +199,7 @@ class PoolService:
             job.rd.update(lambda r: r.setdefault("pool", {}).update(usage=usage, detached=reason))
             self.emit("job_detached", time.monotonic(), job=job.name, reason=reason, **usage)
         self.jobs.pop(job.name, None)
+        self.gone[job.name] = job.ended
         return job.rd.read().get("pool", {}).get("usage", {})
 
     def _usage(self, job: PoolJob) -> dict[str, Any]:
@@ -205,8 +215,11 @@ class PoolService:
     async def job_state(self, request):
         from aiohttp import web
 
-        job = self.jobs.get(request.match_info["job"])
+        name = request.match_info["job"]
+        job = self.jobs.get(name)
         if job is None:
+            if name in self.gone:  # its run asks why it was let go
+                return web.json_response({"job": name, "ended": self.gone[name]})
             return web.json_response({"error": "no such job"}, status=404)
         return web.json_response({"job": job.name, "ended": job.ended, "usage": self._usage(job)})
 
@@ -309,6 +322,8 @@ async def serve(pd: PoolDir) -> None:
     from aiohttp import web
 
     service = PoolService(pd)
+    if service.spec.pool.warm_start:
+        service.forker = Forker(pd.path / "logs" / "forker.log")
     runner = web.AppRunner(service.app(), access_log=None)
     await runner.setup()
     sock = listening_socket("127.0.0.1", 0)  # loopback only; the port is written to pool.json
@@ -329,6 +344,8 @@ async def serve(pd: PoolDir) -> None:
         for job in list(service.jobs.values()):
             await service._detach(job, "the pool shut down")
     await runner.cleanup()
+    if service.forker is not None:
+        service.forker.close()
     service.emit("pool_down", time.monotonic())
     pd.write(state="down")
 

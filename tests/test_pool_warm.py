@@ -1,0 +1,24 @@
+"""The pool's engine forker (rlctl/launchers/pool/warm.py): a real forker process, a real child."""
+
+from __future__ import annotations
+
+import stat
+
+from rlctl.launchers.pool.warm import Forker
+
+
+def test_a_forked_engine_logs_to_its_file_and_its_exit_code_comes_back(tmp_path):
+    forker = Forker(tmp_path / "forker.log")
+    try:
+        child = forker.spawn(["no-such-role", "--run-dir", str(tmp_path)], tmp_path / "child.log", {"PATH": "/usr/bin"})
+        assert child.pid != forker.proc.pid
+        assert child.wait(timeout=30) == 2  # rlctl.worker's argparse refused the role
+        log = (tmp_path / "child.log").read_text()
+        assert "invalid choice: 'no-such-role'" in log and "python -m rlctl.worker" in log
+        assert stat.S_IMODE((tmp_path / "child.log").stat().st_mode) == 0o600
+        again = forker.spawn(["no-such-role", "--run-dir", str(tmp_path)], tmp_path / "child.log", {})
+        assert again.wait(timeout=30) == 2 and again.pid != child.pid
+        assert (tmp_path / "child.log").read_text().count("invalid choice") == 2  # appended, not replaced
+    finally:
+        forker.close()
+    assert forker.proc.returncode == 0  # it ended at the end of its input
