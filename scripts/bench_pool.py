@@ -82,34 +82,19 @@ def final_reward(cwd: Path, rid: str) -> float:
     return statistics.mean(m["reward_mean"] for m in metrics[-5:])
 
 
-def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: list[str], keep: Path | None) -> None:
+def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: list[str], keep: Path | None,
+              pool: list[str], pool_only: bool) -> None:
+    """pool_only: the dedicated and naive runs are the ones already in --keep (same steps and
+    overrides): only the pool phase runs again (a pool setting tried against the same baselines)."""
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="rlctl-bench-pool-") as tmp:
         cwd = keep or Path(tmp)
         cwd.mkdir(parents=True, exist_ok=True)
         common = [f"run.steps={steps}", *extra]
-        rows: dict[str, dict] = {name: {} for name, *_ in JOBS}
-        start = time.monotonic()
-        for name, mode, seed, _ in JOBS:  # dedicated: one after the other, each with every core
-            rewards = []
-            for k in range(seeds):
-                rid = launch(recipe, [*common, *placement, mode, f"run.seed={seed + 10 * k}", f"run.name=ded-{name}-{k}"],
-                             cwd)
-                wait([rid], cwd)
-                rewards.append(final_reward(cwd, rid))
-                if k == 0:
-                    rows[name]["dedicated_s"], rows[name]["dedicated_start"] = wall_s(cwd, rid), started_s(cwd, rid)
-            rows[name]["dedicated_reward"] = rewards
-        print(f"dedicated runs done in {time.monotonic() - start:.0f} s", flush=True)
-        t = time.monotonic()
-        ids = {name: launch(recipe, [*common, *placement, mode, f"run.seed={seed}", f"run.name=naive-{name}"], cwd)
-               for name, mode, seed, _ in JOBS}
-        wait(list(ids.values()), cwd)
-        naive_makespan = time.monotonic() - t
-        for name, rid in ids.items():
-            rows[name]["naive_s"], rows[name]["naive_reward"] = wall_s(cwd, rid), final_reward(cwd, rid)
-            rows[name]["naive_start"] = started_s(cwd, rid)
-        ids, infos, pool_makespan = pool_phase(recipe, common, cores, cwd, "pool", JOBS)
+        if not pool_only:
+            baselines(recipe, common, placement, seeds, cwd)
+        rows, naive_makespan = baseline_rows(cwd, seeds)
+        ids, infos, pool_makespan = pool_phase(recipe, common, cores, cwd, "pool", JOBS, pool)
         for name, rid in ids.items():
             usage = infos[rid]["pool"]["usage"]
             rows[name].update(pool_s=wall_s(cwd, rid), pool_reward=final_reward(cwd, rid), pool_start=started_s(cwd, rid),
@@ -117,13 +102,50 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: 
         print_cpu(rows, cores, naive_makespan, pool_makespan)
 
 
+def baselines(recipe: str, common: list[str], placement: list[str], seeds: int, cwd: Path) -> None:
+    """Each job alone, one after the other, over `seeds` seeds (dedicated); then the three started
+    together with no pool (naive co-location). Their runs are named ded-JOB-K and naive-JOB."""
+    start = time.monotonic()
+    for name, mode, seed, _ in JOBS:
+        for k in range(seeds):
+            rid = launch(recipe, [*common, *placement, mode, f"run.seed={seed + 10 * k}", f"run.name=ded-{name}-{k}"], cwd)
+            wait([rid], cwd)
+    print(f"dedicated runs done in {time.monotonic() - start:.0f} s", flush=True)
+    ids = [launch(recipe, [*common, *placement, mode, f"run.seed={seed}", f"run.name=naive-{name}"], cwd)
+           for name, mode, seed, _ in JOBS]
+    wait(ids, cwd)
+
+
+def baseline_rows(cwd: Path, seeds: int) -> tuple[dict[str, dict], float]:
+    """The baselines' numbers, read back from their run directories in cwd, and naive
+    co-location's makespan (from the first naive run's creation to the last one's end)."""
+    from datetime import datetime
+
+    def run(prefix: str) -> str:
+        found = sorted(p.name for p in (cwd / "runs").glob(f"{prefix}-2*"))
+        if not found:
+            raise SystemExit(f"no run {prefix} in {cwd}/runs: run the baselines first (without --pool-only)")
+        return found[-1]
+
+    rows: dict[str, dict] = {}
+    for name, *_ in JOBS:
+        first = run(f"ded-{name}-0")
+        rows[name] = {"dedicated_s": wall_s(cwd, first), "dedicated_start": started_s(cwd, first),
+                      "dedicated_reward": [final_reward(cwd, run(f"ded-{name}-{k}")) for k in range(seeds)]}
+    naive = {name: run(f"naive-{name}") for name, *_ in JOBS}
+    created = {n: datetime.fromisoformat(json.loads((cwd / "runs" / r / "run.json").read_text())["created"]).timestamp()
+               for n, r in naive.items()}
+    for name, rid in naive.items():
+        rows[name].update(naive_s=wall_s(cwd, rid), naive_reward=final_reward(cwd, rid), naive_start=started_s(cwd, rid))
+    makespan = max(created[n] + rows[n]["naive_s"] for n in naive) - min(created.values())
+    return rows, makespan
+
+
 def pool_phase(recipe: str, common: list[str], cores: int, cwd: Path, tag: str, jobs: list[tuple[str, str, int, float]],
-               devices: int | None = None):
-    """The jobs (name, mode, seed, share) on a pool of this machine's cores (one device each, or
-    `devices` devices that split them); their run ids, run.json and the makespan."""
-    devices = devices or cores
-    rlctl("pool", "up", str(ROOT / "recipes" / "pool" / "cpu.yaml"), f"pool.devices.count={devices}",
-          f"pool.devices.cpus_per_device={cores // devices}", cwd=cwd)
+               pool: list[str]):
+    """The jobs (name, mode, seed, share) on a pool of this machine's cores (one device each,
+    unless `pool` overrides say otherwise); their run ids, run.json and the makespan."""
+    rlctl("pool", "up", str(ROOT / "recipes" / "pool" / "cpu.yaml"), f"pool.devices.count={cores}", *pool, cwd=cwd)
     try:
         t = time.monotonic()
         ids = {name: launch(recipe, [*common, mode, f"run.seed={seed}", f"run.name={tag}-{name}", "launcher=pool",
@@ -144,7 +166,8 @@ def share_bench(steps: int, recipe: str, extra: list[str], keep: Path | None) ->
         cwd = keep or Path(tmp)
         cwd.mkdir(parents=True, exist_ok=True)
         jobs = [("share1", "pipeline.mode=sync", 0, 1.0), ("share2", "pipeline.mode=sync", 0, 2.0)]
-        ids, infos, makespan = pool_phase(recipe, [f"run.steps={steps}", *extra], cores, cwd, "share", jobs, devices=1)
+        ids, infos, makespan = pool_phase(recipe, [f"run.steps={steps}", *extra], cores, cwd, "share", jobs,
+                                          ["pool.devices.count=1", f"pool.devices.cpus_per_device={cores}"])
         print(f"{'job':<8}{'share':>6}{'wall s':>8}{'used dev-s':>11}{'dev-s per s':>12}{'steps/s':>9}")
         for name, rid in ids.items():
             usage, wall = infos[rid]["pool"]["usage"], wall_s(cwd, rid)
@@ -326,12 +349,18 @@ def main() -> None:
     p.add_argument("--placement", nargs="*", default=[], metavar="KEY=VALUE",
                    help="Where a run's processes go when it runs alone and under naive co-location (--cpu), "
                         "e.g. train.cpus=[0] rollout.cpus=[1]; in the pool, the pool places them.")
+    p.add_argument("--pool", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="Overrides of recipes/pool/cpu.yaml for the pool phase (--cpu), e.g. pool.quantum_s=1")
+    p.add_argument("--pool-only", action="store_true",
+                   help="--cpu: run only the pool phase, against the baselines already in --keep")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE for every run (--cpu)")
     args = p.parse_args()
     if args.sim:
         sim_bench(args.pool_file)
     if args.cpu:
-        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.placement, args.keep)
+        if args.pool_only and not args.keep:
+            p.error("--pool-only needs --keep DIR, the directory of an earlier --cpu run")
+        cpu_bench(args.steps, args.seeds, args.recipe, args.overrides, args.placement, args.keep, args.pool, args.pool_only)
     if args.share_check:
         share_bench(args.steps, args.recipe, args.overrides, args.keep)
     if args.gpu == "table":

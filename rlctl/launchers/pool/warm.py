@@ -9,9 +9,11 @@ by the pool's service) imports them once, then forks one child per request. The 
 signals its process group), killed when the forker dies (which dies with the pool), its output in
 the run's log, its environment the one the pool sends (no secrets: the token file's path).
 
-The forker never touches CUDA and starts no threads, which is what makes forking it safe: a CUDA
-context and a running thread pool do not survive a fork, and a child that needs either makes its
-own.
+The forker never touches CUDA and runs no torch operation, which is what makes forking it safe: a
+CUDA context and torch's thread pools do not survive a fork, and a child makes its own when it
+first needs them. (Loading torch leaves one idle thread waiting on a futex in the forker, as it
+does in a DataLoader's parent when that forks its workers; Python warns about any fork of a
+process with threads, and the forker silences that one warning.)
 
 Protocol, one JSON object per line:
     pool -> forker   {"id": N, "argv": [...rlctl.worker args], "log": PATH, "env": {...}}
@@ -178,6 +180,9 @@ def _say(msg: dict) -> None:
 
 
 def serve() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded", DeprecationWarning)
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
