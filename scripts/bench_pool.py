@@ -13,7 +13,9 @@ device-seconds are its wall time x the devices it holds: dedicated, both cores f
 naive co-location and the pool, both cores until the last run ends (the pool also reports what
 each run used: its slices and model moves). --placement says where a run's processes go alone
 and under naive co-location (in the pool, the pool places them). Rewards are the mean of the
-last 5 steps; the spread of each dedicated run is taken over --seeds seeds. One job runs with
+last 20 steps (FINAL_STEPS: one step's reward is a mean over 256 samples, and runs of one seed
+differ by more than a few steps' mean shows); the spread of each dedicated run is taken over
+--seeds seeds. One job runs with
 share 2 in the pool; --share-check runs two identical runs with shares 1 and 2.
 """
 
@@ -30,6 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+FINAL_STEPS = 20
+"""A run's final reward: the mean over its last this many steps."""
 JOBS = [("sync", "pipeline.mode=sync", 0, 1.0), ("pipe", "pipeline.mode=rolloutpipe", 1, 1.0),
         ("async", "pipeline.mode=async", 2, 2.0)]
 
@@ -79,7 +83,7 @@ def started_s(cwd: Path, rid: str) -> float:
 
 def final_reward(cwd: Path, rid: str) -> float:
     metrics = [json.loads(line) for line in (cwd / "runs" / rid / "metrics.jsonl").read_text().splitlines() if line]
-    return statistics.mean(m["reward_mean"] for m in metrics[-5:])
+    return statistics.mean(m["reward_mean"] for m in metrics[-FINAL_STEPS:])
 
 
 def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: list[str], keep: Path | None,
