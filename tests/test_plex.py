@@ -143,19 +143,21 @@ def test_a_larger_share_gets_more_device_time():
     assert 1.6 < ratio < 2.5, jobs
 
 
-def chains(shares: dict[str, float], devices: dict[str, tuple[int, int]], until: float) -> tuple[dict, float]:
+def chains(shares: dict[str, float], devices: dict[str, tuple[int, int]], until: float,
+           starts: dict[str, float] | None = None, events: list | None = None) -> tuple[dict, float]:
     """Jobs that each make one call at a time, as a run's controller does: a generate on its
     server's device, 20 ms of its own work, a train on its trainer's device, 20 ms, and again
-    (no moves: every model fits). Each job's device time, and the devices' idle time while a
-    call waited for them."""
-    events: list = []
+    (no moves: every model fits), from `starts` on (joining then). Each job's device time, and
+    the devices' busy time."""
+    events = [] if events is None else events
 
     async def main():
         s = scheduler({0: 100.0, 1: 100.0}, events, quantum_s=2.0, mover=Moves(0.0))
-        for job, (server, trainer) in devices.items():
-            s.add_job(job, [Model(job, "r", (server,), 10, 10), Model(job, "t", (trainer,), 10, 10)], share=shares[job])
 
         async def run(job: str):
+            await asyncio.sleep((starts or {}).get(job, 0.0))
+            server, trainer = devices[job]
+            s.add_job(job, [Model(job, "r", (server,), 10, 10), Model(job, "t", (trainer,), 10, 10)], share=shares[job])
             while asyncio.get_running_loop().time() < until:
                 await call(s, job, [("r", A)], "generate", 0.3, [])
                 await asyncio.sleep(0.02)
@@ -181,6 +183,16 @@ def test_a_larger_share_gets_more_of_a_device_its_calls_come_to_one_at_a_time():
     jobs, busy = chains({"a": 1.0, "b": 1.0}, {"a": (0, 0), "b": (0, 0)}, 120.0)
     assert 0.9 < jobs["a"]["used_s"] / jobs["b"]["used_s"] < 1.1, jobs
     assert busy > 0.98 * 120.0  # never idle while the other job waited (only the last calls' ends stick out)
+
+
+def test_a_run_that_joins_late_is_not_owed_what_the_others_used_before():
+    """a has the device to itself for 60 s; b joins with the same share. From then on they split
+    it: b is not served first until it has used as much as a did alone."""
+    events: list = []
+    chains({"a": 1.0, "b": 1.0}, {"a": (0, 0), "b": (0, 0)}, 120.0, starts={"b": 60.0}, events=events)
+    after = {j: sum(max(0.0, e["t"] - max(e["start"], 61.0)) for e in events if e["event"] == "slice" and e["job"] == j)
+             for j in ("a", "b")}
+    assert 0.8 < after["a"] / after["b"] < 1.25, after
 
 
 def test_runs_whose_calls_alternate_devices_are_not_kept_waiting():

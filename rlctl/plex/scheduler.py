@@ -14,7 +14,7 @@ models between states (`Mover`: the engines' release/resume calls, or simulated 
 the next holder's models fit the device's memory. The rules (docs/pool.md says why):
 - A call is granted on all its devices at once, or waits: no partial holds.
 - Waiting calls are taken in order: those of a job that holds one of their devices; the job with
-  the least device time per unit of share; weight syncs, then training, then generates; calls
+  the least device time per unit of share since it joined; weight syncs, then training, then generates; calls
   that need no move; the oldest. A call that cannot run reserves its free devices.
 - Once a job's turn on a device (its slices, with gaps under `linger_s` between them) has lasted
   its quantum while another job waits, its new generates there wait. The quantum is `quantum_s`
@@ -83,7 +83,7 @@ class SliceScheduler:
                 if m.resident(State.ACTIVE) > self.capacity[d]:
                     raise RunError(f"{name}/{m.name} needs {m.resident(State.ACTIVE) / 2**30:.1f} GiB on device {d}, "
                                    f"which has {self.capacity[d] / 2**30:.1f} GiB")
-        self.jobs[name] = JobState(name, share)
+        self.jobs[name] = JobState(name, share, v0=min((j.vtime for j in self.jobs.values()), default=0.0))
         for m in models:  # active where there is room, else offloaded (the caller makes it so)
             room = all(self.resident(d) + m.resident(State.ACTIVE) <= self.capacity[d] for d in m.devices)
             m.state = m.target = State.ACTIVE if room else State.OFFLOADED
@@ -173,7 +173,7 @@ class SliceScheduler:
         job = self.jobs[w.job]
         continuing = any(self.holder[d] == w.job for d in w.devices)
         moves = sum(_RANK[m.target] > _RANK[st] for m, st in w.needs)
-        return (not continuing, job.used / job.share, _KIND_RANK.get(w.kind, 1), moves, w.order)
+        return (not continuing, job.vtime, _KIND_RANK.get(w.kind, 1), moves, w.order)
 
     def _dispatch(self) -> None:
         reserved: dict[int, _Waiting] = {}
@@ -225,8 +225,7 @@ class SliceScheduler:
         """Is `last` more than a quantum of device time behind `other` for their shares, and
         does it usually come back to d within linger_s?"""
         a, b = self.jobs[last], self.jobs[other]
-        behind = (b.used / b.share - a.used / a.share) > self.quantum_s
-        return behind and a.think.get(d, float("inf")) < self.linger_s
+        return b.vtime - a.vtime > self.quantum_s and a.think.get(d, float("inf")) < self.linger_s
 
     def _quantum(self, holder: str, switch_s: float) -> float:
         """How long the holder's turn lasts while another job waits: its share of the quantum,

@@ -51,6 +51,9 @@ class JobState:
     """Device-seconds: its slices on every device, plus its models' moves."""
     moved: float = 0.0
     """The part of `used` spent moving its models."""
+    v0: float = 0.0
+    """Its virtual time when it joined: the least of the others' then (start-time fair queueing),
+    so a job that joins late is not owed all the device time the others used before it came."""
     holds: dict[int, int] = field(default_factory=dict)
     """device -> calls of this job running there."""
     since: dict[int, float] = field(default_factory=dict)
@@ -62,6 +65,11 @@ class JobState:
     think: dict[int, float] = field(default_factory=dict)
     """device -> how long it takes to come back to the device after a slice there (a moving
     average): the controller's own work between two calls, or its calls on other devices."""
+
+    @property
+    def vtime(self) -> float:
+        """Device time per unit of share, from when it joined: the least is served first."""
+        return self.v0 + self.used / self.share
 
     def came_back(self, device: int, now: float) -> None:
         if device in self.left and device not in self.holds:
