@@ -33,6 +33,8 @@ POLL_S = 0.2
 TERM_GRACE_S = 5.0
 FAIL_GRACE_S = 2.0
 SERVER_START_TIMEOUT_S = 300.0
+POOL_NOTICE_S = 2.0
+"""How long a pooled run that failed here waits for its pool to say whether it let the run go."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -193,15 +195,17 @@ class Supervisor:
             self._start(r)
         return self._watch(self._start(self.plan.controller))
 
-    def _watch(self, controller: Child, pool_said=lambda: None) -> tuple[RunState, str]:
+    def _watch(self, controller: Child, pool_said=lambda now=False: None) -> tuple[RunState, str]:
         """The run is running: until the controller ends or something fails (`pool_said()`: why
-        the pool let the run go, or None)."""
+        the pool let the run go, or None). When the pool let it go, that is why it failed, even
+        if the controller failed first (its engines were stopped under it)."""
         self.rd.set_state(RunState.RUNNING)
         self.running = True
         while True:
             failure = self._failure()
             if failure:
-                return failure
+                ended = pool_said(now=True)
+                return (RunState.FAILED, ended) if ended else failure
             if controller.proc.poll() == 0:
                 return RunState.COMPLETED, "all steps done"
             ended = pool_said()
@@ -224,15 +228,21 @@ class Supervisor:
             return RunState.FAILED, f"not attached: {e}"
         asked = [0.0]
 
-        def pool_said() -> str | None:  # once a second
-            if time.monotonic() - asked[0] < 1.0:
+        def pool_said(now: bool = False) -> str | None:
+            """Once a second; now: something failed here, and the pool (which notices a dead
+            engine within a second) is given POOL_NOTICE_S to say whether that was the cause."""
+            if time.monotonic() - asked[0] < 1.0 and not now:
                 return None
-            asked[0] = time.monotonic()
-            try:
-                ended = request(pd, "GET", f"/jobs/{self.rd.id}")["ended"]
-            except RunError as e:
-                ended = str(e)
-            return f"pool {pd.name} let the run go: {ended}" if ended else None
+            deadline = time.monotonic() + (POOL_NOTICE_S if now else 0.0)
+            while True:
+                asked[0] = time.monotonic()
+                try:
+                    ended = request(pd, "GET", f"/jobs/{self.rd.id}")["ended"]
+                except RunError as e:
+                    ended = str(e)
+                if ended or time.monotonic() >= deadline:
+                    return f"pool {pd.name} let the run go: {ended}" if ended else None
+                time.sleep(0.2)
 
         return self._watch(controller, pool_said)
 

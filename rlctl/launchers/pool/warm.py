@@ -109,7 +109,10 @@ class Forker:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
-            msg = json.loads(raw)
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue  # not the forker's: nothing else writes here, but a stray line must not stop this
             if msg.get("ready"):
                 self._ready.set()
             elif "pid" in msg:
@@ -141,6 +144,7 @@ def _child(req: dict) -> None:
     """In the forked child: become the engine process the request describes; never returns."""
     code = 1
     try:
+        signal.set_wakeup_fd(-1)  # the forker's, closed below
         os.setsid()
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
@@ -174,13 +178,22 @@ def _child(req: dict) -> None:
             os._exit(code)
 
 
+_replies = sys.stdout
+"""The pipe to the pool: serve() moves it off fd 1, so that a print by a module being imported
+goes to the forker's log, not into the replies."""
+
+
 def _say(msg: dict) -> None:
-    sys.stdout.write(json.dumps(msg) + "\n")
-    sys.stdout.flush()
+    _replies.write(json.dumps(msg) + "\n")
+    _replies.flush()
 
 
 def serve() -> None:
     import warnings
+
+    global _replies
+    _replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
     warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded", DeprecationWarning)
     for name in WARM_MODULES:
@@ -189,10 +202,16 @@ def serve() -> None:
         except ImportError as e:
             print(f"not preloaded: {name} ({e})", file=sys.stderr, flush=True)
     _say({"ready": True})
+    wake_r, wake_w = os.pipe()  # a child's exit wakes the select at once (its signal writes here)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     pending = b""
     while True:
-        readable, _, _ = select.select([sys.stdin.fileno()], [], [], 0.2)
-        if readable:
+        readable, _, _ = select.select([sys.stdin.fileno(), wake_r], [], [], 1.0)
+        if wake_r in readable:
+            os.read(wake_r, 512)
+        if sys.stdin.fileno() in readable:
             data = os.read(sys.stdin.fileno(), 1 << 16)
             if not data:
                 return
