@@ -14,8 +14,9 @@ models between states (`Mover`: the engines' release/resume calls, or simulated 
 the next holder's models fit the device's memory. The rules (docs/pool.md says why):
 - A call is granted on all its devices at once, or waits: no partial holds.
 - Waiting calls are taken in order: those of a job that holds one of their devices; the job with
-  the least device time per unit of share since it joined; weight syncs, then training, then generates; calls
-  that need no move; the oldest. A call that cannot run reserves its free devices.
+  the least device time per unit of share since it joined (JobState.vtime); weight syncs, then
+  training, then generates; calls that need no move; the oldest. A call that cannot run reserves
+  its free devices.
 - Once a job's turn on a device (its slices, with gaps under `linger_s` between them) has lasted
   its quantum while another job waits, its new generates there wait. The quantum is `quantum_s`
   x share, or longer where handing the device over costs moves: a turn lasts at least the moves
