@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import stat
 
+import pytest
+
+from rlctl.errors import RunError
 from rlctl.launchers.pool.warm import Forker
 
 
@@ -22,3 +25,12 @@ def test_a_forked_engine_logs_to_its_file_and_its_exit_code_comes_back(tmp_path)
     finally:
         forker.close()
     assert forker.proc.returncode == 0  # it ended at the end of its input
+
+
+def test_a_dead_forker_refuses_at_once_and_says_where_to_look(tmp_path):
+    forker = Forker(tmp_path / "forker.log")
+    forker.proc.kill()
+    forker.proc.wait()
+    with pytest.raises(RunError, match="forker is not running .*see the pool's log"):
+        forker.spawn(["trainer", "--run-dir", str(tmp_path)], tmp_path / "child.log", {})
+    assert not (tmp_path / "child.log").exists()

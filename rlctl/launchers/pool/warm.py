@@ -104,7 +104,10 @@ class Forker:
             self.proc.stdin.flush()
         if not done.wait(30.0):
             raise RunError("the pool's engine forker did not start a process within 30 s; see the pool's log")
-        return self._started.pop(rid)[1][0]
+        started = self._started.pop(rid)[1]
+        if not started:
+            raise RunError(f"the pool's engine forker exited (code {self.proc.poll()}); see the pool's logs/forker.log")
+        return started[0]
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -124,6 +127,8 @@ class Forker:
                 self._children.pop(msg["exit"])._end(int(msg["code"]))
         for child in self._children.values():  # the forker is gone, and its children with it
             child._end(-signal.SIGKILL)
+        for done, _ in list(self._started.values()):  # requests it will never answer
+            done.set()
         self._ready.set()
 
     def close(self) -> None:
