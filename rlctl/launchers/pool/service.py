@@ -166,8 +166,7 @@ class PoolService:
             else:
                 proc = spawn(cmd, log_path, die_with_parent=True, env=env)
             job.procs[role.name] = proc
-            job.rd.record_process(role.name, pid=proc.pid, port=role.port, log=str(job.rd.log_path(role.name)),
-                                  pool=self.pd.name)
+            job.rd.record_process(role.name, pid=proc.pid, port=role.port, log=str(log_path), pool=self.pd.name)
         urls = [job.plan.trainer_url] if model.name == "trainer" else \
             [job.plan.server_urls[int(model.name.rsplit("-", 1)[1])]]
         await wait_healthy(urls, job, START_TIMEOUT_S)

@@ -24,7 +24,6 @@ Protocol, one JSON object per line:
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import os
@@ -43,8 +42,6 @@ WARM_MODULES = ("torch", "torch.distributed", "safetensors.torch", "transformers
 """What a built-in engine process imports before it serves (optional ones may be absent): torch,
 the engines, and transformers' modules for the architecture of the model rlctl builds
 (rlctl/models/tiny.py), which transformers would otherwise import on first use."""
-
-_PR_SET_PDEATHSIG = 1
 
 
 class WarmProcess:
@@ -151,7 +148,9 @@ def _child(req: dict) -> None:
     try:
         signal.set_wakeup_fd(-1)  # the forker's, closed below
         os.setsid()
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        from rlctl.launchers.local import _die_with_parent
+
+        _die_with_parent()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         out = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
