@@ -184,15 +184,20 @@ def test_cancel_leaves_no_process_on_any_node_and_resume_submits_again(tmp_path)
     assert (rd.logs / "attempt-2" / "controller.log").is_file()
 
 
+@pytest.mark.timeout(900)
 def test_the_time_limit_checkpoints_and_requeues_until_the_run_completes(tmp_path):
     """slurm.time=2 (minutes) with the warning 50 s before it: Slurm looks at time limits every
     30 s and sends SIGUSR1 at its first look past 70 - 60 = 10 s... in practice 40-70 s into an
-    attempt; 100 steps of about 0.6 s do not fit in one. Each attempt checkpoints, the job requeues
-    itself (the same job id, Slurm's restart count up by one), and the next attempt resumes."""
+    attempt, about 15 s of which go to starting. 100 steps of twice the quickstart's batch take
+    about 1.1 s each here (110 s), so a machine twice as fast still cannot fit them in one (100
+    steps of the quickstart's own batch once did). Each attempt checkpoints, the job requeues
+    itself (the same job id, Slurm's restart count up by one), and the next attempt resumes.
+    Slurm starts a requeued job again 2-3 minutes later: three attempts take about 9 minutes."""
     steps = 100
-    rd = launch(tmp_path, f"run.steps={steps}", "slurm.time=2", "slurm.signal_before_s=50", detach=True)
+    rd = launch(tmp_path, f"run.steps={steps}", "rollout.batch_size=64", "slurm.time=2", "slurm.signal_before_s=50",
+                detach=True)
     job_id = rd.read()["slurm"]["job_id"]
-    wait_for(lambda: rd.read()["state"] in ("completed", "failed", "cancelled"), 540, "the run to end")
+    wait_for(lambda: rd.read()["state"] in ("completed", "failed", "cancelled"), 720, "the run to end")
     info = rd.read()
     assert info["state"] == "completed", info.get("exit_reason")
     attempts = status_json(tmp_path, rd.id)["attempts"]
