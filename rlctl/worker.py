@@ -155,7 +155,8 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     role = plan.trainers[rank]
     placed = info.get("pool", {}).get("placement", {}).get(role.name)  # launcher=pool: the pool's choice
     _threads(recipe, placed.get("cpus") if placed else recipe.train.cpus)
-    rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)))
+    step = {"slurm_step": slurm_step()} if placed and "SLURM_STEP_ID" in os.environ else {}  # a Slurm pool stops it
+    rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)), **step)
     token = _run_token(rd) if rank == 0 else None
     world = len(plan.trainers)
     init_method = f"tcp://{plan.trainers[0].host}:{plan.trainer_dist_port}"

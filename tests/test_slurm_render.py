@@ -384,3 +384,4 @@ def test_the_users_squeue_and_sacct_settings_are_ignored(monkeypatch):
     assert not [k for k in seen if k.startswith(("SQUEUE_", "SACCT_", "SLURM_TIME"))]
     assert seen["SLURM_CONF"] == "/etc/slurm/slurm.conf"
 
+

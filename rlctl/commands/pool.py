@@ -15,6 +15,9 @@ from rlctl.errors import RunError, UsageError
 app = typer.Typer(help="A shared pool of devices that several runs use at once (launcher: pool).",
                   no_args_is_help=True, add_completion=False)
 UP_TIMEOUT_S = 30.0
+SLURM_UP_TIMEOUT_S = 120.0
+"""How long `pool up` waits for a Slurm pool's job to start and its service to answer; after
+that it says the job is pending and `rlctl pool status NAME` tells when it is up."""
 
 
 @app.command("up", no_args_is_help=True)
@@ -27,17 +30,21 @@ def up(pool_file: Path = typer.Argument(..., help="The pool file (see recipes/po
     import yaml
 
     from rlctl.launchers.pool.pooldir import PoolDir
-    from rlctl.recipe import Device, recipe_to_dict
+    from rlctl.recipe import Device, Launcher, recipe_to_dict
     from rlctl.recipe.load import load_pool_file
 
     spec = load_pool_file(pool_file, overrides or [])
     d = spec.pool.devices
     cores = len(os.sched_getaffinity(0))
-    if d.kind is Device.CPU and d.count * d.cpus_per_device > cores:
+    on_slurm = spec.pool.launcher is Launcher.SLURM
+    if d.kind is Device.CPU and not on_slurm and d.count * d.cpus_per_device > cores:
         raise UsageError(f"{pool_file}: pool.devices: {d.count} devices x {d.cpus_per_device} cores need "
                          f"{d.count * d.cpus_per_device} cores, this machine has {cores}; lower count or cpus_per_device")
     pd = PoolDir.create((Path(spec.pool.output_dir) / spec.pool.name).resolve(),
                         yaml.safe_dump(recipe_to_dict(spec), sort_keys=False))
+    if on_slurm:
+        _up_on_slurm(spec, pd)
+        return
     with pd.log_path.open("ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "rlctl.launchers.pool.service", "--pool-dir", str(pd.path)],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -54,6 +61,35 @@ def up(pool_file: Path = typer.Argument(..., help="The pool file (see recipes/po
     print(f"pool {pd.name} up at {state['url']}: {d.count} {d.kind} device(s), {pd.path}")
 
 
+def _up_on_slurm(spec, pd) -> None:
+    """sbatch the pool's job and wait for its service to answer, or say it is still pending."""
+    from rlctl.launchers import slurm
+    from rlctl.launchers.pool.slurm import submit_pool
+    from rlctl.tail import last_log_line
+
+    try:
+        job_id = submit_pool(spec, pd.path)
+    except RunError as e:
+        pd.write(state="failed", reason=str(e))
+        raise
+    pd.write(launcher="slurm", job_id=job_id)
+    deadline = time.monotonic() + SLURM_UP_TIMEOUT_S
+    while not pd.alive():
+        job = slurm.query([job_id]).get(job_id)
+        if job is None or not job.active:
+            pd.write(state="failed")
+            raise RunError(f"pool {pd.name}: Slurm job {job_id} {job.describe() if job else 'is gone'} before the "
+                           f"pool came up: {last_log_line(pd.log_path) or 'no output'}; see {pd.log_path}")
+        if time.monotonic() > deadline:
+            print(f"pool {pd.name}: Slurm job {job_id} is {job.describe()}; `rlctl pool status {pd.name}` says "
+                  "when it is up")
+            return
+        time.sleep(0.5)
+    state = pd.read()
+    print(f"pool {pd.name} up at {state['url']}: {spec.pool.devices.count} {spec.pool.devices.kind} device(s) on "
+          f"{' '.join(state['nodes'])} (Slurm job {job_id}), {pd.path}")
+
+
 @app.command("down", no_args_is_help=True)
 def down(name: str = typer.Argument(..., help="The pool's name."),
          pools_dir: Path = typer.Option(Path("pools"), "--dir", help="Where pools are.")) -> None:
@@ -63,12 +99,33 @@ def down(name: str = typer.Argument(..., help="The pool's name."),
     from rlctl.rundir import pid_alive
 
     pd = PoolDir(pools_dir / name)
-    pid = pd.read().get("pid")
+    state = pd.read()
+    if state.get("launcher") == "slurm":
+        _down_on_slurm(pd, state)
+        return
     request(pd, "POST", "/shutdown", {})
     deadline = time.monotonic() + 60
-    while pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(state.get("pid")) and time.monotonic() < deadline:
         time.sleep(0.1)
     print(f"pool {name} down")
+
+
+def _down_on_slurm(pd, state: dict[str, Any]) -> None:
+    """Ask the service to detach every run and stop (its job then ends); a job whose service does
+    not answer, or that does not end within a minute, is cancelled."""
+    from rlctl.launchers import slurm
+    from rlctl.launchers.pool.client import request
+
+    job_id = state["job_id"]
+    if pd.alive():
+        request(pd, "POST", "/shutdown", {})
+        deadline = time.monotonic() + 60
+        while (job := slurm.query([job_id]).get(job_id)) is not None and job.active and time.monotonic() < deadline:
+            time.sleep(0.5)
+    job = slurm.cancel(job_id)
+    if state.get("state") != "down":
+        pd.write(state="down")
+    print(f"pool {pd.name} down (Slurm job {job_id} {job.state if job else 'ended'})")
 
 
 @app.command("status")
@@ -81,14 +138,32 @@ def status(name: str = typer.Argument("", help="The pool's name (none: every poo
 
     if not name:
         for path in sorted(p for p in pools_dir.glob("*") if (p / "pool.json").exists()):
-            pd = PoolDir(path)
-            print(f"{pd.name:<20} {'up' if pd.alive() else pd.read().get('state', '?'):<8} {path}")
+            print(f"{path.name:<20} {_state_words(PoolDir(path)):<8} {path}")
         return
     pd = PoolDir(pools_dir / name)
     if not pd.alive():
-        print(f"pool {name}: {pd.read().get('state', '?')} ({pd.path}); {len(pd.events())} events recorded")
+        print(f"pool {name}: {_state_words(pd)} ({pd.path}); {len(pd.events())} events recorded")
         return
     print(render_status(request(pd, "GET", "/status")))
+
+
+def _state_words(pd) -> str:
+    """up, or what pool.json says (a service that says up but does not answer: not answering),
+    and for a Slurm pool what Slurm says of its job."""
+    if pd.alive():
+        return "up"
+    state = pd.read()
+    words = state.get("state", "?") if state.get("state") != "up" else "not answering"
+    if state.get("launcher") == "slurm" and state.get("job_id"):
+        from rlctl.errors import RlctlError
+        from rlctl.launchers import slurm
+
+        try:
+            job = slurm.query([state["job_id"]]).get(state["job_id"])
+            words += f" (Slurm job {state['job_id']}: {job.describe() if job else 'gone'})"
+        except RlctlError as e:
+            words += f" (Slurm job {state['job_id']}: {e})"
+    return words
 
 
 @app.command("trace", no_args_is_help=True)

@@ -221,11 +221,15 @@ class Supervisor:
         from rlctl.launchers.pool.pooldir import PoolDir
 
         pd = self.pool = PoolDir(Path(self.rd.read()["pool_dir"]))  # detached at the end, attached or not
-        controller = self._start(self.plan.controller)  # starts meanwhile; it waits for the engines
+        # Here the controller starts meanwhile (it waits for the engines); a Slurm pool places the
+        # engines on its nodes at the attach, and the controller reads their addresses then.
+        remote = pd.read().get("launcher") == "slurm"
+        controller = None if remote else self._start(self.plan.controller)
         try:
             attach(pd, self.rd.path, timeout_s=SERVER_START_TIMEOUT_S + 60)
         except RunError as e:
             return RunState.FAILED, f"not attached: {e}"
+        controller = controller or self._start(self.plan.controller)
         asked = [0.0]
 
         def pool_said(now: bool = False) -> str | None:
@@ -238,8 +242,8 @@ class Supervisor:
                 asked[0] = time.monotonic()
                 try:
                     ended = request(pd, "GET", f"/jobs/{self.rd.id}")["ended"]
-                except RunError as e:
-                    ended = str(e)
+                except RunError as e:  # gone: why it let the run go, as it wrote it here, if it did
+                    ended = (self.rd.read().get("pool") or {}).get("detached") or str(e)
                 if ended or time.monotonic() >= deadline:
                     return f"pool {pd.name} let the run go: {ended}" if ended else None
                 time.sleep(0.2)

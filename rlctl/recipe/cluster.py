@@ -39,6 +39,24 @@ def slurm_time_seconds(time: str) -> int | None:
     return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
+def check_job_lines(section: Section) -> None:
+    """A Slurm section's names, time, sbatch_args, setup lines and python (a run's, a pool's)."""
+    for name in ("partition", "account", "qos"):
+        _slurm_name(name, getattr(section, name))
+    if not _SLURM_TIME.match(section.time):
+        raise FieldError("time", f"'{section.time}' is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS")
+    for i, arg in enumerate(section.sbatch_args):
+        if not arg.startswith("-") or "\n" in arg:
+            raise FieldError(f"sbatch_args[{i}]", f"'{arg}' is not an sbatch flag; write flags like --exclusive or --constraint=h200")
+        if arg.split("=")[0] in _SBATCH_MANAGED_FLAGS:
+            raise FieldError(f"sbatch_args[{i}]", f"'{arg}' is set by rlctl; use the slurm section's own keys")
+    for i, line in enumerate(section.setup):
+        if "\n" in line:
+            raise FieldError(f"setup[{i}]", "one shell line per list item")
+    if "\n" in section.python or "\0" in section.python:
+        raise FieldError("python", "a path or a command name, on one line")
+
+
 def _check_env(name: str, value: str) -> None:
     key = f"env.{name}"
     if not _ENV_NAME.match(name):
@@ -160,10 +178,7 @@ class SlurmConfig(Section):
     newer checkpoint than the one it started from is not requeued either (no progress)."""
 
     def check(self) -> None:
-        for name in ("partition", "account", "qos"):
-            _slurm_name(name, getattr(self, name))
-        if not _SLURM_TIME.match(self.time):
-            raise FieldError("time", f"'{self.time}' is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS")
+        check_job_lines(self)
         positive("health_timeout_s", self.health_timeout_s)
         positive("signal_before_s", self.signal_before_s)
         at_most("signal_before_s", self.signal_before_s, 65535, "(Slurm's --signal limit)")
@@ -177,18 +192,8 @@ class SlurmConfig(Section):
         positive("port_base", self.port_base, zero_ok=True)
         if self.port_base and not 1024 <= self.port_base <= 65000:
             raise FieldError("port_base", f"{self.port_base} is outside 1024..65000; use 0 to derive it from the job id")
-        for i, arg in enumerate(self.sbatch_args):
-            if not arg.startswith("-") or "\n" in arg:
-                raise FieldError(f"sbatch_args[{i}]", f"'{arg}' is not an sbatch flag; write flags like --exclusive or --constraint=h200")
-            if arg.split("=")[0] in _SBATCH_MANAGED_FLAGS:
-                raise FieldError(f"sbatch_args[{i}]", f"'{arg}' is set by rlctl; use the slurm section's own keys")
-        for i, line in enumerate(self.setup):
-            if "\n" in line:
-                raise FieldError(f"setup[{i}]", "one shell line per list item")
         for name, value in self.env.items():
             _check_env(name, value)
-        if "\n" in self.python or "\0" in self.python:
-            raise FieldError("python", "a path or a command name, on one line")
 
 
 @dataclass(kw_only=True)

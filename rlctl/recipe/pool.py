@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section
-from rlctl.recipe.choices import Device, GpuKind
+from rlctl.recipe.choices import Device, GpuKind, Launcher
 
 
 @dataclass(kw_only=True)
@@ -47,6 +47,41 @@ class PoolDevices(Section):
 
 
 @dataclass(kw_only=True)
+class PoolSlurm(Section):
+    """launcher=slurm: the pool is one Slurm job of `nodes` nodes. Its service runs on the first
+    node; each run's engines are steps of the job (srun --overlap) on the nodes their devices are
+    on. The devices are spread evenly: device i is on node i // (count / nodes)."""
+
+    nodes: int = 1
+    time: str = "1-00:00:00"
+    """The pool's time limit, in any of Slurm's forms: the runs in it end with it."""
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    gpus_per_node: int = 0
+    """--gpus-per-node (kind cuda: 0 asks for the pool's devices per node)."""
+    sbatch_args: list[str] = field(default_factory=list)
+    """Extra sbatch flags, e.g. ["--exclusive"]."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run first on the first node (module load, source venv/bin/activate)."""
+    python: str = ""
+    """The nodes' Python (as slurm.python of a recipe); empty: the one of `rlctl pool up`."""
+    port_base: int = 21000
+    """The runs' engines listen on ports from here up, on their nodes."""
+
+    def check(self) -> None:
+        from rlctl.recipe.cluster import check_job_lines
+
+        if self.nodes < 1:
+            raise FieldError("nodes", f"must be >= 1, got {self.nodes}")
+        if self.gpus_per_node < 0:
+            raise FieldError("gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
+        check_job_lines(self)
+        if not 1024 <= self.port_base <= 60000:
+            raise FieldError("port_base", f"must be in 1024..60000, got {self.port_base}")
+
+
+@dataclass(kw_only=True)
 class PoolSimConfig(Section):
     """`rlctl simulate` of a pool: the GPUs, and what moving a model costs."""
 
@@ -71,8 +106,13 @@ class PoolSimConfig(Section):
 class PoolSpec(Section):
     name: str = "pool"
     output_dir: str = "pools"
-    """Where the pool's directory (state, events, logs, token) is made."""
+    """Where the pool's directory (state, events, logs, token) is made: on a Slurm pool, a
+    filesystem the nodes share."""
+    launcher: Launcher = Launcher.LOCAL
+    """local: the pool's service and engines run on this host; slurm: on a Slurm allocation
+    (`slurm:`), its service on the first node."""
     devices: PoolDevices = field(default_factory=PoolDevices)
+    slurm: PoolSlurm = field(default_factory=PoolSlurm)
     quantum_s: float = 5.0
     """A device's time slice: once a job has held a device this long (times its share) while
     another waits, its new generates there wait for the other's turn."""
@@ -91,6 +131,17 @@ class PoolSpec(Section):
             raise FieldError("quantum_s", f"must be > 0, got {self.quantum_s}")
         if not 0 < self.switch_overhead <= 1:
             raise FieldError("switch_overhead", f"must be in (0, 1], got {self.switch_overhead}")
+        if self.launcher is Launcher.POOL:
+            raise FieldError("launcher", "a pool runs on local or slurm")
+        if self.launcher is Launcher.SLURM:
+            if self.devices.count % self.slurm.nodes:
+                raise FieldError("devices.count", f"{self.devices.count} devices do not spread evenly over "
+                                 f"slurm.nodes={self.slurm.nodes}; make count a multiple of the nodes")
+            if self.devices.gpus:
+                raise FieldError("devices.gpus", "a Slurm pool uses the GPUs Slurm gives each node; leave it empty")
+
+    def devices_per_node(self) -> int:
+        return self.devices.count // self.slurm.nodes if self.launcher is Launcher.SLURM else self.devices.count
 
 
 @dataclass(kw_only=True)

@@ -63,6 +63,8 @@ class PoolJob:
     share: float
     models: list[Model] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    node_of: dict[str, str] = field(default_factory=dict)
+    """On a Slurm pool: each process's node."""
     started: set[str] = field(default_factory=set)
     """Models whose processes have loaded them: only those have memory to move."""
     attached_at: float = field(default_factory=time.monotonic)
@@ -89,17 +91,22 @@ class PoolJob:
             return list(self.plan.trainers)
         return [self.plan.rollout[int(model.name.rsplit("-", 1)[1])]]
 
-    def placement(self, cpus_per_device: int, kind: Device, gpus: list[int]) -> dict[str, dict[str, Any]]:
-        """Each process's device: its cores on a CPU pool, its GPU on a GPU pool."""
+    def placement(self, cpus_per_device: int, kind: Device, gpus: list[int], nodes: list[str] | None = None,
+                  per_node: int = 0) -> dict[str, dict[str, Any]]:
+        """Each process's device: its cores on a CPU pool, its GPU on a GPU pool; on a Slurm pool
+        (`nodes`, `per_node` devices each) also its node, the cores or GPU counted on that node."""
         out = {}
         for m in self.models:
             for role, device in zip(self.roles(m), m.devices, strict=True):
+                local = device % per_node if nodes else device
                 if kind is Device.CUDA:
-                    out[role.name] = {"device": f"cuda:{gpus[device] if gpus else device}", "pool_device": device}
+                    out[role.name] = {"device": f"cuda:{gpus[local] if gpus else local}", "pool_device": device}
                 else:
-                    first = device * cpus_per_device
+                    first = local * cpus_per_device
                     out[role.name] = {"device": "cpu", "cpus": list(range(first, first + cpus_per_device)),
                                       "pool_device": device}
+                if nodes:
+                    out[role.name]["node"] = nodes[device // per_node]
         return out
 
     def exited(self) -> tuple[str, int] | None:
@@ -119,6 +126,10 @@ class PoolJob:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
             time.sleep(0.05)
+        steps = {n: (self.rd.read().get("processes") or {}).get(n, {}).get("slurm_step") for n in self.procs}
+        for name, p in self.procs.items():  # a Slurm pool's engine: its step, wherever it runs
+            if p.poll() is None and steps[name]:
+                subprocess.run(["scancel", "--signal=KILL", steps[name]], capture_output=True, timeout=30)
         for name, p in self.procs.items():
             _signal_group(p.pid, signal.SIGKILL)
             if p.poll() is None:

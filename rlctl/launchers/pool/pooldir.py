@@ -57,11 +57,19 @@ class PoolDir:
         write_atomic(self.state_path, json.dumps(data, indent=2) + "\n")
 
     def alive(self) -> bool:
+        """Its service is up: its process here, or on a Slurm pool (whose service runs on a node)
+        its /health."""
+        from rlctl.launchers.health import healthy
+
         try:
             state = self.read()
         except RunError:
             return False
-        return state.get("state") == "up" and pid_alive(state.get("pid"), "rlctl.launchers.pool")
+        if state.get("state") != "up":
+            return False
+        if state.get("launcher") == "slurm":
+            return healthy(state["url"])
+        return pid_alive(state.get("pid"), "rlctl.launchers.pool")
 
     def require_up(self, key: str = "", then: str = "") -> None:
         """RunError unless the pool's service is up: saying where it was looked for and how to

@@ -1,6 +1,7 @@
 """The pool's service: `python -m rlctl.launchers.pool.service --pool-dir DIR`, started by `rlctl
-pool up`. One aiohttp server on 127.0.0.1 (a free port, written to pool.json) over one
-SliceScheduler (rlctl/plex/scheduler.py) for the pool's devices.
+pool up`. One aiohttp server over one SliceScheduler (rlctl/plex/scheduler.py) for the pool's
+devices, on a free port written to pool.json: on 127.0.0.1, or on a Slurm pool on the first
+node's own address (rlctl/launchers/pool/slurm.py).
 
 Routes (every one but /health asks for a token):
     POST   /jobs                 {run_dir}            pool token: attach a run (place, start its engines)
@@ -27,14 +28,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rlctl.door import listening_socket, refusal
+from rlctl.door import listen_address, listening_socket, refusal
 from rlctl.errors import RlctlError, RunError
 from rlctl.launchers.pool.jobs import EngineMover, PoolJob, job_blocks, wait_healthy
 from rlctl.launchers.pool.pooldir import PoolDir
+from rlctl.launchers.pool.slurm import PortBook, job_nodes, srun_command
 from rlctl.launchers.pool.warm import Forker
 from rlctl.plex.placement import Layout
 from rlctl.plex.scheduler import SliceScheduler, State
-from rlctl.recipe import Device
+from rlctl.recipe import Device, Launcher
 from rlctl.recipe.load import load_pool_file
 
 log = logging.getLogger("rlctl.pool")
@@ -56,7 +58,7 @@ def device_memory(spec) -> float:
         import torch
 
         return float(torch.cuda.get_device_properties(d.gpus[0] if d.gpus else 0).total_memory)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / d.count
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / spec.pool.devices_per_node()
 
 
 class PoolService:
@@ -65,6 +67,10 @@ class PoolService:
         self.spec = load_pool_file(pd.spec_path)
         self.token = pd.token()
         self.t0 = time.monotonic()
+        self.nodes: list[str] | None = job_nodes() if self.spec.pool.launcher is Launcher.SLURM else None
+        """A Slurm pool's nodes (the first runs this service); None on this host."""
+        self.ports = PortBook(self.spec.pool.slurm.port_base)
+        self.url = ""
         capacity = dict.fromkeys(range(self.spec.pool.devices.count), device_memory(self.spec))
         self.layout = Layout(capacity)
         self.jobs: dict[str, PoolJob] = {}
@@ -132,10 +138,12 @@ class PoolService:
         self.jobs[job.name] = job
         self.gone.pop(job.name, None)
         d = self.spec.pool.devices
-        placement = job.placement(d.cpus_per_device, d.kind, d.gpus)
-        port = self.pd.read()["port"]
-        job.rd.update(lambda r: r.update(pool={"name": self.pd.name, "url": f"http://127.0.0.1:{port}", "job": job.name,
-                                               "placement": placement}))
+        placement = job.placement(d.cpus_per_device, d.kind, d.gpus, self.nodes, self.spec.pool.devices_per_node())
+        if self.nodes:  # its engines on the nodes of their devices, on ports there
+            job.node_of = {role: p["node"] for role, p in placement.items()}
+            job.plan = self.ports.replan(job.plan, job.name, job.node_of)
+        job.rd.update(lambda r: r.update(pool={"name": self.pd.name, "url": self.url, "job": job.name,
+                                               "placement": placement}, plan=job.plan.to_json()))
         self.emit("job_attached", time.monotonic(), job=job.name, run_dir=str(job.rd.path), share=job.share,
                   models={m.name: {"devices": list(m.devices), "weights_bytes": m.weights, "working_bytes": m.working}
                           for m in job.models})
@@ -159,9 +167,14 @@ class PoolService:
         from rlctl.launchers.local import run_env, spawn, worker_command
 
         env = run_env(job.rd)
+        if self.nodes:  # gloo and NCCL find their peers on the nodes' own addresses, not loopback
+            env = {k: v for k, v in env.items() if not k.endswith("_SOCKET_IFNAME") or k in os.environ}
         for role in job.roles(model):
             cmd, log_path = worker_command(role.kind, job.rd.path, role.index), job.rd.log_path(role.name)
-            if self.forker is not None:  # forked warm: torch and the engines are imported already
+            if self.nodes:  # a step of the pool's job on the role's node
+                proc = spawn(srun_command(job.node_of[role.name], cmd, f"{job.name}:{role.name}"), log_path,
+                             die_with_parent=True, env=env)
+            elif self.forker is not None:  # forked warm: torch and the engines are imported already
                 proc = await asyncio.to_thread(self.forker.spawn, cmd[3:], log_path, {**os.environ, **env})
             else:
                 proc = spawn(cmd, log_path, die_with_parent=True, env=env)
@@ -195,6 +208,7 @@ class PoolService:
             self.sched.remove_job(job.name)
             self.layout.forget(job.name)
             await asyncio.to_thread(job.stop)
+            self.ports.give_back(job.name)
             job.rd.update(lambda r: r.setdefault("pool", {}).update(usage=usage, detached=reason))
             self.emit("job_detached", time.monotonic(), job=job.name, reason=reason, **usage)
         self.jobs.pop(job.name, None)
@@ -316,25 +330,30 @@ class PoolService:
 
 async def serve(pd: PoolDir) -> None:
     import signal
+    import socket
 
     import aiohttp
     from aiohttp import web
 
     service = PoolService(pd)
-    if service.spec.pool.warm_start:
+    if service.spec.pool.warm_start and not service.nodes:  # one host's forker: not across nodes
         service.forker = Forker(pd.path / "logs" / "forker.log")
     runner = web.AppRunner(service.app(), access_log=None)
     await runner.setup()
-    sock = listening_socket("127.0.0.1", 0)  # loopback only; the port is written to pool.json
+    host = socket.gethostname() if service.nodes else "127.0.0.1"  # loopback, or this node's own address
+    sock = listening_socket(listen_address(host), 0)  # the port is written to pool.json
     port = sock.getsockname()[1]
+    service.url = f"http://{host}:{port}"
     await web.SockSite(runner, sock).start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stopping.set)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         service._session = session
-        pd.write(state="up", pid=os.getpid(), port=port, url=f"http://127.0.0.1:{port}",
-                 devices=service.spec.pool.devices.count)
+        where = {"launcher": "slurm", "nodes": service.nodes, "host": host,
+                 "job_id": os.environ.get("SLURM_JOB_ID")} if service.nodes else {"launcher": "local"}
+        pd.write(state="up", pid=os.getpid(), port=port, url=service.url, devices=service.spec.pool.devices.count,
+                 **where)
         service.emit("pool_up", time.monotonic(), devices=service.spec.pool.devices.count,
                      memory_bytes=service.sched.capacity[0])
         watching = asyncio.create_task(service.watch())
