@@ -35,7 +35,7 @@ from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.pool import RolloutPool
 from rlctl.pipelines.scoring import PooledScorer
-from rlctl.plan import RunPlan, free_ports
+from rlctl.plan import RunPlan
 from rlctl.recipe import Device, Launcher, Recipe, RolloutEngine, SyncBackend
 from rlctl.rewards.verifiers import make_verifier
 from rlctl.rundir import HOST, PROCESS_CLOCK, EventLog, RunDir
@@ -260,10 +260,10 @@ async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.Client
 
 def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan):
     """connect(clients): the trainer forms the weight-sync group anew with these servers, on a
-    port free now on its host (the controller runs there)."""
+    port it finds free on its host (port 0: the controller need not run there, as in a pool on
+    Slurm)."""
     async def connect(clients: list[RolloutClient]) -> None:
-        host = plan.trainers[0].host
-        await trainer.init_weight_sync([c.url for c in clients], host, free_ports(1, host)[0],
+        await trainer.init_weight_sync([c.url for c in clients], plan.trainers[0].host, 0,
                                        backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb)
     return connect
 

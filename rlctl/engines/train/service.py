@@ -4,6 +4,7 @@
     POST /train          {"samples": [...]}   these samples plus all accumulated since the last
                                               step: one optimizer step on that train batch
     POST /init_weight_sync {servers, master_address, master_port, backend, bucket_mb}
+                                              (master_port 0: one free now on this host)
     POST /sync_weights   {"version": "3"}     broadcast the working copy to every rollout server
     POST /save_checkpoint, /load_checkpoint {"dir": D}   the trainer's part of a checkpoint
     POST /release_memory_occupation {"tags": ["weights", "optimizer"] | null}
@@ -194,8 +195,14 @@ class TrainerService:
             # A new name each time: a group whose broadcast broke keeps its name in this process.
             self.groups_formed += 1
             group["group_name"] = f"{DEFAULT_GROUP_NAME}-{self.groups_formed}"
+        port = int(body["master_port"])
+        if not port:  # chosen here, where the group's store listens (the controller may be elsewhere)
+            from rlctl.door import listen_address
+            from rlctl.plan import free_ports
+
+            port = free_ports(1, listen_address(body["master_address"]))[0]
         self.sender = WeightSender(
-            clients, master_address=body["master_address"], master_port=int(body["master_port"]),
+            clients, master_address=body["master_address"], master_port=port,
             backend=body.get("backend", "gloo"), bucket_bytes=int(float(body["bucket_mb"]) * 2**20), **group,
         )
         try:
