@@ -1,7 +1,8 @@
 """A live pool end to end: `rlctl pool up`, two runs attached with `launcher: pool` sharing its two
-devices under a memory cap that forces model moves, the door between them, a run killed in the
-pool while the other goes on, a killed run resumed in the pool, and `rlctl pool down`. The
-engines start forked warm (rlctl/launchers/pool/warm.py), and cold in the resumed run's pool."""
+devices under a memory cap that forces model moves, the door between them, a killed server
+started again by the pool, a run whose trainer was killed failing while the other goes on, a
+killed run resumed in the pool, and `rlctl pool down`. The engines start forked warm
+(rlctl/launchers/pool/warm.py), and cold in the resumed run's pool."""
 
 from __future__ import annotations
 
@@ -114,20 +115,38 @@ def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
     assert {e["tid"] for e in spans} == {0, 1} and {e["args"]["job"] for e in spans} == {a.id, b.id}
 
 
-def test_a_run_killed_in_the_pool_leaves_the_other_running(pool, tmp_path):
+def test_a_killed_server_comes_back_and_a_killed_trainer_fails_only_its_run(pool, tmp_path):
     a = launch(tmp_path, "a", "run.steps=200")
     b = launch(tmp_path, "b", "run.steps=6", "run.seed=3")
     wait_for(lambda: any(e["event"] == "step_end" for e in a.events()), 300, "a's first step")
     victim = a.read()["processes"]["rollout-1"]["pid"]
-    forker = int(Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    assert b"rlctl.launchers.pool.warm" in Path(f"/proc/{forker}/cmdline").read_bytes()  # started warm
+    assert b"rlctl.launchers.pool.warm" in Path(f"/proc/{parent(victim)}/cmdline").read_bytes()  # started warm
     os.kill(victim, signal.SIGKILL)
+
+    # The pool starts the server again on its device (warm too); a's controller gives it the
+    # weights when it is back, and a goes on.
+    back = wait_for(lambda: next((e for e in a.events() if e["event"] == "server_rejoined"), None), 120,
+                    "rollout-1 to rejoin")
+    assert back["server"] == "rollout-1"
+    said = [e["event"] for e in a.events() if e.get("role") == "rollout-1"]
+    assert said[-4:] == ["process_exit", "server_down", "server_restarted", "server_up"], said
+    again = a.read()["processes"]["rollout-1"]["pid"]
+    assert again != victim and b"rlctl.launchers.pool.warm" in Path(f"/proc/{parent(again)}/cmdline").read_bytes()
+    assert a.read()["state"] == "running"
+    steps = len(a.metrics())
+    wait_for(lambda: len(a.metrics()) >= steps + 2, 120, "a to train on")
+
+    os.kill(a.read()["processes"]["trainer-0"]["pid"], signal.SIGKILL)
     info = wait_for(lambda: ended(a), 120, "a to end")
-    assert info["state"] == "failed" and "rollout-1 exited with code -9" in info["exit_reason"]
+    assert info["state"] == "failed" and "trainer-0 exited with code -9" in info["exit_reason"]
     info = wait_for(lambda: ended(b), 600, "b to end")
     assert info["state"] == "completed", info["exit_reason"]
     for role, proc in a.read()["processes"].items():  # the pool stopped a's other engines
         assert role == "supervisor" or not pid_alive(proc["pid"]), role
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def test_launch_into_a_pool_that_is_not_up(tmp_path):

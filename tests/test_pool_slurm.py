@@ -1,8 +1,9 @@
 """A pool on a Slurm allocation (pool file `launcher: slurm`) on scripts/slurm-test-cluster.sh's
 nodes, each its own network namespace and hostname: `rlctl pool up` submits the pool's job, its
 service answers on the first node's address, two runs launched here attach to it and their
-engines run as steps of the pool's job on both nodes, one run's killed step fails only that run,
-and `rlctl pool down` ends the job with nothing left running."""
+engines run as steps of the pool's job on both nodes, a killed server step is started again, a
+killed trainer step fails only its run, and `rlctl pool down` ends the job with nothing left
+running."""
 
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ def launch(tmp_path: Path, name: str, *overrides: str) -> RunDir:
     return RunDir(tmp_path / "runs" / res.stdout.strip().splitlines()[-1])
 
 
+def placed_node(rd: RunDir, role: str) -> str:
+    return rd.read()["pool"]["placement"][role]["node"]
+
+
 def ended(rd: RunDir) -> dict | None:
     info = rd.read()
     return info if info["state"] in ("completed", "failed", "cancelled") else None
@@ -95,11 +100,17 @@ def test_runs_attach_to_a_pool_on_slurm_and_their_engines_run_on_its_nodes(pool,
         for p in (keeps.read()["plan"], killed.read()["plan"])]
     assert not ports[0] & ports[1] and len(ports[0]) == len(ports[1]) == 5, ports
 
-    # One run's server step killed on its node: that run fails, saying which engine; the other goes on.
+    # One run's server step killed on its node: the pool starts it again there, as a new step.
     step = killed.read()["processes"]["rollout-1"]["slurm_step"]
     subprocess.run(["scancel", "--signal=KILL", step], check=True, capture_output=True)
+    wait_for(lambda: any(e["event"] == "server_rejoined" for e in killed.events()), 120, "rollout-1 to rejoin")
+    again = killed.read()["processes"]["rollout-1"]
+    assert again["slurm_step"] != step and again["host"] == placed_node(killed, "rollout-1"), again
+    # Its trainer's step killed: that run fails, saying which engine; the other goes on.
+    step = killed.read()["processes"]["trainer-0"]["slurm_step"]
+    subprocess.run(["scancel", "--signal=KILL", step], check=True, capture_output=True)
     info = wait_for(lambda: ended(killed), 60, "the killed run to end")
-    assert info["state"] == "failed" and "rollout-1" in info["exit_reason"], info.get("exit_reason")
+    assert info["state"] == "failed" and "trainer-0" in info["exit_reason"], info.get("exit_reason")
     info = wait_for(lambda: ended(keeps), 240, "the other run to end")
     assert info["state"] == "completed", info.get("exit_reason")
     metrics = keeps.metrics()

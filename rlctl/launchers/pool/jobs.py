@@ -10,6 +10,7 @@ holds is estimated from its weights file before anything starts (job_blocks).
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,18 @@ def job_blocks(recipe: Recipe, model_path: str, devices: int) -> list[Block]:
             Block("trainer", ranks, trainer_weights, trainer_working)]
 
 
+def device_memory(spec) -> float:
+    """Bytes the scheduler lets one device's models hold."""
+    d = spec.pool.devices
+    if d.memory_gb:
+        return d.memory_gb * 1e9
+    if d.kind is Device.CUDA:
+        import torch
+
+        return float(torch.cuda.get_device_properties(d.gpus[0] if d.gpus else 0).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / spec.pool.devices_per_node()
+
+
 @dataclass
 class PoolJob:
     rd: RunDir
@@ -67,6 +80,12 @@ class PoolJob:
     """On a Slurm pool: each process's node."""
     started: set[str] = field(default_factory=set)
     """Models whose processes have loaded them: only those have memory to move."""
+    running: bool = False
+    """Every model started: a server that dies now is started again."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """How often each server was started again after it died."""
+    restarting: set[str] = field(default_factory=set)
+    """Servers being started again."""
     attached_at: float = field(default_factory=time.monotonic)
     ended: str | None = None
     """Why it left the pool (detached, a process died), once it has."""

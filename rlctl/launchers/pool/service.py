@@ -30,35 +30,23 @@ from typing import Any
 
 from rlctl.door import listen_address, listening_socket, refusal
 from rlctl.errors import RlctlError, RunError
-from rlctl.launchers.pool.jobs import EngineMover, PoolJob, job_blocks, wait_healthy
+from rlctl.launchers.pool.engines import EngineStarter
+from rlctl.launchers.pool.jobs import EngineMover, PoolJob, device_memory, job_blocks
 from rlctl.launchers.pool.pooldir import PoolDir
-from rlctl.launchers.pool.slurm import PortBook, job_nodes, srun_command
+from rlctl.launchers.pool.slurm import PortBook, job_nodes
 from rlctl.launchers.pool.warm import Forker
 from rlctl.plex.placement import Layout
 from rlctl.plex.scheduler import SliceScheduler, State
-from rlctl.recipe import Device, Launcher
+from rlctl.recipe import Launcher
 from rlctl.recipe.load import load_pool_file
 
 log = logging.getLogger("rlctl.pool")
-START_TIMEOUT_S = 300.0
 USAGE_EVERY_S = 2.0
 
 
 class MonotonicClock:
     def now(self) -> float:
         return time.monotonic()
-
-
-def device_memory(spec) -> float:
-    """Bytes the scheduler lets one device's models hold."""
-    d = spec.pool.devices
-    if d.memory_gb:
-        return d.memory_gb * 1e9
-    if d.kind is Device.CUDA:
-        import torch
-
-        return float(torch.cuda.get_device_properties(d.gpus[0] if d.gpus else 0).total_memory)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / spec.pool.devices_per_node()
 
 
 class PoolService:
@@ -82,6 +70,7 @@ class PoolService:
                                     switch_overhead=self.spec.pool.switch_overhead)
         self.calls: dict[str, tuple[str, asyncio.Event, asyncio.Task]] = {}
         self.stopping = asyncio.Event()
+        self.restarting: set[asyncio.Task] = set()
         self.forker: Forker | None = None
         """Forks the jobs' engine processes warm (rlctl/launchers/pool/warm.py), with warm_start."""
 
@@ -155,6 +144,7 @@ class PoolService:
                 for m in job.models:
                     async with self.sched.slice(job.name, [(m.name, State.ACTIVE)], "start"):
                         await self._start(job, m)
+            job.running = True
         except BaseException as e:
             await self._detach(job, f"did not start: {e}")
             raise
@@ -164,29 +154,43 @@ class PoolService:
                    for d in {d for m in job.models for d in m.devices})
 
     async def _start(self, job: PoolJob, model) -> None:
-        from rlctl.launchers.local import run_env, spawn, worker_command
+        await EngineStarter(self.pd.name, self.nodes, self.forker).start(job, model)
 
-        env = run_env(job.rd)
-        if self.nodes:  # gloo and NCCL find their peers on the nodes' own addresses, not loopback
-            env = {k: v for k, v in env.items() if not k.endswith("_SOCKET_IFNAME") or k in os.environ}
-        for role in job.roles(model):
-            cmd, log_path = worker_command(role.kind, job.rd.path, role.index), job.rd.log_path(role.name)
-            if self.nodes:  # a step of the pool's job on the role's node
-                proc = spawn(srun_command(job.node_of[role.name], cmd, f"{job.name}:{role.name}"), log_path,
-                             die_with_parent=True, env=env)
-            elif self.forker is not None:  # forked warm: torch and the engines are imported already
-                proc = await asyncio.to_thread(self.forker.spawn, cmd[3:], log_path, {**os.environ, **env})
-            else:
-                proc = spawn(cmd, log_path, die_with_parent=True, env=env)
-            job.procs[role.name] = proc
-            job.rd.record_process(role.name, pid=proc.pid, port=role.port, log=str(log_path), pool=self.pd.name)
-        urls = [job.plan.trainer_url] if model.name == "trainer" else \
-            [job.plan.server_urls[int(model.name.rsplit("-", 1)[1])]]
-        await wait_healthy(urls, job, START_TIMEOUT_S)
-        job.started.add(model.name)
-        for url in urls:
-            if model.name != "trainer":
-                job.rd.event("server_up", role=job.roles(model)[0].name, url=url)
+    async def _restart(self, job: PoolJob, name: str, code: int) -> bool:
+        """A server of a running job died: started again on its device, up to the run's
+        rollout.max_restarts times, as a run's own supervisor does (its controller sends requests
+        to the other servers meanwhile and gives it the weights when it is back); after that the
+        run goes on without it. False (the job is let go): not a server, or one still starting."""
+        from rlctl.launchers.local import describe_exit
+
+        model = next((m for m in job.models if m.name != "trainer" and job.roles(m)[0].name == name), None)
+        if model is None or not job.running or model.name in job.restarting:
+            return False
+        job.procs.pop(name)
+        job.started.discard(model.name)  # no memory to move until it is back
+        job.rd.event("process_exit", role=name, code=code)
+        job.rd.event("server_down", role=name)
+        job.restarts[name] = job.restarts.get(name, 0) + 1
+        if job.restarts[name] > job.recipe.rollout.max_restarts:
+            job.rd.event("server_given_up", role=name, restarts=job.recipe.rollout.max_restarts)
+            return True
+        job.rd.event("server_restarted", role=name, attempt=job.restarts[name], after=describe_exit(code))
+        self.emit("server_restarted", time.monotonic(), job=job.name, role=name, attempt=job.restarts[name])
+
+        async def start() -> None:
+            job.restarting.add(model.name)
+            try:
+                async with self.sched.slice(job.name, [(model.name, State.ACTIVE)], "start"):
+                    await self._start(job, model)
+            except (RlctlError, OSError) as e:
+                await self._detach(job, f"{name} did not start again: {e}")
+            finally:
+                job.restarting.discard(model.name)
+
+        task = asyncio.create_task(start())
+        self.restarting.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self.restarting.discard)
+        return True
 
     async def detach(self, request):
         from aiohttp import web
@@ -298,14 +302,15 @@ class PoolService:
         return web.json_response({"stopping": True})
 
     async def watch(self) -> None:
-        """A job whose engine died leaves the pool (its run fails; the others go on); each job's
-        usage is written into its run directory every few seconds."""
+        """A job whose server died gets it again (_restart); a job whose other engine died leaves
+        the pool (its run fails; the others go on); each job's usage is written into its run
+        directory every few seconds."""
         last = 0.0
         while True:
             await asyncio.sleep(0.5)
             for job in list(self.jobs.values()):
                 died = job.exited() if job.started else None
-                if died and job.ended is None:
+                if died and job.ended is None and not await self._restart(job, *died):
                     await self._detach(job, f"{died[0]} exited with code {died[1]}")
             if time.monotonic() - last > USAGE_EVERY_S:
                 last = time.monotonic()
