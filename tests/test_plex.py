@@ -9,6 +9,7 @@ import pytest
 from rlctl.errors import RunError
 from rlctl.plex.placement import Block, Layout, co_location_fits
 from rlctl.plex.scheduler import Model, SliceScheduler, State
+from rlctl.plex.state import snapshot
 from rlctl.sim.loop import VirtualClock, run_virtual
 
 A, W, OFF = State.ACTIVE, State.WEIGHTS, State.OFFLOADED
@@ -136,7 +137,7 @@ def test_a_larger_share_gets_more_device_time():
                 await call(s, job, [("r", A)], "generate", 0.5, [])
 
         await asyncio.gather(busy("small", 0.0), busy("small", 0.25), busy("big", 0.0), busy("big", 0.25))
-        return s.snapshot()["jobs"]
+        return snapshot(s)["jobs"]
 
     jobs = run_virtual(main())
     ratio = jobs["big"]["used_s"] / jobs["small"]["used_s"]
@@ -165,7 +166,7 @@ def chains(shares: dict[str, float], devices: dict[str, tuple[int, int]], until:
                 await asyncio.sleep(0.02)
 
         await asyncio.gather(*(run(j) for j in devices))
-        return s.snapshot()
+        return snapshot(s)
 
     snap = run_virtual(main())
     busy = sum(d["busy_s"] for d in snap["devices"].values())
@@ -315,3 +316,43 @@ def test_turns_grow_with_what_a_switch_costs():
     assert switches >= 2  # neither job waited for the other to finish all its pieces
     moved = sum(e["seconds"] for e in events if e["event"] == "move")
     assert moved / max(end for *_, end in log) < 0.15
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_sync_runs_beside_the_holders_when_its_models_are_in_place(beside):
+    """b's weight sync needs its trainer (device 1) and its server (device 0) as weights only,
+    while a generates on device 0 for 4 s. Held as a slice it waits for a's generate; beside
+    (a CPU pool) it runs at once, and meanwhile b's models cannot be demoted: a's call that
+    needs their memory waits for it."""
+    events, log = [], []
+
+    async def main():
+        s = SliceScheduler({0: 100.0, 1: 100.0}, VirtualClock(), Moves(0.1),
+                           lambda kind, t, **f: events.append({"event": kind, "t": t, **f}),
+                           beside=frozenset({"sync"} if beside else ()))
+        s.add_job("b", [Model("b", "r", (0,), 10, 10), Model("b", "t", (1,), 10, 10)])
+        s.add_job("a", [Model("a", "r", (0,), 10, 10), Model("a", "big", (1,), 70, 20)])  # offloaded: no room
+
+        async def b_sync():
+            await asyncio.sleep(1.0)
+            await call(s, "b", [("r", W), ("t", W)], "sync", 2.0, log)
+
+        async def a_big():  # needs b's trainer demoted (90 + 20 > 100) while b's sync runs
+            await asyncio.sleep(1.5)
+            await call(s, "a", [("big", A)], "train", 1.0, log)
+
+        await asyncio.gather(call(s, "a", [("r", A)], "generate", 4.0, log), b_sync(), a_big())
+        return snapshot(s)["jobs"]
+
+    used = run_virtual(main())
+    starts = {(job, kind): (start, end) for job, kind, start, end in log}
+    sync_start, sync_end = starts[("b", "sync")]
+    if beside:
+        assert sync_start == pytest.approx(1.0)  # beside a's generate on device 0
+        assert starts[("a", "train")][0] >= sync_end  # b's trainer was not demoted under its sync
+        b = used["b"]  # 2 s on each of its two devices, besides its trainer's demotion for a
+        assert b["used_s"] - b["moved_s"] == pytest.approx(4.0, abs=0.01) and b["moved_s"] > 0
+        assert {e["device"] for e in events if e["event"] == "slice" and e.get("beside")} == {0, 1}
+    else:
+        assert sync_start >= 4.0  # after a's generate let device 0 go
+        assert not any(e.get("beside") for e in events)

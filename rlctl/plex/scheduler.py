@@ -12,7 +12,8 @@ A device runs one job's calls at a time (the job *holds* it while any of them ru
 that job's calls may run together). `_dispatch` decides who holds each device next, and moves
 models between states (`Mover`: the engines' release/resume calls, or simulated copies) so that
 the next holder's models fit the device's memory. The rules (docs/pool.md says why):
-- A call is granted on all its devices at once, or waits: no partial holds.
+- A call is granted on all its devices at once, or waits: no partial holds (a kind in `beside`
+  whose models are in place holds none: it runs beside the holders; a weight sync on CPU).
 - Waiting calls are taken in order: those of a job that holds one of their devices; the job with
   the least device time per unit of share since it joined (JobState.vtime); weight syncs, then
   training, then generates; calls that need no move; the oldest. A call that cannot run reserves
@@ -41,7 +42,6 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from rlctl.errors import RunError
 from rlctl.plex.state import KIND_RANK as _KIND_RANK
@@ -54,7 +54,7 @@ __all__ = ["Clock", "Emit", "Model", "Mover", "SliceScheduler", "State"]
 
 class SliceScheduler:
     def __init__(self, devices: dict[int, float], clock: Clock, mover: Mover, emit: Emit | None = None,
-                 quantum_s: float = 5.0, switch_overhead: float = 0.1) -> None:
+                 quantum_s: float = 5.0, switch_overhead: float = 0.1, beside: frozenset[str] = frozenset()) -> None:
         self.capacity = dict(devices)
         """device -> memory cap in bytes."""
         self.clock = clock
@@ -75,6 +75,8 @@ class SliceScheduler:
         self.turn: dict[int, tuple[str, float]] = {}
         """device -> (job, when its turn began): its slices with gaps under linger_s between them."""
         self.last_end: dict[int, float] = {}
+        self.beside = beside
+        """Kinds of call that hold no device when their models are in place (a sync on CPU)."""
 
     # -- jobs and models ---------------------------------------------------------------------
 
@@ -117,12 +119,34 @@ class SliceScheduler:
         if job not in self.jobs:
             raise RunError(f"job {job} is not in the pool")
         needed = tuple((self.models[(job, m)], state) for m, state in needs)
+        if kind in self.beside and all(m.moving is None and _RANK[m.state] <= _RANK[st] for m, st in needed):
+            async with self._beside(job, needed):
+                yield
+            return
         await self._acquire(job, needed, kind)
         try:
             await self._ready(needed)
             yield
         finally:
             self._release(job, needed)
+
+    @asynccontextmanager
+    async def _beside(self, job: str, needed: tuple[tuple[Model, State], ...]) -> AsyncIterator[None]:
+        """A call that holds no device: its models stay put (not demoted) while it runs; its time is its job's."""
+        start = self.clock.now()
+        for m, _ in needed:  # in use: not demoted
+            m.users += 1
+        try:
+            yield
+        finally:
+            now, devices = self.clock.now(), sorted({d for m, _ in needed for d in m.devices})
+            for m, _ in needed:
+                m.users, m.last_used = m.users - 1, now
+            if job in self.jobs:
+                self.jobs[job].used += (now - start) * len(devices)
+            for d in devices:
+                self.emit("slice", now, job=job, device=d, start=start, seconds=now - start, beside=True)
+            self._dispatch()
 
     async def _acquire(self, job: str, needed: tuple[tuple[Model, State], ...], kind: str) -> None:
         key = (job, tuple((m.name, st) for m, st in needed), kind)
@@ -203,11 +227,10 @@ class SliceScheduler:
         return plan
 
     def _lingering(self, d: int, w: _Waiting) -> bool:
-        """Is device d kept a moment for its last holder (another job)? Where w needs moves, for
-        as long as they would take (and at least linger_s) while the holder's turn lasts: idling
-        that long for a call that may come costs at most what switching now would (the
-        ski-rental rule). Where it needs none, linger_s for a holder owed device time that
-        usually comes back sooner (the anticipatory disk scheduler's rule)."""
+        """Is device d kept a moment for its last holder (another job)? Where w needs moves, as
+        long as they would take (at least linger_s) while the holder's turn lasts: idling that
+        long costs at most what switching now would (ski rental). Where it needs none, linger_s
+        for a holder owed device time that usually comes back sooner (anticipatory scheduling)."""
         last, began = self.turn.get(d, (None, 0.0))
         if self.holder[d] is not None or last in (None, w.job) or last not in self.jobs:
             return False
@@ -363,9 +386,8 @@ class SliceScheduler:
         return began + self._quantum(holder, min(self._switch_s(w) for w in waiting))
 
     def _quantum_due(self, holder: str, device: int, since: float | None) -> None:
-        """The turn that began at `since` may be over: marked here when it is, to within a
-        millisecond (the clock's rounding may leave it a hair short, and a timer per hair would
-        never let time move); a turn whose quantum grew meanwhile gets a new timer."""
+        """The turn that began at `since` may be over: marked when it is, to within a millisecond
+        (a timer per rounding hair would never let time move); a longer quantum gets a new timer."""
         del self._timers[(holder, device)]
         job = self.jobs.get(holder)
         if job is not None and since is not None and device in job.since and self.turn.get(device, ("", None))[1] == since:
@@ -373,15 +395,3 @@ class SliceScheduler:
             if due is not None and self.clock.now() >= due - 1e-3:
                 job.yielding.add(device)
         self._dispatch()
-
-    def snapshot(self) -> dict[str, Any]:
-        now = self.clock.now()
-        return {
-            "devices": {str(d): {"holder": self.holder[d], "capacity": self.capacity[d], "resident": self.resident(d),
-                                 "busy_s": self.busy_s[d] + sum(now - j.since[d] for j in self.jobs.values() if d in j.since)}
-                        for d in self.capacity},
-            "jobs": {j.name: {"share": j.share, "used_s": j.used + sum(now - s for s in j.since.values()),
-                              "moved_s": j.moved, "holds": sorted(j.holds)} for j in self.jobs.values()},
-            "models": [{"job": m.job, "name": m.name, "devices": list(m.devices), "state": m.state.value}
-                       for m in self.models.values()],
-        }

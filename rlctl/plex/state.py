@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class State(StrEnum):
@@ -114,3 +114,18 @@ class Clock(Protocol):
 
 Emit = Callable[..., None]
 """emit(kind, t, **fields): the pool's event sink."""
+
+
+def snapshot(sched) -> dict[str, Any]:
+    """A SliceScheduler's devices (holder, memory, busy time), jobs (device time used, of which
+    moving models) and models, now: for `rlctl pool status` and a run's usage."""
+    now = sched.clock.now()
+    return {
+        "devices": {str(d): {"holder": sched.holder[d], "capacity": sched.capacity[d], "resident": sched.resident(d),
+                             "busy_s": sched.busy_s[d] + sum(now - j.since[d] for j in sched.jobs.values() if d in j.since)}
+                    for d in sched.capacity},
+        "jobs": {j.name: {"share": j.share, "used_s": j.used + sum(now - s for s in j.since.values()),
+                          "moved_s": j.moved, "holds": sorted(j.holds)} for j in sched.jobs.values()},
+        "models": [{"job": m.job, "name": m.name, "devices": list(m.devices), "state": m.state.value}
+                   for m in sched.models.values()],
+    }

@@ -119,6 +119,10 @@ class PoolSpec(Section):
     switch_overhead: float = 0.1
     """The largest fraction of a device's time spent moving models to hand it from one job to
     another: a turn lasts at least the moves its switch needs (as measured last time) / this."""
+    overlap_syncs: bool = True
+    """cpu: a weight sync whose models are already in memory runs beside the devices' holders
+    instead of waiting for both sides' devices to be free (it copies bytes, it barely computes).
+    A GPU pool always gives a sync its devices: its buckets take memory the cap does not count."""
     warm_start: bool = True
     """Fork the runs' engine processes from one that has imported torch and the engines already
     (rlctl/launchers/pool/warm.py), instead of starting each cold: seconds of CPU less per

@@ -29,6 +29,7 @@ from rlctl.pipelines.scoring import inline_scorer
 from rlctl.plex.gates import PooledRollout, PooledTrainer
 from rlctl.plex.placement import Block, Layout, co_location_fits
 from rlctl.plex.scheduler import Model, SliceScheduler, State
+from rlctl.plex.state import snapshot
 from rlctl.recipe import Recipe, load_recipe
 from rlctl.recipe.pool import PoolFile, PoolSimConfig
 from rlctl.sim.cost import HARDWARE, CostModel
@@ -162,10 +163,10 @@ def _schedule(jobs: list[tuple[str, Recipe, list[Model], float]], capacity: dict
         for name, _, models, share in jobs:
             sched.add_job(name, models, share)
         await asyncio.gather(*(_run_job(r, cost_model(r), sched, name, done) for name, r, _, _ in jobs))
-        return sched, sched.snapshot()
+        return sched, snapshot(sched)
 
-    sched, snapshot = run_virtual(main())
-    return done, snapshot, sched, events
+    sched, snap = run_virtual(main())
+    return done, snap, sched, events
 
 
 def dedicated(name: str, recipe: Recipe, sim: PoolSimConfig) -> tuple[float, dict[str, float]]:
@@ -198,8 +199,8 @@ def simulate_pool(spec: PoolFile) -> PoolSimResult:
         models = layout.place(name, blocks(recipe, cost_model(recipe), sim, loads))
         jobs.append((name, recipe, models, share))
     naive = co_location_fits([m for _, _, models, _ in jobs for m in models], capacity)
-    done, snapshot, sched, events = _schedule(jobs, capacity, sim, spec.pool.quantum_s, spec.pool.switch_overhead)
-    used = snapshot["jobs"]
+    done, snap, sched, events = _schedule(jobs, capacity, sim, spec.pool.quantum_s, spec.pool.switch_overhead)
+    used = snap["jobs"]
     for r in results:
         r.pool_s = done[r.name]
         r.used_gpu_s = used.get(r.name, {}).get("used_s", 0.0)

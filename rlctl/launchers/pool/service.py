@@ -37,7 +37,8 @@ from rlctl.launchers.pool.slurm import PortBook, job_nodes
 from rlctl.launchers.pool.warm import Forker
 from rlctl.plex.placement import Layout
 from rlctl.plex.scheduler import SliceScheduler, State
-from rlctl.recipe import Launcher
+from rlctl.plex.state import snapshot
+from rlctl.recipe import Device, Launcher
 from rlctl.recipe.load import load_pool_file
 
 log = logging.getLogger("rlctl.pool")
@@ -67,7 +68,9 @@ class PoolService:
         self._session = None
         self.sched = SliceScheduler(capacity, MonotonicClock(), EngineMover(self.jobs, lambda: self._session),
                                     self.emit, quantum_s=self.spec.pool.quantum_s,
-                                    switch_overhead=self.spec.pool.switch_overhead)
+                                    switch_overhead=self.spec.pool.switch_overhead,
+                                    beside=frozenset({"sync"} if self.spec.pool.overlap_syncs and
+                                                     self.spec.pool.devices.kind is Device.CPU else ()))
         self.calls: dict[str, tuple[str, asyncio.Event, asyncio.Task]] = {}
         self.stopping = asyncio.Event()
         self.restarting: set[asyncio.Task] = set()
@@ -222,7 +225,7 @@ class PoolService:
     def _usage(self, job: PoolJob) -> dict[str, Any]:
         """What it used (its slices and moves) against what the same placement would hold as a
         dedicated run: the devices its models are on, for the whole time."""
-        state = self.sched.snapshot()["jobs"].get(job.name, {})
+        state = snapshot(self.sched)["jobs"].get(job.name, {})
         wall = time.monotonic() - job.attached_at
         devices = len({d for m in job.models for d in m.devices})
         return {"used_device_s": round(state.get("used_s", 0.0), 3), "moved_device_s": round(state.get("moved_s", 0.0), 3),
@@ -290,7 +293,7 @@ class PoolService:
     async def status(self, request):
         from aiohttp import web
 
-        snap = self.sched.snapshot()
+        snap = snapshot(self.sched)
         elapsed = time.monotonic() - self.t0
         return web.json_response({"name": self.pd.name, "uptime_s": elapsed, "devices": snap["devices"],
                                   "models": snap["models"], "jobs": {n: self._usage(j) for n, j in self.jobs.items()}})
