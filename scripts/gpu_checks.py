@@ -21,6 +21,8 @@
 8. Megatron checkpoint: dist_checkpointing save after a step, load into a fresh engine: weights,
    every Adam state tensor and the version back exactly, the HF export loads in transformers, and
    the next step as close to the saving engine's as a rerun without a checkpoint is.
+9. Megatron memory release and resume (a pool's moves, bf16): both tags leave the GPU after a step
+   and come back bit for bit; the next step is the one an engine that never released takes.
 Prints one line per check and writes OUT_DIR/gpu_checks.json. Exit 1 if a check failed.
 """
 
@@ -46,6 +48,8 @@ from rlctl.plan import free_ports  # noqa: E402
 from rlctl.recipe import MegatronConfig, TrainConfig  # noqa: E402
 
 RESULTS: dict[str, dict] = {}
+TWO_LAYERS = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
 
 
 def report(name: str, ok: bool | None, **numbers) -> None:
@@ -146,8 +150,7 @@ def check_checkpoint(work: Path) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+    shape = TWO_LAYERS
     model_dir = build_model(work / "small-ckpt", torch.float32, **shape)
     batch = samples(shape["vocab_size"], seed=2)
     half = len(batch) // 2
@@ -181,6 +184,36 @@ def check_checkpoint(work: Path) -> None:
            weights_back_exactly=same, adam_state_back_exactly=adam_same, adam_tensors=len(saved_adam),
            hf_export_equal=hf_same, version=info["version"], next_step_max_abs_diff=diff,
            same_two_steps_rerun_max_abs_diff=noise)
+
+
+def check_memory(work: Path) -> None:
+    """9. release_memory / resume_memory of the Megatron engine (rlctl/engines/train/megatron_memory.py)."""
+    model_dir = build_model(work / "small-memory", torch.float32, **TWO_LAYERS)
+    batch = samples(TWO_LAYERS["vocab_size"], seed=3)
+    half = len(batch) // 2
+    moved = megatron_engine(model_dir, "bfloat16", lr=1e-3)
+    moved.train_batch(batch[:half])
+    held = lambda e: [t.detach().cpu().clone() for t in e._buffers() + e._optimizer_tensors()]  # noqa: E731
+    before, adam = held(moved), adam_states(moved)
+    full = torch.cuda.memory_allocated()  # what the caching allocator has handed out: no sync needed
+    out = moved.release_memory(None)
+    emptied = torch.cuda.memory_allocated()
+    released = moved.memory_resident()
+    back = moved.resume_memory(None)
+    exact = all(torch.equal(a, b) for a, b in zip(before, held(moved), strict=True))
+    adam_same = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                    for a, b in zip(adam, adam_states(moved), strict=True))
+    moved.train_batch(batch[half:])
+    after = {n: t.detach().cpu().clone() for n, t in moved.hf_weights()}
+    kept = megatron_engine(model_dir, "bfloat16", lr=1e-3)  # the same two steps, never released
+    kept.train_batch(batch[:half])
+    kept.train_batch(batch[half:])
+    diff = max((t.detach().cpu() - after[n]).abs().max().item() for n, t in kept.hf_weights())
+    ok = (exact and adam_same and out["released"] == ["weights", "optimizer"] and not any(released.values())
+          and back["resumed"] == ["weights", "optimizer"] and full - emptied >= 0.99 * out["bytes"] and diff == 0.0)
+    report("Megatron memory: release, resume bit for bit, next step", ok, bytes_moved=out["bytes"],
+           allocated_before=full, allocated_released=emptied, release_s=out["seconds"], resume_s=back["seconds"],
+           tensors_back_exactly=exact, adam_state_back_exactly=adam_same, next_step_max_abs_diff=diff)
 
 
 def check_round_trip(model_dir: Path, tag: str = "") -> None:
@@ -351,14 +384,15 @@ def run_checks(steps: dict, names: list[str], out_file: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-checks-out")))
-    p.add_argument("--only", default="engines,qwen2,checkpoint,run,broadcast")
+    p.add_argument("--only", default="engines,qwen2,checkpoint,memory,run,broadcast")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/rlctl-gpu-checks")
     work.mkdir(exist_ok=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
     steps = {"engines": lambda: check_engines(work), "qwen2": lambda: check_qwen2(work), "run": lambda: check_local_run(a.out),
-             "broadcast": lambda: check_broadcast(work), "checkpoint": lambda: check_checkpoint(work)}
+             "broadcast": lambda: check_broadcast(work), "checkpoint": lambda: check_checkpoint(work),
+             "memory": lambda: check_memory(work)}
     run_checks(steps, a.only.split(","), a.out / "gpu_checks.json")
 
 

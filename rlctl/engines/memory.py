@@ -124,12 +124,14 @@ class Stash:
         _synchronize(tensors)  # every copy done before the caller frees the device memory
         return stash
 
-    def restore(self) -> list[torch.Tensor]:
-        """New tensors holding the stashed bytes; the stash is spent (its file removed) once they
-        all are, and kept when this fails (out of memory, say), so that it can be tried again."""
+    def restore(self, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """New tensors holding the stashed bytes (or `into`, tensors of the same sizes); the stash
+        is spent (its file removed) once they all are, and kept when this fails (out of memory,
+        say), so that it can be tried again."""
         import torch
 
-        out = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape, device in self.metas]
+        out = into if into is not None else [torch.empty(shape, dtype=dtype, device=device)
+                                             for dtype, shape, device in self.metas]
         if self.path is not None:
             with open(self.path, "rb") as f:
                 for t, n in zip(out, self.sizes, strict=True):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rlctl.algos.grpo import clipped_policy_loss
 from rlctl.engines.train import ckpt_files
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
+from rlctl.engines.train.megatron_memory import MegatronMemory
 from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, gather, hf_to_mcore, iter_mcore_to_hf,
                                                   shard, tp_dim)
 from rlctl.errors import RunError
@@ -50,39 +51,6 @@ def load_hf_state(model_path: str) -> dict[str, torch.Tensor]:
     if not state:
         raise RunError(f"{model_path}: no *.safetensors files; train.engine=megatron loads the weights from them")
     return state
-
-
-NO_RELEASE = ("train.engine=megatron cannot release its memory: its parameters, gradients and optimizer state live in "
-              "Megatron's DDP buffers and distributed optimizer, which this engine does not move off the GPU; "
-              "train.engine=torch can")
-
-
-class MegatronMemory:
-    """The footprint on this rank (its TP shard, its share of the distributed optimizer), for the
-    trainer's /info; releasing it is refused with NO_RELEASE, on rank 0 before any rank moves."""
-
-    model: Any
-    optimizer: Any
-
-    def memory(self) -> dict[str, Any]:
-        params = list(self.model.parameters())
-        weights = sum(p.numel() * p.element_size() for p in params)
-        weights += sum(g.numel() * g.element_size() for p in params if (g := getattr(p, "main_grad", None)) is not None)
-        optimizer = sum(t.numel() * t.element_size() for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-                        for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t))
-        return {"weights_bytes": weights, "optimizer_bytes": optimizer, "resident": self.memory_resident()}
-
-    def memory_resident(self) -> dict[str, bool]:
-        return {"weights": True, "optimizer": True}
-
-    def check_memory_tags(self, tags: list[str] | None) -> None:
-        raise RunError(NO_RELEASE)
-
-    def release_memory(self, tags: list[str] | None) -> dict[str, Any]:
-        raise RunError(NO_RELEASE)
-
-    def resume_memory(self, tags: list[str] | None) -> dict[str, Any]:
-        raise RunError(NO_RELEASE)
 
 
 class MegatronTrainEngine(PieceTraining, MegatronMemory):
