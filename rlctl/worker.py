@@ -161,10 +161,11 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     world = len(plan.trainers)
     init_method = f"tcp://{plan.trainers[0].host}:{plan.trainer_dist_port}"
     megatron = recipe.train.engine is TrainEngine.MEGATRON
+    gpu = placed["device"] if placed else process_device(Device.CUDA, rank, recipe.train.gpus)  # megatron's
     if megatron:  # the GPU before the NCCL group, as the engine would do it
         import torch
 
-        torch.cuda.set_device(torch.device(process_device(Device.CUDA, rank, recipe.train.gpus)))
+        torch.cuda.set_device(torch.device(gpu))
     if megatron or world > 1:  # Megatron needs its NCCL group even for one rank
         backend = "nccl" if megatron or recipe.train.device is Device.CUDA else "gloo"
         store = tcp_store(init_method, rank, world, datetime.timedelta(minutes=30))  # on trainer 0's address only
@@ -174,7 +175,7 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
 
         # The default group exists: the engine makes Megatron's TP x DP groups on it.
         engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
-                                     world, device=process_device(Device.CUDA, rank, recipe.train.gpus), init_method=init_method)
+                                     world, device=gpu, init_method=init_method)
     else:
         device = placed["device"] if placed else process_device(recipe.train.device, rank, recipe.train.gpus)
         engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,

@@ -155,6 +155,9 @@ def test_launch_into_a_pool_that_is_not_up(tmp_path):
     assert "pool nowhere is not up" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     res = rlctl("launch", str(QUICKSTART), *FAST, "launcher=pool", cwd=tmp_path)
     assert res.returncode == 2 and "pool.name" in res.stderr
+    res = rlctl("launch", str(QUICKSTART), *FAST, "launcher=pool", "pool.name=cpu", "rollout.engine=sglang",
+                "rollout.device=cuda", cwd=tmp_path)
+    assert res.returncode == 2 and "rollout.engine" in res.stderr and "builtin" in res.stderr
     res = rlctl("pool", "up", str(REPO / "recipes" / "pool" / "cpu.yaml"), "pool.devices.bogus=1", cwd=tmp_path)
     assert res.returncode == 2 and "unknown key" in res.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, divides
-from rlctl.recipe.choices import DataSource, Device, Launcher, RolloutEngine, SyncBackend, TrainEngine
+from rlctl.recipe.choices import DataSource, Device, Launcher, RolloutEngine, SyncBackend
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
 from rlctl.recipe.inputs import DataConfig, ModelConfig, RewardConfig, RunConfig
 from rlctl.recipe.pool import PoolConfig
@@ -52,9 +52,8 @@ class Recipe(Section):
                            ("rollout.gpus", self.rollout.gpus), ("train.gpus", self.train.gpus)):
             if value:
                 raise FieldError(key, "the pool places a run's engines on its devices; remove it")
-        if self.rollout.engine is RolloutEngine.SGLANG or self.train.engine is TrainEngine.MEGATRON:
-            key = "rollout.engine" if self.rollout.engine is RolloutEngine.SGLANG else "train.engine"
-            raise FieldError(key, "a pool hosts built-in servers and torch trainers for now; use builtin / torch")
+        if self.rollout.engine is RolloutEngine.SGLANG:
+            raise FieldError("rollout.engine", "a pool hosts built-in servers for now; use builtin")
 
     def _check_ipc(self) -> None:
         """train.sync_backend=ipc hands weights over in place: one host, TP-1 built-in servers,

@@ -23,7 +23,7 @@ from rlctl.models.hf_config import declared_dtype, read_config
 from rlctl.plan import Role, RunPlan
 from rlctl.plex.placement import Block
 from rlctl.plex.scheduler import Model, State
-from rlctl.recipe import Device, Recipe, recipe_from_yaml
+from rlctl.recipe import Device, MegatronDtype, Recipe, TrainEngine, recipe_from_yaml
 from rlctl.rundir import RunDir
 
 _HAS = {State.ACTIVE: {"weights", "working"}, State.WEIGHTS: {"weights"}, State.OFFLOADED: set()}
@@ -39,13 +39,20 @@ def job_blocks(recipe: Recipe, model_path: str, devices: int) -> list[Block]:
     bytes each holds per device: a server its weights as stored, plus a KV cache counted as a
     quarter of them (the built-in server's grows with its batch); a torch trainer fp32 weights
     (and an fp32 reference model with KL), plus fp32 gradients and two Adam moments (12 bytes a
-    parameter), split over its ranks."""
+    parameter), split over its ranks; a Megatron trainer as rlctl/engines/train/megatron_memory.py
+    counts its tags."""
     w = weights_bytes(model_path)
     stored = declared_dtype(read_config(model_path))
     params = w / {"float32": 4, "float16": 2, "bfloat16": 2}.get(stored, 4)
     n, ranks = recipe.rollout.servers, recipe.train.ranks
     trainer_weights = 4 * params * (2 if recipe.train.kl_coef > 0 else 1) / ranks
     server_working, trainer_working = w / 4, 12 * params / ranks
+    if recipe.train.engine is TrainEngine.MEGATRON:
+        # A rank holds its TP shard of the parameters and of their fp32 gradients, and its share of
+        # the distributed optimizer (an fp32 main copy with bf16 parameters, Adam's two moments).
+        tp, bf16 = recipe.train.megatron.tp, recipe.train.megatron.dtype is MegatronDtype.BFLOAT16
+        trainer_weights = ((2 if bf16 else 4) + 4) * params / tp
+        trainer_working = (12 if bf16 else 8) * params / ranks
     said = recipe.pool  # the run's own numbers, when it gives them, over the estimates
     if said.rollout_memory_gb:
         server_working = max(0.0, said.rollout_memory_gb * 1e9 - w)

@@ -120,6 +120,8 @@ class PoolService:
         return web.json_response({"job": job.name, "placement": job.rd.read()["pool"]["placement"]})
 
     async def _admit(self, job: PoolJob) -> None:
+        if job.recipe.train.engine == "megatron" and self.spec.pool.devices.kind is Device.CPU:
+            raise RunError("train.engine=megatron needs CUDA: attach it to a pool of kind cuda")
         info = job.rd.read()
         job.models = self.layout.place(job.name, job_blocks(job.recipe, info["model_path"], len(self.layout.capacity)))
         try:
