@@ -122,11 +122,16 @@ class CheckedTrainer:
         return await self.trainer.load_checkpoint(path)
 
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
+        import aiohttp
+
         stats = await self.trainer.sync_weights(version, pause_mode)
         want = (await self.trainer.weight_checksums())["checksums"]
         clients = self.clients()
         for c in clients:
-            got = await c.weight_checksums()
+            try:
+                got = await c.weight_checksums()
+            except (aiohttp.ClientError, OSError) as e:  # gone since the sync: failover syncs again without it
+                raise RunError(f"{c.url} did not answer the weight check after the sync to version {version}: {e}") from None
             for rank, sums in enumerate([got["checksums"], *got.get("tp_ranks", [])]):
                 wrong = [n for n, h in want.items() if sums.get(n) != h]
                 if wrong:
