@@ -42,8 +42,8 @@ ours() {
   local pid
   pid=$(cat "$1" 2>/dev/null) || return 1
   [ -n "$pid" ] && [ -r "/proc/$pid/stat" ] || return 1
-  [ "$(sed 's/^.*) //' "/proc/$pid/stat" | cut -c1)" != Z ] || return 1
-  tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qxF "RLCTL_SLURM_DIR=$DIR"
+  [ "$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | cut -c1)" != Z ] || return 1
+  tr '\0' '\n' 2>/dev/null < "/proc/$pid/environ" | grep -qxF "RLCTL_SLURM_DIR=$DIR"
 }
 
 wait_until() {  # wait_until SECONDS WHAT COMMAND...
