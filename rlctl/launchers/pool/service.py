@@ -38,7 +38,7 @@ from rlctl.launchers.pool.warm import Forker
 from rlctl.plex.placement import Layout
 from rlctl.plex.scheduler import SliceScheduler, State
 from rlctl.plex.state import snapshot
-from rlctl.recipe import Device, Launcher
+from rlctl.recipe import Device, Launcher, TrainEngine
 from rlctl.recipe.load import load_pool_file
 
 log = logging.getLogger("rlctl.pool")
@@ -120,7 +120,7 @@ class PoolService:
         return web.json_response({"job": job.name, "placement": job.rd.read()["pool"]["placement"]})
 
     async def _admit(self, job: PoolJob) -> None:
-        if job.recipe.train.engine == "megatron" and self.spec.pool.devices.kind is Device.CPU:
+        if job.recipe.train.engine is TrainEngine.MEGATRON and self.spec.pool.devices.kind is Device.CPU:
             raise RunError("train.engine=megatron needs CUDA: attach it to a pool of kind cuda")
         info = job.rd.read()
         job.models = self.layout.place(job.name, job_blocks(job.recipe, info["model_path"], len(self.layout.capacity)))
