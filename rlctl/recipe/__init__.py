@@ -5,7 +5,7 @@ One dataclass per section, each checking its own fields next to where they are d
     choices.py   every closed set of choices, as enums
     checks.py    FieldError and the Section base: how a section says a value is impossible
     inputs.py    run, model, data, reward
-    rollout.py   rollout (sampling, long tail, sglang)
+    rollout.py   rollout (sampling, long tail, sglang, vllm)
     train.py     train (megatron), pipeline
     cluster.py   slurm, sim, tracking
     schema.py    Recipe: the sections, and the checks that span several
@@ -41,22 +41,28 @@ from rlctl.recipe.rollout import (
     SGLANG_MANAGED_FLAGS,
     SGLANG_NEWEST,
     SGLANG_OLDEST,
+    VLLM_MANAGED_FLAGS,
+    VLLM_NEWEST,
+    VLLM_OLDEST,
     BuiltinConfig,
     LongTailConfig,
     RolloutConfig,
     SamplingConfig,
     SGLangConfig,
+    VllmConfig,
     sglang_release,
+    vllm_release,
 )
 from rlctl.recipe.schema import Recipe, slurm_rollout_nodes
 from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
 
 __all__ = [
-    "SGLANG_MANAGED_FLAGS", "SGLANG_NEWEST", "SGLANG_OLDEST", "Admission", "BuiltinConfig", "DataConfig", "DataSource", "Device", "FieldError", "GpuKind",
+    "SGLANG_MANAGED_FLAGS", "SGLANG_NEWEST", "SGLANG_OLDEST", "VLLM_MANAGED_FLAGS", "VLLM_NEWEST", "VLLM_OLDEST",
+    "Admission", "BuiltinConfig", "DataConfig", "DataSource", "Device", "FieldError", "GpuKind",
     "InflightAtUpdate", "Launcher", "LongTailConfig", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit",
     "PipelineConfig", "PipelineMode", "Recipe", "RewardConfig", "RolloutConfig", "RolloutEngine", "RunConfig",
     "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",
     "SlurmTrainerConfig", "SyncBackend", "TaskName", "TrackingConfig", "TrainConfig", "TrainEngine", "Verifier",
     "WandbConfig", "WandbMode", "check_recipe", "load_recipe", "recipe_from_yaml", "recipe_to_dict", "recipe_to_yaml",
-    "sglang_release", "slurm_rollout_nodes",
+    "VllmConfig", "sglang_release", "slurm_rollout_nodes", "vllm_release",
 ]

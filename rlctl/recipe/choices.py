@@ -32,6 +32,7 @@ class InflightAtUpdate(enum.StrEnum):
 class RolloutEngine(enum.StrEnum):
     BUILTIN = "builtin"
     SGLANG = "sglang"
+    VLLM = "vllm"
 
 
 class TrainEngine(enum.StrEnum):

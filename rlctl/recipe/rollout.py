@@ -15,6 +15,12 @@ SGLANG_MANAGED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp",
                         "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp",
                         "--base-gpu-id", "--config", "--admin-api-key")
 
+# Flags the vllm engine sets itself (rlctl/engines/rollout/vllm.py). The run's token reaches vLLM
+# as VLLM_API_KEY in its environment, and rlctl's own middleware guards the routes vLLM's does not.
+VLLM_MANAGED_FLAGS = ("--model", "--host", "--port", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
+                      "--dtype", "--gpu-memory-utilization", "--max-model-len", "--seed", "--api-key",
+                      "--weight-transfer-config", "--middleware", "--config")
+
 # Keys a recipe may no longer set: dotted key -> why, and what to do instead. An empty value (the
 # old default, in the recipe.yaml of an older run) is dropped without a word.
 RETIRED_KEYS = {
@@ -98,6 +104,21 @@ def sglang_release(key: str, text: str) -> tuple[int, int, int]:
     return v
 
 
+# The vLLM releases rlctl's adapter speaks, oldest and newest (tests/test_vllm_contract.py checks the
+# adapter against the source of each): the first with per-token weight versions in /v1/completions.
+VLLM_OLDEST = (0, 33, 0)
+VLLM_NEWEST = (0, 34, 0)
+
+
+def vllm_release(key: str, text: str) -> tuple[int, int, int]:
+    """'0.33.0' -> (0, 33, 0), or a FieldError naming the releases rlctl speaks."""
+    m = _RELEASE.match(text)
+    spoken = f"{'.'.join(map(str, VLLM_OLDEST))} .. {'.'.join(map(str, VLLM_NEWEST))}"
+    if m is None or not VLLM_OLDEST <= (v := tuple(int(x) for x in m.groups()[:3])) <= VLLM_NEWEST:
+        raise FieldError(key, f"'{text}' is not a vLLM release rlctl speaks ({spoken})")
+    return v
+
+
 @dataclass(kw_only=True)
 class BuiltinConfig(Section):
     """rollout.engine=builtin: rlctl's own server (rlctl/engines/rollout/builtin/)."""
@@ -106,6 +127,10 @@ class BuiltinConfig(Section):
     """Answer as this SGLang release does (e.g. "0.5.23"): its reply shapes and refusals, its
     routes, and generations stamped "default" until the first weight update. A run checked
     against SGLang's protocol without a GPU; empty = the built-in server's own (the newest)."""
+    emulate_vllm: str = ""
+    """Answer as this vLLM release's OpenAI server does in dev mode (e.g. "0.34.0"): its routes,
+    request and reply shapes, and its weight-transfer group (rendezvous as vLLM's, data over gloo
+    where vLLM uses NCCL). The run then drives rlctl's vLLM adapter; empty = SGLang's protocol."""
     tp_size: int = 1
     """Ranks each server takes in the weight-sync group, as an SGLang server with this tensor
     parallelism does (each rank receives every tensor; generation stays on one process). CPU
@@ -114,6 +139,12 @@ class BuiltinConfig(Section):
     def check(self) -> None:
         if self.emulate_sglang:
             sglang_release("emulate_sglang", self.emulate_sglang)
+        if self.emulate_vllm:
+            vllm_release("emulate_vllm", self.emulate_vllm)
+            if self.emulate_sglang:
+                raise FieldError("emulate_vllm", "a server speaks one protocol; set emulate_sglang or emulate_vllm")
+            if self.tp_size != 1:
+                raise FieldError("emulate_vllm", "the vLLM emulation takes one rank per server; set builtin.tp_size=1")
         within("tp_size", self.tp_size, 1, 8)
 
 
@@ -140,9 +171,33 @@ class SGLangConfig(Section):
 
 
 @dataclass(kw_only=True)
+class VllmConfig(Section):
+    """rollout.engine=vllm: how each server is started (vllm serve, in dev mode)."""
+
+    tp_size: int = 1
+    """GPUs per server (tensor parallel); data parallel = rollout.servers."""
+    gpu_memory_utilization: float = 0.85
+    """Share of each GPU vLLM takes for weights, activations and KV cache."""
+    max_model_len: int = 0
+    """Longest prompt + response a request may have; 0 = the model's own context length."""
+    dtype: SGLangDtype = SGLangDtype.BFLOAT16
+    extra_args: list[str] = field(default_factory=list)
+    """Passed through to `vllm serve`, e.g. ["--enforce-eager"]."""
+
+    def check(self) -> None:
+        positive("tp_size", self.tp_size)
+        at_most("tp_size", self.tp_size, 64, "(GPUs per server)")
+        within("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, open_low=True)
+        positive("max_model_len", self.max_model_len, zero_ok=True)
+        for i, arg in enumerate(self.extra_args):
+            if arg.split("=")[0] in VLLM_MANAGED_FLAGS:
+                raise FieldError(f"extra_args[{i}]", f"'{arg}' is set by rlctl; use the rollout.vllm keys or the plan")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig(Section):
     engine: RolloutEngine = RolloutEngine.BUILTIN
-    """builtin (rlctl's own server, CPU or GPU) or sglang."""
+    """builtin (rlctl's own server, CPU or GPU), sglang or vllm."""
     servers: int = 2
     """Rollout servers (data parallel: one per TP group); at most MAX_SERVERS."""
     group_size: int = 8
@@ -174,6 +229,23 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     builtin: BuiltinConfig = field(default_factory=BuiltinConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+    @property
+    def server_tp(self) -> int:
+        """GPUs (and weight-sync ranks) each server takes."""
+        return {RolloutEngine.SGLANG: self.sglang.tp_size, RolloutEngine.VLLM: self.vllm.tp_size}.get(self.engine, 1)
+
+    @property
+    def protocol(self) -> str:
+        """The HTTP protocol the servers speak: "vllm" (vLLM servers, or built-in ones emulating
+        vLLM) or "sglang" (SGLang's, which the built-in server speaks by default)."""
+        vllm = self.engine is RolloutEngine.VLLM or (self.engine is RolloutEngine.BUILTIN and self.builtin.emulate_vllm)
+        return "vllm" if vllm else "sglang"
+
+    @property
+    def on_gpus(self) -> bool:
+        return self.engine is not RolloutEngine.BUILTIN or self.device is Device.CUDA
 
     def check(self) -> None:
         positive("servers", self.servers)
@@ -188,8 +260,10 @@ class RolloutConfig(Section):
         at_most("over_provision", self.over_provision, 10.0)
         within("stall_timeout_s", self.stall_timeout_s, 1.0, 86400.0)
         within("max_restarts", self.max_restarts, 0, 1000)
-        if self.engine is RolloutEngine.SGLANG and self.device is not Device.CUDA:
-            raise FieldError("device", "SGLang runs on GPUs only; set rollout.device=cuda (or rollout.engine=builtin on CPU)")
+        if self.engine is not RolloutEngine.BUILTIN and self.device is not Device.CUDA:
+            name = "SGLang" if self.engine is RolloutEngine.SGLANG else "vLLM"
+            raise FieldError("device", f"{name} runs on GPUs only; set rollout.device=cuda "
+                                       "(or rollout.engine=builtin on CPU)")
         if self.builtin.tp_size > 1 and self.device is not Device.CPU:
             raise FieldError("builtin.tp_size", "the built-in server's extra TP ranks receive on the CPU only; "
                                                 "set rollout.device=cpu, or builtin.tp_size=1")

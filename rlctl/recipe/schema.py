@@ -44,6 +44,7 @@ class Recipe(Section):
         else:
             self._check_pool()
         self._check_ipc()
+        self._check_vllm()
 
     def _check_pool(self) -> None:
         if not self.pool.name:
@@ -52,8 +53,18 @@ class Recipe(Section):
                            ("rollout.gpus", self.rollout.gpus), ("train.gpus", self.train.gpus)):
             if value:
                 raise FieldError(key, "the pool places a run's engines on its devices; remove it")
-        if self.rollout.engine is RolloutEngine.SGLANG:
-            raise FieldError("rollout.engine", "a pool hosts built-in servers for now; use builtin")
+        if self.rollout.engine is not RolloutEngine.BUILTIN or self.rollout.builtin.emulate_vllm:
+            raise FieldError("rollout.engine", "a pool hosts built-in servers speaking SGLang's protocol for now; "
+                                               "use builtin without emulate_vllm")
+
+    def _check_vllm(self) -> None:
+        """vLLM's workers receive weights over NCCL only: the trainer sends from a GPU."""
+        if self.rollout.engine is not RolloutEngine.VLLM:
+            return
+        if self.train.device is not Device.CUDA:
+            raise FieldError("train.device", "vLLM servers receive weights over NCCL, from a GPU; set train.device=cuda")
+        if self.train.sync_backend not in (SyncBackend.AUTO, SyncBackend.NCCL):
+            raise FieldError("train.sync_backend", "vLLM servers receive weights over NCCL; set it to nccl or auto")
 
     def _check_ipc(self) -> None:
         """train.sync_backend=ipc hands weights over in place: one host, TP-1 built-in servers,
@@ -93,10 +104,9 @@ class Recipe(Section):
             key = "rollout.gpus" if self.rollout.gpus else "train.gpus"
             raise FieldError(key, "GPU lists are for the local launcher; with launcher=slurm each task gets its own "
                                   "GPUs of those Slurm allocates (slurm.*.gpus_per_node)")
-        per_server = self.rollout.sglang.tp_size if self.rollout.engine is RolloutEngine.SGLANG else 1
+        per_server = self.rollout.server_tp
         need = sl.rollout.servers_per_node * per_server
-        on_gpus = self.rollout.engine is RolloutEngine.SGLANG or self.rollout.device is Device.CUDA
-        if on_gpus and sl.rollout.gpus_per_node and need > sl.rollout.gpus_per_node:
+        if self.rollout.on_gpus and sl.rollout.gpus_per_node and need > sl.rollout.gpus_per_node:
             raise FieldError("slurm.rollout.gpus_per_node", f"{sl.rollout.servers_per_node} servers per node x "
                              f"{per_server} GPUs each need {need} GPUs per node, {sl.rollout.gpus_per_node} are asked; "
                              "raise it or lower slurm.rollout.servers_per_node")
