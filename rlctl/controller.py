@@ -241,10 +241,20 @@ def _run_token(rd: RunDir) -> str:
 async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession,
                           token: str) -> list[RolloutClient]:
     """A client per rollout server, named by its role, once every server answers /health."""
-    clients = [RolloutClient(url, session, token, name=role.name)
+    from rlctl.engines.rollout.vllm_client import rollout_client
+
+    clients = [rollout_client(recipe.rollout.protocol, url, session, token, name=role.name)
                for role, url in zip(plan.rollout, plan.server_urls)]
     for c in clients:
         await c.wait_healthy(READY_TIMEOUT_S)
+    if recipe.rollout.protocol == "vllm":
+        from rlctl.engines.rollout.vllm import check_version
+
+        for c in clients:
+            version = await c.version()
+            check_version(version)
+            await c.is_paused()  # a dev route: a server without VLLM_SERVER_DEV_MODE=1 has none
+            log.info("%s: vLLM %s (dev mode)", c.url, version)
     if recipe.rollout.engine is RolloutEngine.SGLANG:
         from rlctl.engines.rollout.sglang import speaks
 
@@ -259,8 +269,18 @@ async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.Client
     trainer = TrainerClient(plan.trainer_url, session, token)
     await trainer.wait_healthy(READY_TIMEOUT_S)
     await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
-                                   backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb)
+                                   backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
+                                   **protocol_of(recipe, plan))
     return trainer
+
+
+def protocol_of(recipe: Recipe, plan: RunPlan) -> dict[str, Any]:
+    """What the trainer needs to know of the servers it syncs: the protocol they speak and, for
+    vLLM (which has no route that says it), the dtype they hold their weights in."""
+    if recipe.rollout.engine is RolloutEngine.VLLM:
+        return {"protocol": "vllm", "server": {"dtype": str(recipe.rollout.vllm.dtype),
+                                               "model_path": os.path.expanduser(recipe.model.path)}}
+    return {"protocol": recipe.rollout.protocol}
 
 
 def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan):
@@ -269,7 +289,8 @@ def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan):
     Slurm)."""
     async def connect(clients: list[RolloutClient]) -> None:
         await trainer.init_weight_sync([c.url for c in clients], plan.trainers[0].host, 0,
-                                       backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb)
+                                       backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
+                                       **protocol_of(recipe, plan))
     return connect
 
 
@@ -280,10 +301,11 @@ def sync_backend(recipe: Recipe) -> SyncBackend:
     run may well have."""
     if recipe.train.sync_backend is not SyncBackend.AUTO:
         return recipe.train.sync_backend
+    if recipe.rollout.engine is RolloutEngine.VLLM:
+        return SyncBackend.NCCL  # vLLM's workers receive over NCCL only
     if colocated(recipe):
         return SyncBackend.IPC
-    servers_on_gpus = recipe.rollout.device is Device.CUDA or recipe.rollout.engine is RolloutEngine.SGLANG
-    on_gpus = recipe.train.device is Device.CUDA and servers_on_gpus
+    on_gpus = recipe.train.device is Device.CUDA and recipe.rollout.on_gpus
     return SyncBackend.NCCL if on_gpus and recipe.launcher is Launcher.SLURM else SyncBackend.GLOO
 
 

@@ -105,6 +105,8 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)), **step)
     if recipe.rollout.engine is RolloutEngine.SGLANG:
         _exec_sglang(rd, recipe, role, info["model_path"])
+    if recipe.rollout.engine is RolloutEngine.VLLM:
+        _exec_vllm(rd, recipe, role, info["model_path"])
     args = server.parser().parse_args([  # a list in this process: the token file's path only, never the token
         "--model-path", info["model_path"], "--host", listen_address(role.listen), "--port", str(role.port),
         "--api-key-file", str(token_path(rd.path)), "--weight-group-master", plan.trainers[0].host,
@@ -114,7 +116,10 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         "--device", placed["device"] if placed else process_device(recipe.rollout.device, index, recipe.rollout.gpus),
         "--tp-size", str(recipe.rollout.builtin.tp_size),
         *(["--emulate-sglang", recipe.rollout.builtin.emulate_sglang] if recipe.rollout.builtin.emulate_sglang else []),
+        *(["--emulate-vllm", recipe.rollout.builtin.emulate_vllm] if recipe.rollout.builtin.emulate_vllm else []),
     ])
+    if recipe.rollout.builtin.emulate_vllm:  # as a vLLM server rlctl starts (vllm.launch_env), unless told otherwise
+        os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     server.serve(args)
 
 
@@ -132,6 +137,27 @@ def _exec_sglang(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> Non
     config = sglang_config(rd.path / f"sglang-{role.name}.yaml", token)
     cmd = sglang.launch_command(sys.executable, model_path, recipe.rollout.sglang, host=listen_address(role.listen),
                                 port=role.port, seed=recipe.run.seed * 1000 + role.index, config=str(config))
+    log.info("exec %s", " ".join(cmd))
+    redact_output(token)
+    os.execv(cmd[0], cmd)
+
+
+def _exec_vllm(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> None:
+    """The vLLM server takes this process over, as SGLang's does; the run's token reaches it in
+    its environment (VLLM_API_KEY, never on a command line) and guards every route but /health
+    (rlctl/engines/rollout/vllm_door.py); dev mode gives it the routes a trainer drives."""
+    from rlctl.engines.rollout import vllm
+
+    vllm.require_vllm()
+    if recipe.launcher is Launcher.LOCAL:  # under Slurm the batch script has bound the task's GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = sglang_gpus(recipe.rollout.gpus, recipe.rollout.vllm.tp_size, role.index)
+        log.info("rollout server %d on GPUs %s", role.index, os.environ["CUDA_VISIBLE_DEVICES"])
+    token = _run_token(rd)
+    env = vllm.launch_env(token)
+    os.environ.setdefault("VLLM_SERVER_DEV_MODE", env.pop("VLLM_SERVER_DEV_MODE"))
+    os.environ.update(env)
+    cmd = vllm.launch_command(sys.executable, model_path, recipe.rollout.vllm, host=listen_address(role.listen),
+                              port=role.port, seed=recipe.run.seed * 1000 + role.index)
     log.info("exec %s", " ".join(cmd))
     redact_output(token)
     os.execv(cmd[0], cmd)
@@ -158,6 +184,10 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     step = {"slurm_step": slurm_step()} if placed and "SLURM_STEP_ID" in os.environ else {}  # a Slurm pool stops it
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)), **step)
     token = _run_token(rd) if rank == 0 else None
+    if rank == 0 and recipe.rollout.engine is RolloutEngine.VLLM:  # the weight group is vLLM's own (vllm_group.py)
+        from rlctl.engines.rollout.vllm import require_vllm
+
+        require_vllm()
     world = len(plan.trainers)
     init_method = f"tcp://{plan.trainers[0].host}:{plan.trainer_dist_port}"
     megatron = recipe.train.engine is TrainEngine.MEGATRON

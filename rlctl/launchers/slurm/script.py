@@ -62,11 +62,11 @@ export -f rlctl_own_gpus
 
 
 def server_gpus(recipe: Recipe, bound: bool = True) -> int:
-    """GPUs of each rollout server: SGLang's tp_size, 1 for a built-in server on cuda, else 0.
-    bound=True: the GPUs it is bound to, where a CPU server on a component that asks for GPUs
-    is bound to 1 as well (harmless, and how the test cluster observes the binding)."""
-    if recipe.rollout.engine is RolloutEngine.SGLANG:
-        return recipe.rollout.sglang.tp_size
+    """GPUs of each rollout server: SGLang's or vLLM's tp_size, 1 for a built-in server on cuda,
+    else 0. bound=True: the GPUs it is bound to, where a CPU server on a component that asks for
+    GPUs is bound to 1 as well (harmless, and how the test cluster observes the binding)."""
+    if recipe.rollout.engine is not RolloutEngine.BUILTIN:
+        return recipe.rollout.server_tp
     return int(recipe.rollout.device is Device.CUDA or (bound and recipe.slurm.rollout.gpus_per_node > 0))
 
 
