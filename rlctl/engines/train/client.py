@@ -45,10 +45,13 @@ class TrainerClient:
             return await resp.json()
 
     async def init_weight_sync(self, servers: list[str], master_address: str, master_port: int,
-                               backend: str, bucket_mb: float) -> None:
+                               backend: str, bucket_mb: float, protocol: str = "sglang",
+                               server: dict[str, Any] | None = None) -> None:
+        """`protocol`: what the servers speak ("sglang" or "vllm"); `server`: for vLLM, what they
+        hold their weights as ({"dtype", "model_path"}), which vLLM has no route to tell."""
         await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,
                                                "master_port": master_port, "backend": backend,
-                                               "bucket_mb": bucket_mb})
+                                               "bucket_mb": bucket_mb, "protocol": protocol, "server": server})
 
     async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self._post("/accumulate", {"samples": samples})

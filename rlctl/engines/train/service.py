@@ -182,12 +182,13 @@ class TrainerService:
     async def init_weight_sync(self, request: web.Request) -> web.Response:
         import aiohttp
 
-        from rlctl.engines.rollout.client import RolloutClient
+        from rlctl.engines.rollout.vllm_client import rollout_client
 
         body = await request.json()
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        clients = [RolloutClient(url, self.session, self.token) for url in body["servers"]]
+        protocol = body.get("protocol", "sglang")
+        clients = [rollout_client(protocol, url, self.session, self.token) for url in body["servers"]]
         group = {}
         if self.sender is not None:  # formed anew (failover: a server lost or back): leave the old group
             old, self.sender = self.sender, None
@@ -201,10 +202,14 @@ class TrainerService:
             from rlctl.plan import free_ports
 
             port = free_ports(1, listen_address(body["master_address"]))[0]
-        self.sender = WeightSender(
-            clients, master_address=body["master_address"], master_port=port,
-            backend=body.get("backend", "gloo"), bucket_bytes=int(float(body["bucket_mb"]) * 2**20), **group,
-        )
+        common = dict(master_address=body["master_address"], master_port=port, backend=body.get("backend", "gloo"),
+                      bucket_bytes=int(float(body["bucket_mb"]) * 2**20), **group)
+        if protocol == "vllm":
+            from rlctl.engines.weightsync.vllm_sender import VllmWeightSender
+
+            self.sender = VllmWeightSender(clients, server=body.get("server"), device=self._device(), **common)
+        else:
+            self.sender = WeightSender(clients, **common)
         try:
             await self.sender.connect()
         except RunError as e:
@@ -212,6 +217,11 @@ class TrainerService:
         log.info("weight sync to %d server(s) by %s in buckets of %s MiB; servers hold %s", len(clients),
                  self.sender.backend, body["bucket_mb"], self.sender.server_dtype or "their own dtypes")
         return web.json_response({"success": True, "servers": len(clients), "world_size": self.sender.world_size})
+
+    def _device(self) -> str | None:
+        """The trainer's GPU, where a group that vLLM's own code forms (NCCL) sends from."""
+        device = getattr(self.engine, "device", None)
+        return str(device) if device is not None else None
 
     async def sync_weights(self, request: web.Request) -> web.Response:
         body = await request.json()

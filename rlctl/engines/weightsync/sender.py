@@ -174,9 +174,7 @@ class WeightSender:
             if (self.group is None and self.backend != "ipc") or self.broken:
                 raise RunError("the weight-sync group is not connected (or a failed sync broke it)")
             upcoming = loop.run_in_executor(producer, self._next, maker)
-            await asyncio.gather(*(c.pause_generation(pause_mode) for c in everyone))
-            await asyncio.gather(*(c.flush_cache() for c in everyone))
-            await asyncio.gather(*(c.begin_weight_update() for c in in_session))
+            await self._begin(everyone, in_session, pause_mode)
             while upcoming is not None and (bucket := await upcoming) is not None:
                 upcoming = None if bucket.last else loop.run_in_executor(producer, self._next, maker)
                 await self._send_bucket(bucket, version if bucket.last else None)
@@ -190,11 +188,19 @@ class WeightSender:
                 await asyncio.gather(upcoming, return_exceptions=True)
             await asyncio.gather(loop.run_in_executor(producer, maker.drain), return_exceptions=True)
             raise
+        await self._finish(everyone, in_session, version, buckets)
+        return SyncStats(time.monotonic() - start, nbytes, buckets, tensors)
+
+    async def _begin(self, everyone: list, in_session: list, pause_mode: str) -> None:
+        await asyncio.gather(*(c.pause_generation(pause_mode) for c in everyone))
+        await asyncio.gather(*(c.flush_cache() for c in everyone))
+        await asyncio.gather(*(c.begin_weight_update() for c in in_session))
+
+    async def _finish(self, everyone: list, in_session: list, version: str, buckets: int) -> None:
         if buckets == 0:
             await asyncio.gather(*(c.update_weight_version(version) for c in everyone))
         await asyncio.gather(*(c.end_weight_update() for c in in_session))
         await asyncio.gather(*(c.continue_generation() for c in everyone))
-        return SyncStats(time.monotonic() - start, nbytes, buckets, tensors)
 
     async def _send_bucket(self, bucket: Bucket, version: str | None) -> None:
         """Announce one bucket to every server, send it, and wait for every reply; the first
@@ -205,13 +211,7 @@ class WeightSender:
             await asyncio.gather(*(c.update_weights_from_tensor(payloads, weight_version=version)
                                    for c, payloads in zip(self.clients, bucket.ipc or [], strict=True)))
             return
-        replies = [
-            asyncio.create_task(c.update_weights_from_distributed(
-                names=[m.name for m in bucket.metas], dtypes=[m.dtype for m in bucket.metas],
-                shapes=[list(m.shape) for m in bucket.metas], group_name=self.group_name,
-                weight_version=version, flattened=self.flattened))
-            for c in self.clients
-        ]
+        replies = [asyncio.create_task(self._announce(c, bucket, version)) for c in self.clients]
         broadcast = in_daemon_thread(self._broadcast, bucket.payload)
         done, _ = await asyncio.wait([broadcast, *replies], return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in done if t.exception() is not None]
@@ -225,6 +225,12 @@ class WeightSender:
             if failed[0] is broadcast:
                 raise RunError(f"weight broadcast to the servers failed: {error}") from error
             raise error
+
+    async def _announce(self, client, bucket: Bucket, version: str | None) -> None:
+        await client.update_weights_from_distributed(
+            names=[m.name for m in bucket.metas], dtypes=[m.dtype for m in bucket.metas],
+            shapes=[list(m.shape) for m in bucket.metas], group_name=self.group_name,
+            weight_version=version, flattened=self.flattened)
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Every tensor of the bucket, queued at once; returns when the last has left."""
