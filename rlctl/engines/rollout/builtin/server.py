@@ -1,4 +1,5 @@
-"""rlctl's built-in rollout server: the SGLang HTTP protocol subset (docs/sglang.md) on CPU or GPU.
+"""rlctl's built-in rollout server: the SGLang HTTP protocol subset (docs/sglang.md) on CPU or GPU,
+or with --emulate-vllm vLLM's (vllm_routes.py).
 
     python -m rlctl.engines.rollout.builtin.server --model-path DIR --port 30000
 
@@ -31,6 +32,7 @@ from rlctl.engines.rollout.builtin.engine import Engine
 from rlctl.engines.rollout.builtin.generation_routes import GenerationRoutes
 from rlctl.engines.rollout.builtin.memory_routes import MemoryRoutes
 from rlctl.engines.rollout.builtin.state import ServerState
+from rlctl.engines.rollout.builtin.vllm_routes import VllmRoutes
 from rlctl.engines.rollout.builtin.weight_routes import WeightRoutes
 from rlctl.engines.weightsync.flat import flatten_parameters
 
@@ -79,6 +81,7 @@ class BuiltinServer:
         self.generation = GenerationRoutes(self.state)
         self.weights = WeightRoutes(self.state)
         self.memory = MemoryRoutes(self.state, self.weights)
+        self.vllm = VllmRoutes(self.state)
         # --api-key-file: every route but /health asks for this token (rlctl/door.py); none = open
         self.token = read_token_file(args.api_key_file) if args.api_key_file else None
 
@@ -159,6 +162,8 @@ class BuiltinServer:
     def routes(self) -> list[tuple[str, str, Callable]]:
         """(method, path, handler) of every route, with SGLang's names and aliases."""
         gen, w, m = self.generation, self.weights, self.memory
+        if self.args.emulate_vllm:  # vLLM's routes instead (vllm_routes.py), and rlctl's weight check
+            return [*self.vllm.table(self.health), ("GET", "/rlctl/weight_checksums", w.weight_checksums)]
         table = [("GET", path, self.health) for path in ("/health", "/health_generate")]
         if self.state.sessions_required():  # /ready came with SGLang 0.5.21's sessions (not in 0.5.15)
             table.append(("GET", "/ready", self.health))
@@ -212,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the version stamped on generations until the first weight update (SGLang's default)")
     p.add_argument("--emulate-sglang", default="", metavar="VERSION",
                    help="answer /server_info and weight-update sessions as this SGLang version does (adapter tests)")
+    p.add_argument("--emulate-vllm", default="", metavar="VERSION",
+                   help="answer as this vLLM release's OpenAI server does (vllm_routes.py; its dev routes "
+                        "only with VLLM_SERVER_DEV_MODE=1), instead of SGLang's protocol")
     p.add_argument("--record-requests", default="", metavar="FILE",
                    help="append every POST's path and JSON body to FILE (adapter contract tests)")
     p.add_argument("--api-key-file", default="", metavar="FILE",
