@@ -26,6 +26,7 @@ CASES = {
     "cluster-2x4": (GOLDEN / "cluster-2x4.yaml", []),
     "options": (GOLDEN / "options.yaml", []),
     "example-qwen3-1.7b": (REPO / "recipes" / "slurm-qwen3-1.7b.yaml", []),  # the README's cluster example
+    "example-qwen3-1.7b-vllm": (REPO / "recipes" / "slurm-qwen3-1.7b-vllm.yaml", []),  # the same with vLLM
 }
 
 
