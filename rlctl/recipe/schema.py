@@ -59,6 +59,9 @@ class Recipe(Section):
 
     def _check_vllm(self) -> None:
         """vLLM's workers receive weights over NCCL only: the trainer sends from a GPU."""
+        if self.rollout.engine is RolloutEngine.VLLM and self.pipeline.check_weights:
+            raise FieldError("pipeline.check_weights", "vLLM holds its weights fused and sharded, not as the "
+                             "trainer's tensors; check syncs with rollout.builtin.emulate_vllm instead")
         if self.rollout.engine is not RolloutEngine.VLLM:
             return
         if self.train.device is not Device.CUDA:
