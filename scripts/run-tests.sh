@@ -18,6 +18,15 @@ for version in 0.5.15.post1 0.5.21 0.5.23; do
   fi
 done
 
+# vLLM's wheels of the supported releases, the same way for its contract tests (tests/vllm_source.py).
+# About 240-340 MB each, downloaded once.
+wheels="${RLCTL_VLLM_WHEELS:-$HOME/.cache/rlctl/vllm-wheels}"
+for version in 0.33.0 0.34.0; do
+  if ! compgen -G "$wheels/vllm-$version-*.whl" >/dev/null; then
+    python3 -m pip download -q --no-deps --only-binary=:all: "vllm==$version" -d "$wheels"
+  fi
+done
+
 if [ "$(id -u)" = 0 ]; then
   if ! command -v shellcheck >/dev/null 2>&1; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null

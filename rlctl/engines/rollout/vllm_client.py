@@ -29,7 +29,10 @@ from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest
 from rlctl.errors import RunError, ServerUnreachable
 
 PAUSED_RETRY_S = 0.05
-"""How soon a request refused by a paused server (503) is sent again."""
+"""How soon a request refused with 503 is first sent again (then twice as long each time, up to 0.25 s)."""
+RETRY_LIMIT_S = 1800.0
+"""How long a server may keep refusing with 503 (paused for a sync of a large model, or its
+queue full) before the request fails."""
 
 
 def engine_request_id(rid: str) -> str:
@@ -120,6 +123,7 @@ class VllmClient(RolloutClient):
     async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str,
                        return_logprob: bool = True) -> GenerateOutput:
         body = completion_body(input_ids, sampling, rid, self.model)
+        delay, deadline = PAUSED_RETRY_S, asyncio.get_running_loop().time() + RETRY_LIMIT_S
         while True:
             try:
                 async with await self._post("/v1/completions", body) as resp:
@@ -127,8 +131,9 @@ class VllmClient(RolloutClient):
                     data = await resp.json(content_type=None) if status in (200, 503) else await resp.text()
             except aiohttp.ClientError as e:
                 raise ServerUnreachable(f"{self.url}/v1/completions: server unreachable ({e})") from None
-            if status == 503:  # paused for a weight update: sent again once it resumes
-                await asyncio.sleep(PAUSED_RETRY_S)
+            if status == 503 and asyncio.get_running_loop().time() < deadline:  # paused for a sync: sent again
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.25)
                 continue
             if status != 200:
                 raise RunError(f"{self.url}/v1/completions: HTTP {status}: {str(data)[:200]}")

@@ -26,7 +26,8 @@ class TokenDoor:
         self.digest = hashlib.sha256(token.encode()).digest()
 
     def allowed(self, scope) -> bool:
-        if scope.get("method") == "OPTIONS" or scope["path"] in OPEN_PATHS:
+        path = scope["path"].removeprefix(scope.get("root_path", ""))  # as vLLM's own check reads it
+        if scope.get("method") == "OPTIONS" or path in OPEN_PATHS:
             return True
         for name, value in scope.get("headers", ()):
             if name.lower() == b"authorization":

@@ -1,0 +1,400 @@
+"""rollout.engine=vllm, held to vLLM's own source (tests/vllm_source.py reads the wheel of each
+supported release): the routes VllmClient calls and which need dev mode, the bodies it sends and
+the replies it reads, the engine's request ids, the `vllm serve` command line, the api-key gap
+TokenDoor fills, and the weight-transfer ranks. Without the wheels (scripts/run-tests.sh downloads
+them) the module is skipped; under CI it fails."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import functools
+import importlib
+import json
+import os
+from types import SimpleNamespace
+from urllib.parse import parse_qs
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+import vllm_source
+from rlctl.engines.rollout.protocol import SamplingRequest
+from rlctl.engines.rollout.vllm import DOOR, check_version, launch_command, launch_env
+from rlctl.engines.rollout.vllm_client import DEV_GETS, VllmClient, completion_body, engine_request_id
+from rlctl.engines.rollout.vllm_door import TokenDoor
+from rlctl.errors import RunError
+from rlctl.recipe import VLLM_NEWEST, VLLM_OLDEST, VllmConfig
+from vllm_source import ARG_UTILS, PROTOCOL, RL_ROUTER, SERVING, SUPPORTED, MissingWheel, literal_values, render
+
+
+def wheel_missing(version: str) -> str:
+    """Why the wheel of `version` is not here; "" when it is."""
+    try:
+        vllm_source.wheel(version)
+    except MissingWheel as e:
+        return str(e)
+    return ""
+
+
+if any(map(wheel_missing, SUPPORTED)) and not os.environ.get("CI"):
+    pytest.skip("vLLM's wheels are not here (scripts/run-tests.sh downloads them): "
+                + "; ".join(filter(None, map(wheel_missing, SUPPORTED))), allow_module_level=True)
+
+# Every route VllmClient uses, and its method.
+CLIENT_ROUTES = {("POST", "/v1/completions"), ("GET", "/version"), ("GET", "/health"), ("POST", "/pause"),
+                 ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/abort_requests"), ("GET", "/weight_info"),
+                 ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"), ("POST", "/update_weights"),
+                 ("POST", "/finish_weight_update"), ("POST", "/update_weight_version"), ("GET", "/get_world_size"),
+                 ("POST", "/shutdown_weight_transfer_engine")}
+OPEN_ROUTES = {("POST", "/v1/completions"), ("GET", "/version"), ("GET", "/health")}  # served without dev mode
+# The JSON body each weight route takes: its Body(embed=True) parameters.
+BODY_PARAMS = {"/init_weight_transfer_engine": {"init_info"}, "/update_weights": {"update_info"},
+               "/finish_weight_update": {"weight_version"}, "/update_weight_version": {"new_version"}}
+# The keys of each 200 reply the client reads.
+REPLIES = {("POST", "/pause"): {"status"}, ("POST", "/resume"): {"status"}, ("GET", "/is_paused"): {"is_paused"},
+           ("POST", "/abort_requests"): {"status", "aborted"}, ("GET", "/weight_info"): {"weight_version"},
+           ("GET", "/get_world_size"): {"world_size"}, ("GET", "/version"): {"version"}}
+# What rlctl's trainer sends as init_info (NCCL rendezvous by address, packed buckets).
+INIT_INFO_KEYS = ("master_address", "master_port", "rank_offset", "world_size", "packed", "packed_buffer_size_bytes",
+                  "packed_num_buffers")
+LAUNCH_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--dtype", "--gpu-memory-utilization", "--seed",
+                "--weight-transfer-config", "--middleware", "--max-model-len"}
+NCCL = "vllm/distributed/weight_transfer/nccl_engine.py"
+INIT_INFO = "vllm/distributed/weight_transfer/nccl_common.py"
+MIDDLEWARE = "vllm/entrypoints/serve/middleware/"  # authenticate.py, register.py
+CLI_MAIN = "vllm/entrypoints/cli/main.py"
+CLI_SERVE = "vllm/entrypoints/cli/serve.py"
+SAMPLING = SamplingRequest(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=-1, stop_token_ids=[2], ignore_eos=False)
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    """vllm(version) -> the Source of that version's wheel (MissingWheel, failing the test, only under CI)."""
+    return vllm_source.source
+
+
+# A value for each key vLLM's replies have: a key the client reads but vLLM lacks is missing here too.
+PLACEHOLDERS = {"status": "ok", "is_paused": False, "aborted": 1, "weight_version": "3", "world_size": 2,
+                "message": "done", "success": True, "new_version": "4"}
+CHOICE = {"index": 0, "text": "", "token_ids": [7, 8], "logprobs": {"token_logprobs": [-0.5, -0.25]},
+          "finish_reason": "stop", "stop_reason": None, "weight_versions": [{"version": "3", "start": 0, "end": 2}]}
+
+
+def vllm_replies(src: vllm_source.Source, version: str) -> dict:
+    """The stand-in server's replies: each route's 200 JSON keys as vLLM's handler gives them."""
+    replies = {}
+    for method, path in CLIENT_ROUTES - {("POST", "/v1/completions"), ("GET", "/health")}:
+        keys = {k for r in src.reply_shapes(path, method) if r.status == 200 and r.kind == "json" for k in r.keys}
+        replies[(method, path)] = {k: version if k == "version" else PLACEHOLDERS.get(k) for k in keys}
+    fields = src.class_fields(PROTOCOL, "CompletionResponseChoice")
+    usage = src.class_fields(PROTOCOL, "UsageInfo")
+    replies[("POST", "/v1/completions")] = {"choices": [{k: v for k, v in CHOICE.items() if k in fields}],
+                                            "usage": {k: 2 for k in usage if k == "prompt_tokens"}}
+    return replies
+
+
+@functools.cache
+def drive_client(version: str) -> tuple[list, dict]:
+    """Every VllmClient call, once, against an HTTP server that answers with vLLM's reply keys:
+    ([(method, path, query, body) it sent], {what it read})."""
+    replies, sent = vllm_replies(vllm_source.source(version), version), []
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.json() if request.body_exists else None
+        sent.append((request.method, request.path, parse_qs(request.query_string), body))
+        data = replies.get((request.method, request.path))
+        return web.Response() if data is None else web.json_response(data)
+
+    async def run() -> dict:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", handle)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            client = VllmClient(str(server.make_url("")), session, "tok")
+            read = {"info": await client.server_info(), "weight_version": await client.weight_version(),
+                    "is_paused": await client.is_paused()}
+            await client.wait_healthy(5)
+            read["output"] = await client.generate([1, 2], SAMPLING, "r")
+            await client.abort("r")
+            await client.abort(abort_all=True)
+            await client.pause_generation()
+            await client.continue_generation()
+            await client.init_weight_transfer_engine({k: 1 for k in INIT_INFO_KEYS})
+            await client.start_weight_update()
+            await client.update_weights(names=["w"], dtype_names=["bfloat16"], shapes=[[2, 2]])
+            await client.finish_weight_update("4")
+            await client.shutdown_weight_transfer_engine()
+            await client.update_weight_version("4")
+            return read
+    read = asyncio.run(run())
+    return sent, read
+
+
+def sent_body(version: str, path: str) -> dict:
+    return next(body for _, p, _, body in drive_client(version)[0] if p == path)
+
+
+def test_check_version_speaks_the_supported_releases_only():
+    assert SUPPORTED[0] == ".".join(map(str, VLLM_OLDEST)) and SUPPORTED[-1] == ".".join(map(str, VLLM_NEWEST))
+    assert [check_version(v) for v in SUPPORTED] == [tuple(map(int, v.split("."))) for v in SUPPORTED]
+    for outside in ("0.32.0", "0.35.0"):
+        with pytest.raises(RunError, match=f"{SUPPORTED[0]} .. {SUPPORTED[-1]}"):
+            check_version(outside)
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_each_wheel_is_the_version_it_is_named(vllm, version):
+    assert vllm(version).version == version
+    assert vllm_source.wheel(version).name.startswith(f"vllm-{version}-")
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_routes_the_client_uses_exist_with_their_methods(vllm, version):
+    used = {(method, path) for method, path, _, _ in drive_client(version)[0]}
+    assert used == CLIENT_ROUTES  # a route the client starts using needs its checks here
+    routes = vllm(version).routes()
+    assert not {(m, p) for m, p in CLIENT_ROUTES if m not in routes.get(p, ())}
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_dev_mode_gates_exactly_the_trainer_routes(vllm, version):
+    src = vllm(version)
+    gated = {(m, p) for m, p in CLIENT_ROUTES if src.route(p, m).dev_only}
+    assert gated == CLIENT_ROUTES - OPEN_ROUTES
+    assert {p for m, p in gated if m == "GET"} == set(DEV_GETS)  # the GETs whose 404 means "dev mode off"
+    assert not src.route("/v1/completions", "POST").dev_only
+    assert all(src.route(p, m).rel == RL_ROUTER for m, p in gated)
+    # launch_env turns dev mode on, and gives vLLM its api key, as vllm/envs.py reads them
+    env = launch_env("secret")
+    assert (vllm_env(src, "VLLM_SERVER_DEV_MODE", env), vllm_env(src, "VLLM_SERVER_DEV_MODE", {})) == (True, False)
+    assert vllm_env(src, "VLLM_API_KEY", env) == "secret"
+
+
+def vllm_env(src: vllm_source.Source, name: str, environ: dict[str, str]) -> object:
+    """vllm.envs.<name> under `environ`: the `lambda: ...` of envs.py's table, evaluated over it."""
+    (getter,) = [v for d in ast.walk(src.module("vllm/envs.py")) if isinstance(d, ast.Dict)
+                 for k, v in zip(d.keys, d.values) if isinstance(k, ast.Constant) and k.value == name]
+    fake_os = SimpleNamespace(getenv=environ.get, environ=environ)
+    code = compile(ast.Expression(getter.body), "vllm/envs.py", "eval")
+    return eval(code, {"__builtins__": {"bool": bool, "int": int, "str": str}, "os": fake_os})
+
+
+def fits(value: object, annotation: str) -> bool:
+    """Does a JSON value's type appear in a field's annotation (an int where a float is taken too)?"""
+    names = {bool: ["bool"], int: ["int", "float"], float: ["float"], str: ["str"], list: ["list["]}[type(value)]
+    return any(name in annotation for name in names)
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_completion_body_is_fields_of_completion_request(vllm, version):
+    fields = vllm(version).class_fields(PROTOCOL, "CompletionRequest")
+    body = completion_body([1, 2], SAMPLING, "r", "qwen")
+    assert body == sent_body(version, "/v1/completions") | {"model": "qwen"}
+    assert {"return_weight_versions", "return_token_ids", "return_tokens_as_token_ids", "request_id", "logprobs"} <= set(body)
+    assert not set(body) - set(fields)  # vLLM takes unknown keys silently (extra="allow")
+    assert not {k: fields[k].annotation for k, v in body.items() if not fits(v, fields[k].annotation)}
+    assert fields["logprobs"].annotation.startswith("int")
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_weight_routes_take_their_bodies_as_embedded_keys(vllm, version):
+    src = vllm(version)
+    for path, names in BODY_PARAMS.items():
+        params = src.params(path, "POST")
+        assert {n for n, p in params.items() if p.where == "Body"} == names
+        assert all(params[n].embed for n in names)
+        assert set(sent_body(version, path)) == names
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_pause_takes_mode_abort_as_a_query_parameter(vllm, version):
+    src = vllm(version)
+    mode = src.params("/pause", "POST")["mode"]
+    assert (mode.where, mode.type) == ("Query", "PauseMode")
+    assert "abort" in literal_values(src.assignment(RL_ROUTER, "PauseMode"))
+    queries = [q for _, p, q, _ in drive_client(version)[0] if p == "/pause"]
+    assert queries == [{"mode": ["abort"]}]
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_update_and_init_info_are_nccl_engine_fields(vllm, version):
+    src = vllm(version)
+    nccl = src.definition(NCCL, "NCCLWeightTransferEngine", ast.ClassDef)[1]
+    classes = {ast.unparse(s.targets[0]): ast.unparse(s.value) for s in nccl.body if isinstance(s, ast.Assign)}
+    assert classes["update_info_cls"] == "NCCLWeightTransferUpdateInfo"
+    assert classes["init_info_cls"] == "NCCLWeightTransferInitInfo"
+    update = src.class_fields(NCCL, "NCCLWeightTransferUpdateInfo")
+    assert set(sent_body(version, "/update_weights")["update_info"]) == {"names", "dtype_names", "shapes"} <= set(update)
+    init = src.class_fields(INIT_INFO, "NCCLWeightTransferInitInfo")
+    assert set(INIT_INFO_KEYS) <= set(init)  # vLLM builds it with NCCLWeightTransferInitInfo(**init_info)
+    assert {name for name, f in init.items() if f.default is None} <= set(INIT_INFO_KEYS)
+
+
+def vllm_group(name: str):
+    """rlctl.engines.weightsync.vllm_group's `name`; the test skips while that module or name is absent."""
+    module = pytest.importorskip("rlctl.engines.weightsync.vllm_group")
+    return getattr(module, name) if hasattr(module, name) else pytest.skip(f"vllm_group has no {name} yet")
+
+
+def test_the_trainer_sends_these_init_info_keys():
+    assert tuple(vllm_group("INIT_INFO_KEYS")) == INIT_INFO_KEYS
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_replies_have_the_keys_the_client_reads(vllm, version):
+    src = vllm(version)
+    for (method, path), keys in REPLIES.items():
+        ok = [r for r in src.reply_shapes(path, method) if r.status == 200]
+        assert [(r.kind, r.keys, r.unresolved) for r in ok] == [("json", frozenset(keys), ())], path
+    refusals = [r for r in src.reply_shapes("/pause", "POST") if r.status != 200]
+    assert refusals and all((r.kind, r.keys) == ("json", {"error"}) for r in refusals)
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_client_reads_vllms_replies(vllm, version):
+    src = vllm(version)
+
+    def fields(name: str, rel: str = PROTOCOL) -> set[str]:
+        return set(src.class_fields(rel, name))
+    assert {"token_ids", "logprobs", "finish_reason", "stop_reason", "weight_versions"} <= fields("CompletionResponseChoice")
+    assert {"choices", "usage"} <= fields("CompletionResponse")
+    assert "token_logprobs" in fields("CompletionLogProbs")
+    assert fields("WeightVersionSpan", "vllm/outputs.py") == {"version", "start", "end"}
+    assert "prompt_tokens" in fields("UsageInfo")
+    read = drive_client(version)[1]  # the client, answered with these fields and the handlers' keys
+    assert read["info"] == {"version": version, "tp_size": 2}
+    assert (read["weight_version"], read["is_paused"]) == ("3", False)
+    out = read["output"]
+    assert (out.output_ids, out.logprobs, out.weight_version, out.prompt_tokens) == ([7, 8], [-0.5, -0.25], "3", 2)
+    assert out.finish_reason == {"type": "stop"}
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_engine_runs_a_prompt_under_the_id_the_client_aborts(vllm, version):
+    src = vllm(version)
+    create = src.function(SERVING, "_create_completion")
+    ids = {ast.unparse(n.targets[0]): n.value for n in ast.walk(create) if isinstance(n, ast.Assign)
+           and ast.unparse(n.targets[0]) in ("request_id", "request_id_item")}
+    (base,) = [v.value for v in ids["request_id"].values if isinstance(v, ast.FormattedValue)]
+    assert ast.unparse(base) == "self._base_request_id(raw_request, request.request_id)"  # the body's id, no header
+    request_id = render(ids["request_id"], {ast.unparse(base): "r"})
+    assert engine_request_id("r") == render(ids["request_id_item"], {"request_id": request_id, "i": "0"})
+    generate = calls(create, "self.engine_client.generate")
+    assert [ast.unparse(c.args[2]) for c in generate] == ["request_id_item"]
+    assert sent_body(version, "/abort_requests") == {"request_ids": [engine_request_id("r")]}
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_abort_requests_takes_external_ids(vllm, version):
+    handler = vllm(version).route("/abort_requests", "POST").handler
+    assert [ast.unparse(c) for c in calls(handler, "body.get")] == ["body.get('request_ids')"]
+    (branch,) = [n for n in ast.walk(handler) if isinstance(n, ast.If) and ast.unparse(n.test) == "request_ids"]
+    given = [c for s in branch.body for c in calls(s, "engine.abort")]
+    assert [(ast.unparse(c.args[0]), [k.arg for k in c.keywords]) for c in given] == [("request_ids", [])]
+
+
+def calls(node: ast.AST, callee: str) -> list[ast.Call]:
+    """The calls under node whose function is written `callee` ("engine.abort")."""
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call) and ast.unparse(n.func) == callee]
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_vllms_api_key_leaves_the_dev_routes_open(vllm, version):
+    guarded = ast.literal_eval(vllm(version).assignment(MIDDLEWARE + "authenticate.py", "GUARDED_PREFIX"))
+    assert "/v1/completions".startswith(guarded)
+    assert not [p for m, p in CLIENT_ROUTES - OPEN_ROUTES if p.startswith(guarded)]  # hence TokenDoor
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_vllm_builds_a_middleware_class_from_the_app_alone(vllm, version):
+    register = vllm(version).function(MIDDLEWARE + "register.py", "init_entrypoints_middleware")
+    (loop,) = [n for n in ast.walk(register) if isinstance(n, ast.For) and ast.unparse(n.iter) == "args.middleware"]
+    added = calls(loop, "app.add_middleware")
+    assert [([ast.unparse(a) for a in c.args], c.keywords) for c in added] == [(["imported"], [])]
+    module, name = DOOR.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is TokenDoor
+
+
+def knock(path: str, headers: list | None = None) -> tuple[int, bool]:
+    """(status, whether the app was reached) of a POST to path through a TokenDoor that vLLM
+    would build: TokenDoor(app), the token from VLLM_API_KEY."""
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers or []}
+    asyncio.run(TokenDoor(app)(scope, receive, send))
+    return next(m["status"] for m in sent if m["type"] == "http.response.start"), bool(reached)
+
+
+def test_token_door_asks_every_route_but_health_for_the_token(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    assert knock("/pause") == (401, False)
+    assert knock("/pause", [(b"authorization", b"Bearer wrong")]) == (401, False)
+    assert knock("/pause", [(b"authorization", b"Basic secret")]) == (401, False)
+    assert knock("/pause", [(b"Authorization", b"Bearer secret")]) == (200, True)
+    assert knock("/v1/completions", [(b"authorization", b"Bearer secret")]) == (200, True)
+    assert knock("/health") == (200, True)
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
+        knock("/health")
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_every_launch_flag_is_a_vllm_serve_option(vllm, version):
+    src = vllm(version)
+    cmd = launch_command("/venv/bin/python", "/models/m", VllmConfig(tp_size=2, max_model_len=4096),
+                         host="10.0.0.7", port=8001, seed=7)
+    flags = {a: cmd[i + 1] for i, a in enumerate(cmd) if a.startswith("--")}
+    assert set(flags) == LAUNCH_FLAGS  # a flag rlctl starts passing needs its check here
+    engine = {"--" + f.replace("_", "-") for f in src.class_fields(ARG_UTILS, "EngineArgs")}
+    frontend = {"--" + f.replace("_", "-") for f in src.class_fields(src.frontend_args(), "FrontendArgs")}
+    assert not LAUNCH_FLAGS - engine - frontend
+    # EngineArgs adds its options one by one; FrontendArgs adds each field by the same rule.
+    assert not (LAUNCH_FLAGS - frontend) - vllm_source.added_flags(src.function(ARG_UTILS, "add_cli_args", "EngineArgs"))
+    rule = "f\"--{key.replace('_', '-')}\""
+    assert any(ast.unparse(n) == rule for n in ast.walk(src.module(src.frontend_args())))
+    assert flags["--dtype"] in literal_values(src.assignment(ARG_UTILS, "ModelDType"))
+    backend = src.class_fields("vllm/config/weight_transfer.py", "WeightTransferConfig")
+    assert set(json.loads(flags["--weight-transfer-config"])) <= set(backend)
+    assert json.loads(flags["--weight-transfer-config"])["backend"] in literal_values(backend["backend"].annotation)
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_server_runs_as_the_console_script_does(vllm, version):
+    src = vllm(version)
+    cmd = launch_command("python", "/models/m", VllmConfig(), host="h", port=1, seed=0)
+    assert cmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    assert src.entry_points()["vllm"] == "vllm.entrypoints.cli.main:main"
+    assert any(isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'"
+               and [ast.unparse(s) for s in n.body] == ["main()"] for n in src.module(CLI_MAIN).body)
+    serve = src.definition(CLI_SERVE, "ServeSubcommand", ast.ClassDef)[1]
+    assert "name = 'serve'" in [ast.unparse(s) for s in serve.body]
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_a_workers_rank_is_offset_plus_its_place_in_the_server(vllm, version):
+    rank = vllm(version).worker_group_rank()
+    for offset, dp, per_dp, r in [(1, 0, 1, 0), (1, 0, 4, 3), (5, 0, 2, 1), (3, 1, 2, 0), (1, 2, 4, 3)]:
+        assert rank(offset, data_parallel_index=dp, world_size=per_dp, rank=r) == offset + dp * per_dp + r
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_servers_take_consecutive_ranks_after_the_trainer(vllm, version):
+    group_layout = vllm_group("group_layout")
+    rank = vllm(version).worker_group_rank()
+    sizes = [2, 1, 4]
+    world, offsets = group_layout(sizes)
+    assert offsets == [1 + sum(sizes[:i]) for i in range(len(sizes))] and world == 1 + sum(sizes)
+    ranks = [rank(offsets[i], data_parallel_index=0, world_size=n, rank=r) for i, n in enumerate(sizes) for r in range(n)]
+    assert sorted(ranks) == list(range(1, world))  # rank 0 is the trainer
