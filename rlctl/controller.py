@@ -280,6 +280,10 @@ def protocol_of(recipe: Recipe, plan: RunPlan) -> dict[str, Any]:
     if recipe.rollout.engine is RolloutEngine.VLLM:
         return {"protocol": "vllm", "server": {"dtype": str(recipe.rollout.vllm.dtype),
                                                "model_path": os.path.expanduser(recipe.model.path)}}
+    if recipe.rollout.protocol == "vllm":  # built-in servers emulating vLLM hold the dtype the worker starts them with
+        from rlctl.engines.rollout.builtin.server import parser
+
+        return {"protocol": "vllm", "server": {"dtype": parser().get_default("dtype")}}
     return {"protocol": recipe.rollout.protocol}
 
 

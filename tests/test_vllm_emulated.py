@@ -225,3 +225,19 @@ def test_launch_command_keeps_the_token_off_the_command_line():
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4" and cmd[-1] == "--enforce-eager"
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
     assert "secret" not in " ".join(cmd) and launch_env("secret") == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "secret"}
+
+
+def test_the_trainer_is_told_the_protocol_and_what_the_servers_hold():
+    """vLLM has no route that says its dtype: the controller tells the trainer, which casts wider
+    weights to it before they leave (a bf16 Megatron trainer's checked syncs depend on it)."""
+    from rlctl.controller import protocol_of
+    from rlctl.recipe import load_recipe
+
+    def told(*overrides):
+        return protocol_of(load_recipe(QUICKSTART, list(overrides), check_paths=False), None)
+    assert told() == {"protocol": "sglang"}
+    assert told("rollout.builtin.emulate_vllm=0.33.0") == {"protocol": "vllm", "server": {"dtype": "float32"}}
+    real = told("rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda", "rollout.vllm.dtype=auto",
+                "model.init=null", "model.path=~/m")
+    assert real["protocol"] == "vllm" and real["server"]["dtype"] == "auto"
+    assert real["server"]["model_path"] == os.path.expanduser("~/m")
