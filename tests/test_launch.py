@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, wait_for
+from rlctl.metrics import chrome_trace
 from rlctl.rundir import RunDir
+from test_metrics import assert_slices_nest
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +61,9 @@ def test_run_completes_and_fills_the_run_directory(tmp_path):
         assert all(key in m for m in metrics), key
     assert all(m["train_batches"] == 2 and m["samples"] == 32 for m in metrics)
     assert processes_mentioning(rd.id) == []
+    trace = chrome_trace(events)["traceEvents"]  # what `rlctl trace` writes: every track drawable as a stack
+    assert_slices_nest(trace)
+    assert sum(e["ph"] == "X" and e["pid"] == 1 for e in trace) == 3 * 8 * 4  # every sample's request
 
 
 def test_sync_invariant_every_trained_sample_has_the_step_version(tmp_path):

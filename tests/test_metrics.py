@@ -126,7 +126,10 @@ def test_chrome_trace_has_a_track_per_server_and_rank():
 
     trace = chrome_trace(timeline(), trainer_ranks=2)["traceEvents"]
     names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
-    assert names == {(1, 0): "r0", (1, 1): "r1", (2, 0): "trainer-0", (2, 1): "trainer-1", (3, 0): "steps"}
+    # r0 ran two samples at once: the second is on r0's second lane
+    assert names == {(1, 0): "r0", (1, 1): "r1", (2, 0): "trainer-0", (2, 1): "trainer-1", (3, 0): "steps",
+                     (1, 100000): "r0 #2"}
+    assert_slices_nest(trace)
     samples = [e for e in trace if e["ph"] == "X" and e["pid"] == 1]
     assert len(samples) == 4 and all(e["dur"] > 0 for e in samples)
     trains = [e for e in trace if e["ph"] == "X" and e["pid"] == 2 and e["name"].startswith("train")]
@@ -150,3 +153,46 @@ def test_trace_opens_at_the_run_start_whatever_other_writers_stamped():
     assert min(x["ts"] for x in timed) == 0.1e6  # step 0 starts 0.1 s after run_start
     assert max(x["ts"] + x.get("dur", 0) for x in timed) == pytest.approx(8.1e6)
     assert [x["name"] for x in trace if x["ph"] == "i"] == ["server_down"]
+
+
+def assert_slices_nest(trace: list[dict]) -> None:
+    """The Chrome trace format's rule for complete ("X") events on one thread: each one ends
+    before the next begins, or encloses it (what Perfetto can draw as a stack)."""
+    by_thread: dict[tuple, list[dict]] = {}
+    for e in trace:
+        if e["ph"] == "X":
+            by_thread.setdefault((e["pid"], e["tid"]), []).append(e)
+    for thread, slices in by_thread.items():
+        open_ends: list[float] = []
+        for e in sorted(slices, key=lambda e: (e["ts"], -e["dur"])):
+            while open_ends and open_ends[-1] <= e["ts"]:
+                open_ends.pop()
+            end = e["ts"] + e["dur"]
+            assert not open_ends or end <= open_ends[-1], f"{thread}: {e['name']} partly overlaps the slice it starts in"
+            open_ends.append(end)
+
+
+def test_concurrent_requests_of_one_server_are_dealt_onto_lanes_that_nest():
+    """A server running up to 5 requests at once, started and ended in every order."""
+    import random
+
+    from rlctl.metrics import chrome_trace
+
+    rng = random.Random(3)
+    events = [{"t": 0.0, "event": "run_start"}]
+    for g in range(40):
+        starts = [rng.uniform(0, 10) for _ in range(2)]
+        ends = [a + rng.uniform(0.01, 3) for a in starts]
+        events.append({"t": max(ends), "event": "group_completed", "step": 0, "group": g, "servers": ["r0", "r1"],
+                       "starts": starts, "ends": ends, "lengths": [1, 1], "rewards": [0, 1], "versions": [0, 0]})
+    trace = chrome_trace(events)["traceEvents"]
+    assert_slices_nest(trace)
+    samples = [e for e in trace if e["ph"] == "X"]
+    assert len(samples) == 80 and {e["tid"] % 100000 for e in samples} == {0, 1}
+    lanes = {e["tid"] for e in samples if e["tid"] % 100000 == 0}
+    assert len(lanes) > 3  # as many lanes as requests overlapped at once
+    named = {e["tid"] for e in trace if e["name"] == "thread_name" and e["pid"] == 1}
+    assert lanes <= named
+    with pytest.raises(AssertionError, match="partly overlaps"):  # the check itself can fail
+        assert_slices_nest([{"ph": "X", "pid": 1, "tid": 0, "ts": 0, "dur": 2, "name": "a"},
+                            {"ph": "X", "pid": 1, "tid": 0, "ts": 1, "dur": 2, "name": "b"}])

@@ -55,15 +55,47 @@ def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[s
             out += _entries(e, pairer.observe(e), t0, tid_of, trainer_ranks)
         except (KeyError, IndexError, TypeError, ValueError):  # fields of the wrong shape
             skipped += 1
-    trace: dict[str, Any] = {"traceEvents": out, "displayTimeUnit": "ms"}
+    trace: dict[str, Any] = {"traceEvents": in_lanes(out), "displayTimeUnit": "ms"}
     if skipped:
         trace["otherData"] = {"skipped_events": skipped}
     return trace
 
 
 def _span(name: str, pid: int, tid: int, t0: float, start: float, end: float, **args: Any) -> dict[str, Any]:
-    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": round((start - t0) * 1e6, 1),
-            "dur": max(0.0, round((end - start) * 1e6, 1)), "args": args}
+    ts, until = round((start - t0) * 1e6, 1), round((end - t0) * 1e6, 1)  # one rounding of each end: no overlap made up
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": max(0.0, round(until - ts, 1)), "args": args}
+
+
+LANE_STRIDE = 100_000
+"""Lane k of track `tid` is drawn as thread tid + k * LANE_STRIDE (more than any track count)."""
+
+
+def in_lanes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Complete slices ("X") moved onto lanes, so that slices on one thread never partly overlap.
+
+    The Chrome trace format draws the "X" events of one thread as a stack: each must end before
+    the next begins, or enclose it; a rollout server runs many requests at once, whose spans
+    overlap every which way. Each track's slices are dealt, in order of start, onto the first of
+    its lanes that is free by then (lane 0 is the track itself): as many lanes as requests ever
+    ran at once. Each extra lane is named after its track ("rollout-0 #2") and sorted under it."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in entries if e.get("name") == "thread_name"}
+    lanes: dict[tuple[int, int], list[float]] = {}  # (pid, tid) -> when each lane is free again
+    out: list[dict[str, Any]] = []
+    for e in sorted((e for e in entries if e.get("ph") == "X"), key=lambda e: (e["ts"], -e["dur"])):
+        free = lanes.setdefault((e["pid"], e["tid"]), [])
+        k = next((i for i, until in enumerate(free) if until <= e["ts"]), len(free))
+        free[k:k + 1] = [e["ts"] + e["dur"]]
+        out.append({**e, "tid": e["tid"] + k * LANE_STRIDE} if k else e)
+    meta = [e for e in entries if e.get("ph") != "X"]
+    for (pid, tid), free in sorted(lanes.items()):
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid * 1000}})
+        for k in range(1, len(free)):
+            lane = tid + k * LANE_STRIDE
+            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": lane,
+                         "args": {"name": f"{names.get((pid, tid), tid)} #{k + 1}"}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": lane,
+                         "args": {"sort_index": tid * 1000 + k}})
+    return meta + out
 
 
 def _entries(e: dict[str, Any], closed: Span | None, t0: float, tid_of: dict[str, int],
