@@ -14,11 +14,25 @@ import typer
 from rlctl.commands import cancel, compare, export, launch, logs, pool, resume, simulate, status, trace
 from rlctl.errors import RlctlError
 
+
+def _flags_as_flags() -> None:
+    """Typer's help shows every option's type, so flags read `--detach <bool>`, as if they took a
+    value. A flag's type column is left empty instead."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_as_flags()
 app = typer.Typer(
     name="rlctl",
     help="Run RL post-training (GRPO) experiments: rollout servers, trainers and the pipeline between them.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_enable=False,
 )
 
