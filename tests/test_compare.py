@@ -108,7 +108,8 @@ def test_cli_json_round_trips_and_fail_if_exit_codes(two_runs):
     res = rlctl("compare", a.id, b.id, "--runs-dir", str(root), "--json", "--last", "3", cwd=root)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert set(data) == {"runs", "config", "metrics", "time", "curves", "fail_if"}
+    assert set(data) == {"runs", "config", "metrics", "time", "curves", "groups", "fail_if"}  # the README's keys
+    assert data.pop("groups") is None  # no --group-by
     data.pop("fail_if")
     assert render_text(data) == render_text(comparison([a, b], last=3))  # the JSON holds the whole comparison
     res = rlctl("compare", str(a.path), b.id, "--runs-dir", str(root), "--fail-if", "rollout_to_train_end.ratio > 0.6", cwd=root)
@@ -117,6 +118,19 @@ def test_cli_json_round_trips_and_fail_if_exit_codes(two_runs):
     assert res.returncode == 0, res.stderr
     res = rlctl("compare", a.id, b.id, "--runs-dir", str(root), "--fail-if", "r2t goes up", cwd=root)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_plot_without_matplotlib_says_so_before_any_output(two_runs):
+    root, a, b = two_runs
+    hidden = root / "no-matplotlib"  # a matplotlib that cannot be imported shadows the real one
+    (hidden / "matplotlib").mkdir(parents=True)
+    (hidden / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden for this test')\n")
+    import importlib.util
+    assert importlib.util.find_spec("matplotlib") is not None  # the check below is not vacuous here
+    res = rlctl("compare", a.id, b.id, "--runs-dir", str(root), "--plot", str(root / "p.png"), cwd=root,
+                env={"PYTHONPATH": str(hidden)})
+    assert res.returncode == 2 and res.stdout == "", res.stdout
+    assert res.stderr.strip() == "error: --plot needs matplotlib: pip install 'rlctl[plot]'"
 
 
 def test_unknown_run_failed_run_and_group_by(tmp_path):

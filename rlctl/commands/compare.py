@@ -209,11 +209,17 @@ def compare(
         raise UsageError("compare needs at least two runs")
     if last < 1:
         raise UsageError("--last must be >= 1")
+    if plot_file:  # said before any output, not after the whole table
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
     dirs = [find_run(r, runs_dir) for r in runs]
     comp = comparison(dirs, last=last, group_by=group_by)
     hits = failing(comp, fail_if) if fail_if else []
     if as_json:
-        print(json.dumps({**comp, "fail_if": {"expr": fail_if, "hits": hits} if fail_if else None}, indent=2))
+        # every key the README lists is there: groups is null without --group-by
+        print(json.dumps({"groups": None, **comp, "fail_if": {"expr": fail_if, "hits": hits} if fail_if else None}, indent=2))
     else:
         Console().print(render(comp))
     if plot_file:
