@@ -80,9 +80,20 @@ def test_detail_shows_events_whatever_clock_wrote_them(tmp_path):
     console = Console(width=200, record=True, color_system=None)
     console.print(render_detail(detail(rd)))
     text = console.export_text()
-    assert "  12.500 server_up {'role': 'rollout-0'}" in text
-    assert "  1790000000.250 run_end {'state': 'completed', 'host': 'node1'}" in text
-    assert "  None submitted {'job_id': '7'}" in text
+    from datetime import datetime
+
+    rows = [line.split() for line in text.splitlines()]
+    assert ["12.500", "server_up", "role=rollout-0"] in rows  # not a Unix time: shown as written
+    clock = datetime.fromtimestamp(1790000000.25).strftime("%H:%M:%S.250")  # a Unix time: its time of day
+    assert [clock, "run_end", "state=completed", "host=node1"] in rows
+    assert ["None", "submitted", "job_id=7"] in rows
+    assert "{" not in text.split("last events")[1]  # no Python dicts
+
+
+def test_status_says_where_it_looked_when_there_are_no_runs(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "rlctl", "status"], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 0 and f"no runs in {tmp_path / 'runs'}" in res.stdout and "--runs-dir" in res.stdout
 
 
 def test_ctrl_c_in_launch_cancels_the_run(tmp_path):

@@ -67,13 +67,19 @@ def render_table(rows: list[dict[str, Any]]) -> Text:
     return text
 
 
-def _event_line(e: dict[str, Any]) -> str:
-    """An event as recorded: `t` is shown as the number its writer put there, whatever clock that
-    was, and every other scalar field (a host, a role, a step) goes beside the kind."""
+def _event_cells(e: dict[str, Any]) -> tuple[str, str, str]:
+    """An event as a row: its time of day (a `t` that is no Unix time is shown as written), its
+    kind, and every scalar field as key=value, numbers to 4 significant digits (lists and objects
+    are left to `rlctl status RUN --json`)."""
+    from datetime import datetime
+
     t = e.get("t")
-    when = f"{t:.3f}" if isinstance(t, (int, float)) else str(t)
-    extra = {k: v for k, v in e.items() if k not in ("t", "event") and not isinstance(v, list)}
-    return f"  {when} {e.get('event')} {extra}"
+    number = isinstance(t, (int, float)) and not isinstance(t, bool)
+    when = datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3] if number and 1e9 < t < 1e10 else (
+        f"{t:.3f}" if number else str(t))
+    fields = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e.items()
+              if k not in ("t", "event") and not isinstance(v, (list, dict))]
+    return when, str(e.get("event")), " ".join(fields)
 
 
 def _metrics_lines(m: dict[str, Any]) -> list[str]:
@@ -159,8 +165,10 @@ def render_detail(d: dict[str, Any]) -> Group:
         parts.extend(Text(f"  step {c['step']:>6}  {c['bytes'] / 2**20:9.1f} MiB  {c['time']}  {Path(c['path']).name}")
                      for c in d["checkpoints"])
     if d["last_events"]:
-        parts.append(Text("last events:"))
-        parts.extend(Text(one_line(_event_line(e), 300)) for e in d["last_events"])
+        events = Table("TIME", "EVENT", "DETAILS", box=None, pad_edge=False, title="last events", title_justify="left")
+        for e in d["last_events"]:
+            events.add_row(*(Text(one_line(c, 300)) for c in _event_cells(e)))
+        parts.append(events)
     return Group(*parts)
 
 
@@ -172,6 +180,7 @@ def status(
 ) -> None:
     """Show runs, or one run in detail."""
     from rich.console import Console
+    from rich.text import Text
 
     from rlctl.status import run_detail, summaries
 
@@ -185,6 +194,10 @@ def status(
         print(json.dumps(build(), indent=2, default=str))
         return
     console = Console()
+    if not run and not watch and not build():  # say where it looked, not an empty table
+        console.print(Text(f"no runs in {runs_dir.resolve()}: launch one, or give --runs-dir (runs are made "
+                           "in run.output_dir, ./runs by default, of the directory rlctl launch ran in)"))
+        return
     if not watch:
         if run:
             console.print(render(build()))
