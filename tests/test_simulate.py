@@ -96,3 +96,19 @@ def test_calibration_recovers_the_knobs_that_made_the_events(tiny_model_dir, mod
     want = [m["step_time"] for m in simulate_run(big_truth).metrics]
     got = [m["step_time"] for m in simulate_run(big_pred).metrics]
     assert got == pytest.approx(want, rel=0.05)
+
+
+def test_a_recipe_without_a_sim_section_is_refused_unless_defaults_are_asked_for(tmp_path):
+    """The quickstart says nothing of a cluster: simulating it would silently price a 1.7B model."""
+    from conftest import QUICKSTART
+
+    res = rlctl("simulate", str(QUICKSTART), "run.steps=2", "--no-save", cwd=tmp_path)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "no sim: section" in res.stderr and "--sim-defaults" in res.stderr
+    res = rlctl("simulate", str(QUICKSTART), "run.steps=2", "--no-save", "--sim-defaults", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "model 1.7B; h200 GPUs: 8 rollout (tp 1) + 8 trainer" in res.stdout
+    assert "\n    the sim: defaults\n" in res.stdout
+    res = rlctl("simulate", str(QUICKSTART), "run.steps=2", "--no-save", "sim.params_b=7", cwd=tmp_path)
+    assert res.returncode == 0 and "model 7B" in res.stdout and "overridden: sim.params_b" in res.stdout
+    assert all(len(line) <= 80 for line in res.stdout.splitlines()[:6])

@@ -65,6 +65,29 @@ def _is_pool_file(path: Path) -> bool:
     return isinstance(data, dict) and "jobs" in data
 
 
+def _sim_source(recipe: Path, overrides: list[str], fitted: list[str], defaults_ok: bool) -> str:
+    """Where the cost model's numbers come from; a UsageError when the recipe says nothing of
+    the cluster it would be priced on and --sim-defaults was not given."""
+    import yaml
+
+    from rlctl.errors import UsageError
+
+    try:
+        data = yaml.safe_load(recipe.read_text()[:1 << 20])
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = None  # the recipe loader says what is wrong with it
+    has_section = isinstance(data, dict) and isinstance(data.get("sim"), dict)
+    overridden = [o.split("=")[0] for o in overrides if o.startswith("sim.")]
+    if not (has_section or overridden or fitted or defaults_ok):
+        raise UsageError(f"{recipe}: no sim: section, so nothing says what cluster and model to price; add one "
+                         "(see recipes/sim-1024gpu.yaml), set sim.* keys, or pass --sim-defaults (a 1.7B model "
+                         "on 8 + 8 H200s)")
+    parts = [f"the sim: section of {recipe}"] if has_section else ["the sim: defaults"]
+    parts += [f"overridden: {', '.join(overridden)}"] if overridden else []
+    parts += [f"calibrated: {', '.join(f.split('=')[0] for f in fitted)}"] if fitted else []
+    return "\n    " + "\n    ".join(parts)
+
+
 def _shown(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else f"{value}"
 
@@ -76,6 +99,8 @@ def simulate(
     calibrate_from: str | None = typer.Option(None, "--calibrate", help="Fit the cost model to this measured run first."),
     compare: str | None = typer.Option(None, "--compare", help="Print predicted vs measured step time for this run."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where --calibrate/--compare runs are."),
+    sim_defaults: bool = typer.Option(False, "--sim-defaults",
+                                      help="Simulate with the sim: section's defaults when the recipe has none."),
 ) -> None:
     """Simulate a run at cluster scale: the real scheduler, simulated engines, virtual time. Given
     a pool file (a `jobs:` list), simulate its jobs sharing the pool's GPUs."""
@@ -101,6 +126,7 @@ def simulate(
         knobs = calibrate_run(measured)
         fitted = [f"{k}={v}" for k, v in knobs.items()]
         print(f"calibrated on {measured.id}: " + " ".join(f"{k}={_shown(v)}" for k, v in knobs.items()))
+    where = _sim_source(recipe, list(overrides or []), fitted, sim_defaults)
     r = load_recipe(recipe, [*fitted, *(overrides or [])], check_paths=False)
     rd = None
     if save:
@@ -109,9 +135,12 @@ def simulate(
         result = simulate_run(r)
     sim = r.sim
     samples = r.rollout.batch_size * r.rollout.group_size
-    print(f"simulated {r.run.steps} steps of {r.pipeline.mode} ({r.pipeline.admission} admission): "
-          f"{sim.params_b:g}B on {sim.rollout_gpus} rollout + {sim.trainer_gpus} trainer {sim.gpu} GPUs, "
-          f"{samples} samples per step, in {result.wall_seconds:.2f} s of wall time")
+    print(f"simulated {r.run.steps} steps of {r.pipeline.mode} ({r.pipeline.admission} admission) "
+          f"in {result.wall_seconds:.2f} s of wall time")
+    print(f"  model {sim.params_b:g}B; {sim.gpu} GPUs: {sim.rollout_gpus} rollout (tp {sim.tp}) + "
+          f"{sim.trainer_gpus} trainer")
+    print(f"  per step: {r.rollout.batch_size} groups x {r.rollout.group_size} = {samples} samples asked")
+    print(f"  cost model (rlctl/sim/cost.py: durations priced, not measured):{where}")
     print(render_metrics(result.metrics))
     if compare:
         other = find_run(compare, runs_dir).metrics()
