@@ -63,6 +63,10 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
     scorer = PooledScorer(model_path, recipe.reward)
     resume_from = resume_point(rd.read())  # a resumed attempt (`rlctl resume`) starts from this checkpoint
     start = resume_from.steps if resume_from else 0
+    if start:  # samples, tokens, optimizer steps and time go on from the record of the step before
+        before = [m for m in rd.metrics() if m.get("step") == start - 1]
+        if before:
+            recorder.steps.carry(before[-1])
     try:
         async with _http_session() as session:
             token = _run_token(rd)

@@ -46,8 +46,10 @@ def whole_log_metrics(events: list[dict[str, Any]], step: int) -> dict[str, Any]
            "train_start", "train_end", "accumulate_start", "accumulate_end", "sync_start", "sync_end")}
     ready_at = {e["group"]: e["t"] for e in events if e["event"] == "group_completed"}
     t_step = by["step_start"][0]["t"]
-    t_first_request = min((e["t"] for e in by["group_admitted"]), default=t_step)
     starts = sorted(by["train_start"], key=lambda e: e["t"])
+    # the window opens at the first request, or earlier at the first trainer call (async)
+    t_first_request = min([e["t"] for e in by["group_admitted"]] or [t_step])
+    t_first_request = min([t_first_request] + [e["t"] for e in starts + by["accumulate_start"]])
     ends = sorted(by["train_end"], key=lambda e: e["t"])
     train_times = [end["t"] - start["t"] for start, end in zip(starts, ends)]
     accumulate_times = [end["t"] - start["t"] for start, end in
@@ -82,7 +84,7 @@ def whole_log_metrics(events: list[dict[str, Any]], step: int) -> dict[str, Any]
         "wait_time": wait, "rollout_to_train_end": window, "trainer_wait_ratio": wait / window if window > 0 else 0.0,
         "wait_time_ratio": wait / (wait + train_time) if wait + train_time > 0 else 0.0,
         "rollout_idle_ratio": statistics.fmean(idle) if idle else 0.0, "critical_path_bound": bound,
-        "efficiency": bound / window if window > 0 else 0.0,
+        "efficiency": min(1.0, bound / window) if window > 0 else 0.0,
         "tokens_per_s": sum(lengths) / rollout_time if rollout_time > 0 else 0.0,
         "samples_per_s": len(lengths) / step_time if step_time > 0 else 0.0,
         "weight_version_min": min(versions, default=0), "weight_version_max": max(versions, default=0),
@@ -91,7 +93,45 @@ def whole_log_metrics(events: list[dict[str, Any]], step: int) -> dict[str, Any]
         "sync_bytes": sum(e.get("bytes", 0) for e in by["sync_end"]),
     }
     m.update({key: statistics.fmean(v) for key in TRAIN_STATS if (v := [end[key] for end in ends if key in end])})
+    lags = sync_lags(events, starts)
+    m.update(sync_lag_mean=statistics.fmean(lags) if lags else 0.0, sync_lag_max=max(lags, default=0))
+    m.update(progress(events, step, t_end))
     return m
+
+
+def sync_lags(events: list[dict[str, Any]], starts: list[dict[str, Any]]) -> list[int]:
+    """Per trained sample: the weight syncs (sync_end versions) after the weights that made it, up
+    to the trainer's version when the batch started (the last train_end's)."""
+    lags = []
+    for start in starts:
+        before = [e for e in events if e["t"] <= start["t"] and e is not start]
+        versions = [e["version"] for e in before if e["event"] == "train_end"]
+        synced = [e["version"] for e in before if e["event"] == "sync_end"]
+        for lag in start.get("staleness", []):
+            lags.append(sum(1 for v in synced if versions[-1] - lag < v <= versions[-1]) if versions else 0)
+    return lags
+
+
+def progress(events: list[dict[str, Any]], step: int, t_end: float) -> dict[str, Any]:
+    """The run's totals by this step's end: each earlier step's own samples and tokens (as its
+    record counted them), every optimizer step and dropped group so far, the time since the start."""
+    ends = [i for i, e in enumerate(events) if e["event"] == "step_end" and e["step"] <= step]
+    samples = tokens = 0
+    for i in ends:
+        j = events[i]["step"]
+        prefix = events[: i + 1]
+        start = next(k for k, e in enumerate(prefix) if e["event"] == "step_start" and e["step"] == j)
+        own = [e for e in prefix[start:] if e["event"] == "group_completed" and e.get("step") == j]
+        samples += sum(len(e["rewards"]) for e in own)
+        tokens += sum(sum(e["lengths"]) for e in own)
+    dropped: dict[str, int] = {}
+    for e in events:
+        if e["event"] == "group_dropped":
+            dropped[e["reason"]] = dropped.get(e["reason"], 0) + 1
+    t0 = min(e["t"] for e in events if e["event"] in ("run_start", "step_start"))
+    return {"optimizer_steps": sum(e["event"] == "train_end" for e in events), "samples_total": samples,
+            "tokens_total": tokens, "elapsed_s": t_end - t0, "groups_dropped_total": sum(dropped.values()),
+            "groups_dropped_by_reason": dropped}
 
 
 MODES = {
@@ -118,8 +158,14 @@ def test_incremental_metrics_equal_the_whole_log_computation(mode):
         so_far = events[: end + 1]
         assert m == whole_log_metrics(so_far, m["step"]), f"step {m['step']}"
         assert step_metrics(so_far, m["step"]) == m
+    assert all(0 <= m["efficiency"] <= 1 for m in run.metrics)  # the bound is never beaten, in any mode
+    assert [m["optimizer_steps"] for m in run.metrics] == list(
+        __import__("itertools").accumulate(m["train_batches"] for m in run.metrics))
+    if mode == "sync":  # several optimizer steps per rollout batch, no sync between: behind in steps, not in syncs
+        assert max(m["staleness_max"] for m in run.metrics) > 0 and all(m["sync_lag_max"] == 0 for m in run.metrics)
     # The runs exercise what crosses steps: async trains groups completed in an earlier step.
     if mode.startswith("async"):
+        assert any(m["sync_lag_max"] >= 1 for m in run.metrics)
         step_of = {e["group"]: e["step"] for e in events if e["event"] == "group_completed"}
         assert any(step_of[g] < e["step"] for e in events if e["event"] == "train_start" for g in e["groups"])
     if mode == "rolloutpipe-stream":

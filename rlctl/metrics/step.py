@@ -51,12 +51,37 @@ class _Step:
     staleness: list[int] = field(default_factory=list)
     groups: int = 0
     groups_dropped: int = 0
+    t_first_train: float | None = None
+    """When the step's first trainer call began (async trains groups that were ready before its first request)."""
+    sync_lags: list[int] = field(default_factory=list)
+    """Per trained sample: weight syncs between the weights that generated it and the trainer's."""
     sync_starts: list[float] = field(default_factory=list)
     sync_ends: list[float] = field(default_factory=list)
     sync_bytes: int = 0
     train_stats: dict[str, list[float]] = field(default_factory=dict)
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     """Each server's request intervals, from the step's start on."""
+
+
+@dataclass
+class Progress:
+    """What a run has done so far, in units that mean the same in every mode (a step is 4
+    optimizer steps in one run and 1 in another): carried from record to record, and into a
+    resumed attempt from its last record (carry())."""
+
+    optimizer_steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    elapsed_before: float = 0.0
+    """Seconds of earlier attempts (a resumed run)."""
+    t_start: float | None = None
+    """This attempt's start: its run_start, else its first step_start."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Groups dropped so far, by reason (stale, all_equal, surplus, aborted, resumed)."""
+    synced: list[int] = field(default_factory=list)
+    """The weight versions synced to the servers, recent ones (sync lags are counted in them)."""
+    version: int | None = None
+    """The trainer's weight version after its last optimizer step."""
 
 
 class StepMetrics:
@@ -69,17 +94,37 @@ class StepMetrics:
         """Completed groups not yet trained or dropped: when each became ready."""
         self._servers: set[str] = set()
         self._open: _Step | None = None
+        self.progress = Progress()
+
+    def carry(self, record: dict[str, Any]) -> None:
+        """A resumed attempt goes on counting from the last record of the attempts before it."""
+        p = self.progress
+        p.optimizer_steps = int(record.get("optimizer_steps", 0))
+        p.samples = int(record.get("samples_total", 0))
+        p.tokens = int(record.get("tokens_total", 0))
+        p.elapsed_before = float(record.get("elapsed_s", 0.0))
+        p.dropped = {str(k): int(v) for k, v in (record.get("groups_dropped_by_reason") or {}).items()}
 
     def observe(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """Take one event; the step's record when the event is its step_end."""
         kind = event["event"]
         ready: list[float | None] = []
+        p = self.progress
         if kind == "group_completed":
             self._completed(event)
         elif kind == "group_dropped":
             self._ready_at.pop(event["group"], None)
+            reason = str(event.get("reason", "other"))
+            p.dropped[reason] = p.dropped.get(reason, 0) + 1
         elif kind == "train_start":
             ready = [self._ready_at.pop(g, None) for g in event.get("groups", [])]
+        elif kind == "train_end":
+            p.optimizer_steps += 1
+            p.version = event.get("version", p.version)
+        elif kind == "sync_end" and isinstance(event.get("version"), int):
+            p.synced = [*p.synced[-1023:], event["version"]]
+        if kind in ("run_start", "step_start") and p.t_start is None:
+            p.t_start = event["t"]
         span = self._spans.observe(event)
         s = self._open
         if kind == "step_start":
@@ -90,19 +135,42 @@ class StepMetrics:
         s.t_last = max(s.t_last, event["t"])
         s.trained_ready += ready
         _take(s, event, kind)
-        if span is not None and span.kind is SpanKind.TRAIN:
-            s.train_times.append(span.seconds)
-        elif span is not None and span.kind is SpanKind.ACCUMULATE:
-            s.accumulate_times.append(span.seconds)
+        if kind == "train_start":
+            s.sync_lags += self._sync_lags(event.get("staleness", []))
+        if span is not None and span.kind in (SpanKind.TRAIN, SpanKind.ACCUMULATE):
+            (s.train_times if span.kind is SpanKind.TRAIN else s.accumulate_times).append(span.seconds)
+            began = span.start["t"]
+            s.t_first_train = began if s.t_first_train is None else min(s.t_first_train, began)
         if kind == "step_end":
             s.t_end = event["t"]
             return self.close()
         return None
 
+    def _sync_lags(self, staleness: list[int]) -> list[int]:
+        """Each sample's lag in weight syncs: the syncs after the one whose weights generated it
+        (its staleness counts optimizer steps, of which a sync mode step takes several with no
+        sync between)."""
+        p = self.progress
+        if p.version is None:
+            return [0 for _ in staleness]
+        return [sum(1 for v in p.synced if p.version - lag < v <= p.version) for lag in staleness]
+
     def close(self) -> dict[str, Any] | None:
         """End the open step here (a log cut short ends at its last event) and return its record."""
         s, self._open = self._open, None
-        return None if s is None else _record(s, sorted(self._servers))
+        if s is None:
+            return None
+        record = _record(s, sorted(self._servers))
+        p = self.progress
+        p.samples += record["samples"]
+        p.tokens += sum(s.lengths)
+        t_end = s.t_last if s.t_end is None else s.t_end
+        record.update({
+            "optimizer_steps": p.optimizer_steps, "samples_total": p.samples, "tokens_total": p.tokens,
+            "elapsed_s": p.elapsed_before + t_end - (s.t_start if p.t_start is None else p.t_start),
+            "groups_dropped_total": sum(p.dropped.values()), "groups_dropped_by_reason": dict(p.dropped),
+        })
+        return record
 
     def _completed(self, e: dict[str, Any]) -> None:
         self._ready_at[e["group"]] = e["t"]
@@ -146,6 +214,8 @@ def _take(s: _Step, e: dict[str, Any], kind: str) -> None:
 def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
     t_end = s.t_last if s.t_end is None else s.t_end
     t_first_request = s.t_start if s.t_first_request is None else s.t_first_request
+    if s.t_first_train is not None:  # async trains groups that were ready before its first request
+        t_first_request = min(t_first_request, s.t_first_train)
     train_time = sum(s.train_times) + sum(s.accumulate_times)
     t_train_end = s.t_train_end if s.t_train_end is not None else (
         s.t_last_ready if s.t_last_ready is not None else s.t_start)
@@ -188,7 +258,7 @@ def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
         "wait_time_ratio": wait / (wait + train_time) if wait + train_time > 0 else 0.0,
         "rollout_idle_ratio": statistics.fmean(idle) if idle else 0.0,
         "critical_path_bound": bound,
-        "efficiency": bound / window if window > 0 else 0.0,
+        "efficiency": min(1.0, bound / window) if window > 0 else 0.0,
         "tokens_per_s": sum(s.lengths) / rollout_time if rollout_time > 0 else 0.0,
         "samples_per_s": len(s.lengths) / step_time if step_time > 0 else 0.0,
         "weight_version_min": min(s.versions, default=0),
@@ -196,6 +266,8 @@ def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
         "staleness_mean": statistics.fmean(s.staleness) if s.staleness else 0.0,
         "staleness_max": max(s.staleness, default=0),
         "staleness_hist": {str(k): s.staleness.count(k) for k in sorted(set(s.staleness))},
+        "sync_lag_mean": statistics.fmean(s.sync_lags) if s.sync_lags else 0.0,
+        "sync_lag_max": max(s.sync_lags, default=0),
         "sync_bytes": s.sync_bytes,
     }
     for key in TRAIN_STATS:
