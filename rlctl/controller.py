@@ -75,6 +75,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             await scorer.ready()
             recorder.emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode, host=HOST,
                           **({"resumed_from": start} if resume_from else {}))
+            recorder.events.flush()  # the launch's progress line names the phases before the first step
             if recipe.launcher is Launcher.POOL:  # every call through the pool's slices (rlctl/plex/gates.py)
                 from rlctl.launchers.pool.client import pooled
 
@@ -89,6 +90,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
                 pooled_trainer.inner, trainer = trainer, pooled_trainer
             state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
             await send_initial_weights(trainer, recorder.emit, clock, version=int(state["version"]) if state else 0)
+            recorder.events.flush()
             pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,
                                       on_step_end=lambda step: _log_step(recorder.last),
                                       tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer, pool=pool)

@@ -36,6 +36,11 @@ def test_run_completes_and_fills_the_run_directory(tmp_path):
     assert res.returncode == 0, res.stderr
     rd = only_run(tmp_path)
     assert res.stdout.strip() == rd.id
+    # piped, the launch says each phase and step on a line of its own, none wider than 80 columns
+    said = res.stderr.splitlines()
+    assert said[1] == f"  in {rd.path}" and all(len(line) <= 80 for line in said[:1] + said[2:]), said
+    for words in ("servers starting", "step 3/3  reward", "completed", "optimizer steps"):
+        assert any(words in line for line in said), (words, said)
     info = rd.read()
     assert info["state"] == "completed" and info["exit_reason"] == "all steps done" and info["ended"]
     roles = info["processes"]

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
-import time
 from pathlib import Path
 
 import typer
 
 from rlctl.errors import RunError, UsageError
-from rlctl.rundir import RunDir, RunState, pid_alive
+from rlctl.rundir import RunState
 
 
 def launch(
@@ -113,6 +111,8 @@ def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
     if detach:
         print(rd.id)
         return 0
+    from rlctl.commands.follow import follow
+
     return follow(rd)
 
 
@@ -147,113 +147,6 @@ def launch_slurm(r, recipe: Path, overrides: list[str], *, detach: bool, dry_run
         typer.echo(f"submitted Slurm job {job_id}", err=True)
         print(rd.id)
         return 0
+    from rlctl.commands.follow import follow
+
     return follow(rd)
-
-
-def _supervisor_pid(rd: RunDir, wait_s: float = 10.0) -> int | None:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        pid = rd.read()["processes"].get("supervisor", {}).get("pid")
-        if pid:
-            return pid
-        time.sleep(0.05)
-    return None
-
-
-class _LocalWatch:
-    """The local run's driver is its supervisor process."""
-
-    def __init__(self, rd: RunDir) -> None:
-        self.rd, self.pid = rd, _supervisor_pid(rd)
-
-    def check(self) -> str | None:
-        """A note for the progress line; ends the run in run.json if its driver is gone."""
-        if self.pid and not pid_alive(self.pid):
-            time.sleep(0.5)  # it may have just written its final state
-            self.rd.set_state(RunState.FAILED, f"supervisor (pid {self.pid}) is gone; see {self.rd.log_path('supervisor')}")
-        return None
-
-    def done(self) -> bool:
-        return True
-
-    def cancel(self) -> None:
-        if self.pid:
-            os.kill(self.pid, signal.SIGTERM)
-            while pid_alive(self.pid):
-                time.sleep(0.1)
-
-
-class _SlurmWatch:
-    """A Slurm run's driver is its job: Slurm's state is joined with the run's every 2 s."""
-
-    def __init__(self, rd: RunDir) -> None:
-        from rlctl.launchers import slurm
-
-        self.rd, self.slurm, self.job_id = rd, slurm, rd.read()["slurm"]["job_id"]
-        self.job, self.asked = None, 0.0
-
-    def check(self) -> str | None:
-        if time.monotonic() - self.asked >= 2.0:
-            self.asked = time.monotonic()
-            self.job = self.slurm.refresh([self.rd]).get(self.rd.id)
-        return f"job {self.job_id} {self.job.describe()}" if self.job else f"job {self.job_id}"
-
-    def done(self) -> bool:
-        """The run has ended: wait until its job has let go of its nodes too."""
-        job = self.slurm.query([self.job_id]).get(self.job_id)
-        return job is None or not job.active
-
-    def cancel(self) -> None:
-        self.slurm.cancel(self.job_id)
-        self.rd.set_state(RunState.CANCELLED, f"cancelled from rlctl launch (scancel {self.job_id})")
-
-
-def follow(rd: RunDir) -> int:
-    """Show a progress bar until the run ends; Ctrl-C cancels the run. Returns the exit code."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    err = Console(stderr=True)
-    info = rd.read()
-    total = info["steps_total"]
-    err.print(f"run [bold]{rd.id}[/] ({info['mode']}, {info['launcher']}) in {rd.path}")
-    watch = _SlurmWatch(rd) if info["launcher"] == "slurm" else _LocalWatch(rd)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[step_time]}"),
-                        TimeElapsedColumn(), console=err, transient=False)
-    task = progress.add_task("starting", total=total, reward="-", step_time="")
-    try:
-        with progress:
-            while True:
-                note = watch.check()
-                info = rd.read()
-                metrics = rd.metrics()
-                if metrics:
-                    m = metrics[-1]
-                    progress.update(task, completed=len(metrics), description="training",
-                                    reward=f"{m['reward_mean']:.3f}", step_time=f"{m['step_time']:.2f} s/step")
-                else:
-                    progress.update(task, description=note or info["state"])
-                if RunState(info["state"]).finished:
-                    break
-                time.sleep(0.5)
-            while not watch.done():
-                time.sleep(0.5)
-    except KeyboardInterrupt:
-        err.print("cancelling...")
-        watch.cancel()
-        return 130
-    info = rd.read()
-    state = RunState(info["state"])
-    if state is RunState.COMPLETED:
-        metrics = rd.metrics()
-        first = [m["reward_mean"] for m in metrics[:5]]
-        last = [m["reward_mean"] for m in metrics[-5:]]
-        summary = f"reward {sum(first) / len(first):.3f} (first {len(first)} steps) -> {sum(last) / len(last):.3f} (last {len(last)})" if metrics else ""
-        err.print(f"[green]completed[/] {rd.id}: {summary}")
-        print(rd.id)
-        return 0
-    if state is RunState.FAILED:
-        raise RunError(f"run {rd.id} failed: {info.get('exit_reason')}")
-    err.print(f"[yellow]{state.value}[/] {rd.id}: {info.get('exit_reason')}")
-    return 1

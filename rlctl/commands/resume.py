@@ -43,7 +43,7 @@ def resumable(rd: RunDir) -> tuple[RunState, str | None, dict]:
 def resume_run(rd: RunDir, detach: bool) -> int:
     """Continue the run at the step after its newest checkpoint; the exit code."""
     from rlctl.checkpoint import find_checkpoint, prepare_resume
-    from rlctl.commands.launch import follow
+    from rlctl.commands.follow import follow
     from rlctl.launchers.local import start_supervisor
     from rlctl.launchers.pool.pooldir import PoolDir
 
@@ -71,7 +71,7 @@ def resubmit(rd: RunDir, steps: int, detach: bool) -> int:
     """A Slurm run: submit its batch script again. The new job's first step sees a later attempt
     and resumes from the newest checkpoint (rlctl/launchers/slurm_job.py)."""
     from rlctl.checkpoint import SLURM_ATTEMPT_KEYS
-    from rlctl.commands.launch import follow
+    from rlctl.commands.follow import follow
     from rlctl.launchers import slurm
     from rlctl.rundir import now_iso
 

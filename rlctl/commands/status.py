@@ -97,8 +97,28 @@ def _metrics_lines(m: dict[str, Any]) -> list[str]:
     if nums("critical_path_bound", "rollout_to_train_end", "efficiency", "tokens_per_s"):
         idle = m["rollout_idle_ratio"] if nums("rollout_idle_ratio") else 0.0
         out.append(f"rollout-to-train-end {m['rollout_to_train_end']:.2f} s, efficiency {m['efficiency']:.2f} of the "
-                   f"critical-path bound, servers idle {idle:.0%}, "
-                   f"{m['tokens_per_s']:.0f} tokens/s, staleness max {m.get('staleness_max', 0)}")
+                   f"critical-path bound, servers idle {idle:.0%}, {m['tokens_per_s']:.0f} tokens/s")
+        out.append(f"samples trained up to {m.get('staleness_max', 0)} optimizer steps and "
+                   f"{m.get('sync_lag_max', 0)} weight syncs behind the trainer")
+    return out
+
+
+def progress_lines(metrics: list[dict[str, Any]]) -> list[str]:
+    """What a run did, in units every mode shares, and what it threw away (the launch's last
+    lines and `status RUN`): each line fits 80 columns."""
+    if not metrics:
+        return []
+    last = metrics[-1]
+    out = []
+    if all(isinstance(last.get(k), (int, float)) for k in ("optimizer_steps", "samples_total", "elapsed_s")):
+        out.append(f"{last['optimizer_steps']:,} optimizer steps, {last['samples_total']:,} samples, "
+                   f"{last.get('tokens_total', 0):,} tokens, {_fmt_duration(last['elapsed_s'])} from run start")
+    dropped = last.get("groups_dropped_by_reason")
+    completed = sum(m.get("groups", 0) for m in metrics if isinstance(m.get("groups"), int))
+    if isinstance(dropped, dict) and dropped and completed:
+        total = sum(v for v in dropped.values() if isinstance(v, int))
+        why = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1]))
+        out.append(f"dropped {total:,} of {completed:,} completed groups ({total / completed:.0%}): {why}")
     return out
 
 
@@ -150,6 +170,7 @@ def render_detail(d: dict[str, Any]) -> Group:
     parts.extend(Text(f"damaged: {p}", style="red") for p in d.get("problems", []))
     if d["last_metrics"]:
         parts.extend(Text(line) for line in _metrics_lines(d["last_metrics"]))
+        parts.extend(Text(line) for line in progress_lines([d["last_metrics"]]))
     procs = Table("ROLE", "PID", "HOST", "PORT", "ALIVE", "LOG", box=None, pad_edge=False, title_justify="left")
     for p in d["processes"]:
         cells = (one_line(str(p["role"]), 60), str(p["pid"] or "-"), one_line(str(p["host"] or "-"), 60),

@@ -231,11 +231,8 @@ def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
 
     rollout_time = s.t_last_ready - t_first_request if s.t_last_ready is not None else 0.0
     step_time = t_end - s.t_start
-    idle = []
-    if step_time > 0:
-        for server in servers:
-            clipped = [(a, min(b, t_end)) for a, b in s.busy.get(server, []) if min(b, t_end) > a]
-            idle.append(1.0 - union_length(clipped) / step_time)
+    idle = [1.0 - union_length([(a, min(b, t_end)) for a, b in s.busy.get(server, []) if min(b, t_end) > a]) / step_time
+            for server in servers] if step_time > 0 else []
 
     m: dict[str, Any] = {
         "step": s.step,
