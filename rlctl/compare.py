@@ -3,11 +3,16 @@
 `rlctl compare` (rlctl/commands/compare.py) renders what `comparison()` returns; `--json` prints
 it as is, so the keys below are stable:
 
-    runs     [{label, id, state, exit_reason, launcher, mode, code: {commit, dirty}, steps, path}]
+    runs     [{label, id, state, exit_reason, launcher, mode, code: {commit, dirty}, steps,
+              optimizer_steps_per_step, samples_per_step, path}]
+    x        {by, end, unit, covered: [per run], notes: [...]}: what runs are aligned on (--x), up
+             to `end`, the most every run covers; notes say when runs differ in length or in what
+             a step means
     config   {keys_total, keys_differ, differ: {dotted key: [value per run]}}
     metrics  {name: [{last_mean, best, diff, pct} per run]}          reward_mean, response_len_mean
     time     {name: [{median, ratio} per run]}                       step_time, rollout_time, ...
     curves   {label: [reward per step]}
+    curves_x {label: [x per step]}
     groups   (with group_by) {key, groups: [{value, runs, n, <metric>: {mean, lo, hi}}]}
     unreadable  (only when a run cannot be read) [{id, path, why}]: left out of everything above
 
@@ -17,6 +22,12 @@ was skipped. Lines of metrics.jsonl that are not JSON objects, steps that are no
 values that are not finite numbers are skipped.
 
 Requeued or resumed runs can write a step twice: the last record of a step wins.
+
+A step is not the same unit in every run (a sync step is batch_size / groups_per_batch optimizer
+steps, an async step one), so runs are aligned on what they did: samples generated (the
+default), tokens, optimizer steps or seconds since the start, and compared over the range every
+run covers. Learning is the mean of the last records within that range; times are medians over
+those records, and seconds per 1,000 samples is comparable across modes.
 """
 
 from __future__ import annotations
@@ -37,6 +48,9 @@ NOT_CONFIG = ("run.output_dir",)  # where a run was written is not what it was
 TIME = ("step_time", "rollout_time", "train_time", "sync_time", "trainer_wait_ratio", "rollout_to_train_end",
         "efficiency", "tokens_per_s")
 SPARK = "▁▂▃▄▅▆▇█"
+X_UNITS = {"samples": "samples", "tokens": "tokens", "optimizer_steps": "optimizer steps", "time": "s",
+           "steps": "steps"}
+"""--x: what the runs are aligned on, and its unit."""
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -131,7 +145,58 @@ def load_run(rd: RunDir) -> dict[str, Any]:
     return {"rd": rd, "info": info, "config": config, "metrics": metrics, "problems": problems}
 
 
-def comparison(runs: list[RunDir], last: int = 5, group_by: str | None = None) -> dict[str, Any]:
+def progress_x(metrics: list[dict[str, Any]], by: str) -> list[float]:
+    """Each record's position on the --x axis: its cumulative field where the record has one
+    (samples_total, ...), else summed from the per-step fields older records have."""
+    cumulative, per_step = {"samples": ("samples_total", lambda m: m.get("samples", 0)),
+                            "tokens": ("tokens_total", lambda m: m.get("samples", 0) * m.get("response_len_mean", 0)),
+                            "optimizer_steps": ("optimizer_steps", lambda m: m.get("train_batches", 0)),
+                            "time": ("elapsed_s", lambda m: m.get("step_time", 0))}.get(by, (None, None))
+    if cumulative is None:
+        return [float(m["step"] + 1) for m in metrics]
+    out, total = [], 0.0
+    for m in metrics:
+        step = per_step(m)
+        total += step if finite(step) else 0.0
+        out.append(float(m[cumulative]) if finite(m.get(cumulative)) else total)
+    return out
+
+
+X_FIELDS = {"samples": ("samples_total", "samples"), "tokens": ("tokens_total", "response_len_mean"),
+            "optimizer_steps": ("optimizer_steps", "train_batches"), "time": ("elapsed_s", "step_time")}
+
+
+def _has_x(metrics: list[dict[str, Any]], by: str) -> bool:
+    """Do the records hold what --x `by` is counted from (their cumulative field, or the per-step one)?"""
+    return by == "steps" or all(any(finite(m.get(k)) for k in X_FIELDS[by]) for m in metrics)
+
+
+def _within(r: dict[str, Any], end: float) -> list[dict[str, Any]]:
+    """The run's records up to `end` on its axis (at least its first)."""
+    kept = [m for m, x in zip(r["metrics"], r["x"]) if x <= end * (1 + 1e-9)]
+    return kept or r["metrics"][:1]
+
+
+def _alignment(loaded: list[dict[str, Any]], by: str) -> dict[str, Any]:
+    """The range every run covers on the --x axis, and what the reader must know about it."""
+    unit = X_UNITS[by]
+    covered = [r["x"][-1] if r["x"] else 0.0 for r in loaded]
+    with_data = [c for c in covered if c > 0]
+    end = min(with_data) if with_data else 0.0
+    notes = []
+    if with_data and max(with_data) > end * 1.01:
+        spans = ", ".join(f"{_label(i)} {c:,.0f}" for i, c in enumerate(covered))
+        notes.append(f"runs differ in length ({unit}: {spans}): compared over the first {end:,.0f} {unit}, "
+                     "which every run covers")
+    per_step = [statistics.median(v) if (v := _values(r["metrics"], "train_batches")) else None for r in loaded]
+    if len({v for v in per_step if v is not None}) > 1:
+        what = ", ".join(f"{_label(i)} {v:g}" for i, v in enumerate(per_step) if v is not None)
+        how = "by step, which is not the same unit here" if by == "steps" else f"by {unit}, not by step"
+        notes.append(f"a step is a different number of optimizer steps ({what}): compared {how}")
+    return {"by": by, "unit": unit, "end": end, "covered": covered, "notes": notes}
+
+
+def comparison(runs: list[RunDir], last: int = 5, group_by: str | None = None, by: str = "samples") -> dict[str, Any]:
     loaded, unreadable = [], []
     for rd in runs:
         try:
@@ -140,28 +205,61 @@ def comparison(runs: list[RunDir], last: int = 5, group_by: str | None = None) -
             unreadable.append({"id": rd.id, "path": str(rd.path), "why": e.why})
     if not loaded:
         raise UnreadableRun(unreadable[0]["id"], unreadable[0]["why"])
-    out: dict[str, Any] = {"runs": [], "config": _config_diff(loaded), "metrics": {}, "time": {}, "curves": {}}
+    if by not in X_UNITS:
+        from rlctl.errors import UsageError
+
+        raise UsageError(f"--x {by}: one of {', '.join(X_UNITS)}")
+    lacking = [_label(i) for i, r in enumerate(loaded) if r["metrics"] and not _has_x(r["metrics"], by)]
+    asked = by
+    if lacking:  # a run whose records cannot say (an older or damaged run): steps are all that is common
+        by = "steps"
+    for r in loaded:
+        r["x"] = progress_x(r["metrics"], by)
+    x = _alignment(loaded, by)
+    if lacking:
+        x["notes"].insert(0, f"the records of {', '.join(lacking)} do not count {X_UNITS[asked]}: aligned by step")
+    out: dict[str, Any] = {"runs": [], "x": x, "config": _config_diff(loaded), "metrics": {}, "time": {},
+                           "curves": {}, "curves_x": {}}
     for i, r in enumerate(loaded):
-        info = r["info"]
+        info, metrics = r["info"], r["metrics"]
         out["runs"].append({
             "label": _label(i), "id": info["id"], "state": info["state"], "exit_reason": info.get("exit_reason"),
             "launcher": info.get("launcher"), "mode": info.get("mode"), "code": info.get("code") or {},
-            "steps": len(r["metrics"]), "path": str(r["rd"].path), **({"problems": r["problems"]} if r["problems"] else {}),
+            "steps": len(metrics), "optimizer_steps_per_step": _median(metrics, "train_batches"),
+            "samples_per_step": _median(metrics, "samples"), "path": str(r["rd"].path),
+            **({"problems": r["problems"]} if r["problems"] else {}),
         })
-        out["curves"][_label(i)] = [m["reward_mean"] if finite(m.get("reward_mean")) else None for m in r["metrics"]]
+        out["curves"][_label(i)] = [m["reward_mean"] if finite(m.get("reward_mean")) else None for m in metrics]
+        out["curves_x"][_label(i)] = r["x"]
+        r["metrics"] = _within(r, x["end"])  # from here on: the range every run covers
     for name in QUALITY:
         out["metrics"][name] = _quality_rows(loaded, name, last)
     for name in TIME:
-        rows = [{"median": statistics.median(v) if (v := _values(r["metrics"], name)) else None} for r in loaded]
-        base = rows[0]["median"]
-        for row in rows:
-            row["ratio"] = row["median"] / base if row["median"] is not None and base else None
-        out["time"][name] = rows
+        out["time"][name] = _ratios([{"median": _median(r["metrics"], name)} for r in loaded])
+    out["time"]["seconds_per_1k_samples"] = _ratios([{"median": _per_1k_samples(r["metrics"])} for r in loaded])
     if group_by:
         out["groups"] = _groups(loaded, group_by, last)
     if unreadable:
         out["unreadable"] = unreadable
     return out
+
+
+def _median(metrics: list[dict[str, Any]], name: str) -> float | None:
+    values = _values(metrics, name)
+    return statistics.median(values) if values else None
+
+
+def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    base = rows[0]["median"]
+    for row in rows:
+        row["ratio"] = row["median"] / base if row["median"] is not None and base else None
+    return rows
+
+
+def _per_1k_samples(metrics: list[dict[str, Any]]) -> float | None:
+    """Seconds per 1,000 samples generated over the records: comparable whatever a step is."""
+    seconds, samples = sum(_values(metrics, "step_time")), sum(_values(metrics, "samples"))
+    return seconds / samples * 1000 if samples else None
 
 
 def _config_diff(loaded: list[dict[str, Any]]) -> dict[str, Any]:
@@ -219,7 +317,7 @@ def _groups(loaded: list[dict[str, Any]], key: str, last: int) -> dict[str, Any]
     return {"key": key, "groups": groups}
 
 
-_CONDITION = re.compile(r"^\s*([a-z_]+)\.(median|ratio|last_mean|best|diff|pct)\s*(<=|>=|==|!=|<|>)\s*(-?[\d.]+(?:e-?\d+)?)\s*$")
+_CONDITION = re.compile(r"^\s*([a-z0-9_]+)\.(median|ratio|last_mean|best|diff|pct)\s*(<=|>=|==|!=|<|>)\s*(-?[\d.]+(?:e-?\d+)?)\s*$")
 _OPS = {"<": float.__lt__, ">": float.__gt__, "<=": float.__le__, ">=": float.__ge__, "==": float.__eq__,
         "!=": float.__ne__}
 

@@ -22,7 +22,8 @@ GOLDEN = REPO / "tests" / "golden" / "compare"
 
 
 def make_run(root: Path, run_id: str, recipe: dict, rewards: list[float], *, state: str = "completed",
-             step_time: float = 1.0, reason: str | None = None, extra_steps: list[dict] = ()) -> RunDir:
+             step_time: float = 1.0, reason: str | None = None, extra_steps: list[dict] = (),
+             train_batches: int = 4, samples: int = 512) -> RunDir:
     """A run directory as a finished run leaves it, with metrics that follow simple formulas."""
     path = root / run_id
     (path / "logs").mkdir(parents=True)
@@ -36,7 +37,9 @@ def make_run(root: Path, run_id: str, recipe: dict, rewards: list[float], *, sta
         lines.append({"step": step, "reward_mean": r, "response_len_mean": 10.0 + step, "step_time": step_time,
                       "rollout_time": 0.6 * step_time, "train_time": 0.5 * step_time, "sync_time": 0.05,
                       "trainer_wait_ratio": 0.5 if recipe["pipeline"]["mode"] == "sync" else 0.2,
-                      "rollout_to_train_end": 0.9 * step_time, "efficiency": 0.7, "tokens_per_s": 1000.0 / step_time})
+                      "rollout_to_train_end": 0.9 * step_time, "efficiency": 0.7, "tokens_per_s": 1000.0 / step_time,
+                      "samples": samples, "train_batches": train_batches, "samples_total": samples * (step + 1),
+                      "optimizer_steps": train_batches * (step + 1), "elapsed_s": step_time * (step + 1)})
     lines += list(extra_steps)
     (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     return RunDir(path)
@@ -61,7 +64,9 @@ def two_runs(tmp_path):
                  [0.2, 0.25, 0.4, 0.45, 0.5, 0.1], step_time=1.3,
                  extra_steps=[{"step": 5, "reward_mean": 0.58, "response_len_mean": 15.0, "step_time": 1.3,
                                "rollout_time": 0.78, "train_time": 0.65, "sync_time": 0.05, "trainer_wait_ratio": 0.2,
-                               "rollout_to_train_end": 1.17, "efficiency": 0.7, "tokens_per_s": 769.2}])
+                               "rollout_to_train_end": 1.17, "efficiency": 0.7, "tokens_per_s": 769.2,
+                               "samples": 512, "train_batches": 4, "samples_total": 3072, "optimizer_steps": 24,
+                               "elapsed_s": 7.8}])
     return tmp_path, a, b
 
 
@@ -108,7 +113,7 @@ def test_cli_json_round_trips_and_fail_if_exit_codes(two_runs):
     res = rlctl("compare", a.id, b.id, "--runs-dir", str(root), "--json", "--last", "3", cwd=root)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert set(data) == {"runs", "config", "metrics", "time", "curves", "groups", "fail_if"}  # the README's keys
+    assert set(data) == {"runs", "x", "config", "metrics", "time", "curves", "curves_x", "groups", "fail_if"}
     assert data.pop("groups") is None  # no --group-by
     data.pop("fail_if")
     assert render_text(data) == render_text(comparison([a, b], last=3))  # the JSON holds the whole comparison
@@ -118,6 +123,30 @@ def test_cli_json_round_trips_and_fail_if_exit_codes(two_runs):
     assert res.returncode == 0, res.stderr
     res = rlctl("compare", a.id, b.id, "--runs-dir", str(root), "--fail-if", "r2t goes up", cwd=root)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_runs_of_different_lengths_and_step_units_are_aligned_on_samples(tmp_path):
+    """A sync run (4 optimizer steps a step) against an async one (1 a step) four times as long in
+    steps: the same samples, so the comparison covers both whole and says why steps would mislead."""
+    a = make_run(tmp_path, "sync-20261129-100000-aaaa", base_recipe("sync"), [0.1 * i for i in range(5)],
+                 step_time=2.0, train_batches=4, samples=256)
+    b = make_run(tmp_path, "async-20261129-100000-bbbb", base_recipe("async"), [0.025 * i for i in range(24)],
+                 step_time=0.5, train_batches=1, samples=64)
+    comp = comparison([a, b], last=1)
+    x = comp["x"]
+    assert (x["by"], x["end"], x["covered"]) == ("samples", 1280, [1280, 1536])
+    assert any("differ in length" in n for n in x["notes"]) and any("optimizer steps (A 4, B 1)" in n for n in x["notes"])
+    reward = comp["metrics"]["reward_mean"]
+    assert reward[0]["last_mean"] == pytest.approx(0.4)  # A's step 4 at 1,280 samples
+    assert reward[1]["last_mean"] == pytest.approx(0.025 * 19)  # B's step 19, at 1,280 samples, not its step 23
+    per_1k = comp["time"]["seconds_per_1k_samples"]
+    assert per_1k[0]["median"] == pytest.approx(2.0 / 256 * 1000) and per_1k[1]["median"] == pytest.approx(0.5 / 64 * 1000)
+    by_steps = comparison([a, b], last=1, by="steps")
+    assert by_steps["x"]["end"] == 5 and any("not the same unit" in n for n in by_steps["x"]["notes"])
+    by_opt = comparison([a, b], last=1, by="optimizer_steps")
+    assert by_opt["x"]["end"] == 20 and by_opt["metrics"]["reward_mean"][1]["last_mean"] == pytest.approx(0.025 * 19)
+    text = render_text(comp)
+    assert "compared over 0 .. 1,280 samples (--x samples)" in text and "note: runs differ in length" in text
 
 
 def test_plot_without_matplotlib_says_so_before_any_output(two_runs):

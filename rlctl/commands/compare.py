@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from rich.text import Text
 
 TIME_LABELS = {
-    "step_time": "step time s", "rollout_time": "rollout s", "train_time": "train s", "sync_time": "weight sync s",
+    "seconds_per_1k_samples": "s per 1k samples", "step_time": "step time s", "rollout_time": "rollout s", "train_time": "train s", "sync_time": "weight sync s",
     "trainer_wait_ratio": "trainer waiting", "rollout_to_train_end": "rollout->train end s",
     "efficiency": "eff. vs bound", "tokens_per_s": "tokens/s",
 }
@@ -80,14 +80,16 @@ def _config_table(config: dict[str, Any], labels: list[str]) -> Table:
 def _learning_table(comp: dict[str, Any], labels: list[str]) -> Table:
     from rlctl.compare import sparkline
 
-    t = _table("learning (mean of the last steps; best; change vs A)")
+    t = _table("learning (mean of the last records; best; vs A)")
     for col, justify in (("metric", "left"), ("run", "left"), ("last", "right"), ("best", "right"),
                          ("diff", "right"), ("%", "right")):
         t.add_column(col, justify=justify)  # type: ignore[arg-type]
     t.add_column("reward curve", no_wrap=True)
     for name, rows in comp["metrics"].items():
         for i, row in enumerate(rows):
-            curve = sparkline([v for v in comp["curves"][labels[i]] if v is not None]) if name == "reward_mean" else ""
+            within = [v for v, x in zip(comp["curves"][labels[i]], comp["curves_x"][labels[i]])
+                      if v is not None and x <= comp["x"]["end"] * (1 + 1e-9)]
+            curve = sparkline(within) if name == "reward_mean" else ""
             pct = f"{row['pct']:+.1f}" if row["pct"] is not None and i else ""
             diff = f"{row['diff']:+.3g}" if row["diff"] is not None and i else ""
             t.add_row(name if i == 0 else "", labels[i], _fmt(row["last_mean"]), _fmt(row["best"]), diff, pct, curve)
@@ -95,7 +97,7 @@ def _learning_table(comp: dict[str, Any], labels: list[str]) -> Table:
 
 
 def _time_table(times: dict[str, Any], labels: list[str]) -> Table:
-    t = _table("time (medians over steps; ratio to A)")
+    t = _table("time (medians; ratio to A)")
     t.add_column("metric")
     for i, label in enumerate(labels):
         t.add_column(label, justify="right")
@@ -140,8 +142,11 @@ def render(comp: dict[str, Any]) -> Group:
     from rich.text import Text
 
     labels = [r["label"] for r in comp["runs"]]
-    parts: list[Any] = [_runs_table(comp["runs"], comp.get("unreadable", [])), _config_table(comp["config"], labels),
-                        _learning_table(comp, labels), _time_table(comp["time"], labels)]
+    x = comp["x"]
+    parts: list[Any] = [_runs_table(comp["runs"], comp.get("unreadable", [])), _config_table(comp["config"], labels)]
+    parts.append(Text(f"compared over 0 .. {x['end']:,.0f} {x['unit']} (--x {x['by']})", style="bold"))
+    parts += [Text(f"note: {n}", style="yellow") for n in x["notes"]]
+    parts += [_learning_table(comp, labels), _time_table(comp["time"], labels)]
     if "groups" in comp:
         parts += _groups_parts(comp["groups"])
     parts += [Text(f"{r['label']} failed: {r['exit_reason']}", style="red") for r in comp["runs"] if r["state"] == "failed"]
@@ -162,20 +167,24 @@ def plot(comp: dict[str, Any], path: Path) -> None:
         raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
     from rlctl.compare import finite, metrics_by_step
 
+    from rlctl.compare import progress_x
+
     labels = [r["label"] for r in comp["runs"]]
+    by, unit = comp["x"]["by"], comp["x"]["unit"]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for label, run in zip(labels, comp["runs"]):
         ms = [m for m in metrics_by_step(RunDir(Path(run["path"]))) if finite(m.get("reward_mean"))]
-        steps = [m["step"] for m in ms]
+        xs = progress_x(ms, by)
         rewards = [m["reward_mean"] for m in ms]
         wall = list(accumulate(m["step_time"] if finite(m.get("step_time")) else 0.0 for m in ms))
-        axes[0][0].plot(steps, rewards, label=label)
+        axes[0][0].plot(xs, rewards, label=label)
         axes[0][1].plot(wall, rewards, label=label)
-        axes[1][1].plot(steps, [m["trainer_wait_ratio"] if finite(m.get("trainer_wait_ratio")) else 0.0 for m in ms],
+        axes[1][1].plot(xs, [m["trainer_wait_ratio"] if finite(m.get("trainer_wait_ratio")) else 0.0 for m in ms],
                         label=label)
-    axes[0][0].set(title="reward vs step", xlabel="step", ylabel="mean reward")
+    axes[0][0].axvline(comp["x"]["end"], color="grey", linewidth=0.8)  # the range every run covers
+    axes[0][0].set(title=f"reward vs {unit}", xlabel=unit, ylabel="mean reward")
     axes[0][1].set(title="reward vs wall time", xlabel="seconds of steps", ylabel="mean reward")
-    axes[1][1].set(title="trainer waiting ratio", xlabel="step", ylabel="waiting / rollout-to-train-end")
+    axes[1][1].set(title="trainer waiting ratio", xlabel=unit, ylabel="waiting / rollout-to-train-end")
     bottom = [0.0] * len(labels)
     for name in ("rollout_time", "train_time", "sync_time"):
         values = [row["median"] or 0.0 for row in comp["time"][name]]
@@ -196,6 +205,8 @@ def compare(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
     last: int = typer.Option(5, "--last", help="Steps averaged for the learning table."),
     group_by: str | None = typer.Option(None, "--group-by", help="A recipe key, e.g. pipeline.mode: mean and 95% interval per value."),
+    x_axis: str = typer.Option("samples", "--x", help="Align runs on samples, tokens, optimizer_steps, time or steps "
+                                                      "(a step is a different unit in each mode)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output (stable keys)."),
     plot_file: Path | None = typer.Option(None, "--plot", help="Write reward, step-time and waiting plots to this PNG."),
     fail_if: str | None = typer.Option(None, "--fail-if", help="Exit 1 when it holds for a run, e.g. 'rollout_to_train_end.ratio > 0.8'."),
@@ -215,7 +226,7 @@ def compare(
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
     dirs = [find_run(r, runs_dir) for r in runs]
-    comp = comparison(dirs, last=last, group_by=group_by)
+    comp = comparison(dirs, last=last, group_by=group_by, by=x_axis)
     hits = failing(comp, fail_if) if fail_if else []
     if as_json:
         # every key the README lists is there: groups is null without --group-by
