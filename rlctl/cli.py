@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from rlctl.commands import cancel, compare, export, launch, logs, pool, resume, simulate, status, trace
+from rlctl.commands import cancel, compare, export, launch, logs, pool, resume, simulate, status, sweep, trace
 from rlctl.errors import RlctlError
 
 
@@ -52,6 +52,7 @@ app.command("trace", no_args_is_help=True)(trace.trace)
 app.command("compare", no_args_is_help=True)(compare.compare)
 app.command("resume", no_args_is_help=True)(resume.resume)
 app.command("export", no_args_is_help=True)(export.export)
+app.command("sweep", no_args_is_help=True)(sweep.sweep)
 app.add_typer(pool.app, name="pool")
 
 

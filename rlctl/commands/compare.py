@@ -216,8 +216,10 @@ def compare(
 
     from rlctl.compare import comparison, failing
 
-    if len(runs) < 2:
-        raise UsageError("compare needs at least two runs")
+    from rlctl.sweep import find_sweep
+
+    if len(runs) < 2 and not (runs and find_sweep(runs[0], runs_dir)):
+        raise UsageError("compare needs at least two runs, or a sweep")
     if last < 1:
         raise UsageError("--last must be >= 1")
     if plot_file:  # said before any output, not after the whole table
@@ -225,7 +227,12 @@ def compare(
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
-    dirs = [find_run(r, runs_dir) for r in runs]
+    dirs = []
+    for ref in runs:  # a sweep id stands for every run it started
+        sweep = find_sweep(ref, runs_dir)
+        dirs += sweep.runs() if sweep is not None else [find_run(ref, runs_dir)]
+    if len(dirs) < 2:
+        raise UsageError("compare needs at least two runs (a sweep counts as the runs it started)")
     comp = comparison(dirs, last=last, group_by=group_by, by=x_axis)
     hits = failing(comp, fail_if) if fail_if else []
     if as_json:

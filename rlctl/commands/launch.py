@@ -93,6 +93,17 @@ def vllm_install() -> str:
 
 
 def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
+    rd = start_local_run(r, recipe, overrides)
+    if detach:
+        print(rd.id)
+        return 0
+    from rlctl.commands.follow import follow
+
+    return follow(rd)
+
+
+def start_local_run(r, recipe: Path, overrides: list[str]):
+    """Create the run directory and start its supervisor (which starts every process); the RunDir."""
     from rlctl.launchers.local import start_supervisor
     from rlctl.plan import local_plan
     from rlctl.recipe import Launcher, recipe_to_yaml
@@ -108,7 +119,22 @@ def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
         info["pool_dir"] = str(pd.path)
     rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), info, shared_group=r.run.shared_group)
     start_supervisor(rd)
+    return rd
+
+
+def launch_slurm(r, recipe: Path, overrides: list[str], *, detach: bool, dry_run: bool) -> int:
+    """Write the batch script into a new run directory and sbatch it (the same path up to the
+    submit call with --dry-run). The plan is written by the job, once it knows its nodes."""
+    rd = write_batch_script(r, recipe, overrides)
+    script = rd.path / "job.sbatch"
+    if dry_run:
+        print(script.read_text(), end="")
+        rd.set_state(RunState.DRY_RUN, "the batch script was written, nothing was submitted")
+        typer.echo(f"dry run: {script} (not submitted)", err=True)
+        return 0
+    job_id = submit(rd, script)
     if detach:
+        typer.echo(f"submitted Slurm job {job_id}", err=True)
         print(rd.id)
         return 0
     from rlctl.commands.follow import follow
@@ -116,9 +142,22 @@ def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
     return follow(rd)
 
 
-def launch_slurm(r, recipe: Path, overrides: list[str], *, detach: bool, dry_run: bool) -> int:
-    """Write the batch script into a new run directory and sbatch it (the same path up to the
-    submit call with --dry-run). The plan is written by the job, once it knows its nodes."""
+def submit(rd, script: Path) -> str:
+    """sbatch the run's batch script and record the job; the job id."""
+    from rlctl.launchers import slurm
+
+    try:
+        job_id = slurm.submit(script)
+    except RunError as e:
+        rd.set_state(RunState.FAILED, f"not submitted: {e}")
+        raise
+    rd.update(lambda d: d["slurm"].update(job_id=job_id))
+    rd.event("submitted", job_id=job_id)
+    return job_id
+
+
+def write_batch_script(r, recipe: Path, overrides: list[str]):
+    """A new run directory holding the run's batch script (job.sbatch); the RunDir."""
     import sys
 
     from rlctl.launchers import slurm
@@ -131,22 +170,4 @@ def launch_slurm(r, recipe: Path, overrides: list[str], *, detach: bool, dry_run
     script = rd.path / "job.sbatch"
     script.write_text(slurm.render_batch_script(r, rd.path.resolve(), rd.id, python))
     rd.update(lambda d: d.update(slurm={"script": str(script)}))
-    if dry_run:
-        print(script.read_text(), end="")
-        rd.set_state(RunState.DRY_RUN, "the batch script was written, nothing was submitted")
-        typer.echo(f"dry run: {script} (not submitted)", err=True)
-        return 0
-    try:
-        job_id = slurm.submit(script)
-    except RunError as e:
-        rd.set_state(RunState.FAILED, f"not submitted: {e}")
-        raise
-    rd.update(lambda d: d["slurm"].update(job_id=job_id))
-    rd.event("submitted", job_id=job_id)
-    if detach:
-        typer.echo(f"submitted Slurm job {job_id}", err=True)
-        print(rd.id)
-        return 0
-    from rlctl.commands.follow import follow
-
-    return follow(rd)
+    return rd

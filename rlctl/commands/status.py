@@ -193,6 +193,36 @@ def render_detail(d: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
+def _sweep_status(sweep: Any, as_json: bool) -> None:
+    """A sweep: each point's values, and its run's row as `rlctl status` gives it."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from rlctl.rundir import RunDir
+    from rlctl.status import safe_summary
+
+    data = sweep.read()
+    rows = []
+    for p in data["points"]:
+        row = safe_summary(RunDir(sweep.output_dir / p["run"])) if p["run"] else None
+        rows.append({"values": p["values"], "run": row})
+    if as_json:
+        print(json.dumps({"sweep": data["id"], "recipe": data["recipe"], "grid": data["grid"], "points": rows},
+                         indent=2, default=str))
+        return
+    states = [r["run"]["state"] if r["run"] else "not started" for r in rows]
+    counts = ", ".join(f"{n} {s}" for s, n in sorted({s: states.count(s) for s in states}.items()))
+    console = Console()
+    console.print(Text(f"{data['id']}: {len(rows)} runs of {data['recipe']} ({counts})"))
+    started = [r["run"] for r in rows if r["run"]]
+    if started:
+        console.print(render_table(started), no_wrap=True, overflow="crop")
+    keys = list(data["grid"])
+    for r in rows:
+        values = " ".join(f"{k}={r['values'][k]}" for k in keys)
+        console.print(Text(f"  {r['run']['id'] if r['run'] else '(not started)'}  {values}"), soft_wrap=True)
+
+
 def status(
     run: str | None = typer.Argument(None, help="A run id, name or run directory; all runs if omitted."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
@@ -204,6 +234,13 @@ def status(
     from rich.text import Text
 
     from rlctl.status import run_detail, summaries
+
+    from rlctl.sweep import find_sweep
+
+    sweep = find_sweep(run, runs_dir) if run else None
+    if sweep is not None:
+        _sweep_status(sweep, as_json)
+        return
 
     def build() -> Any:
         return run_detail(run, runs_dir) if run else summaries(runs_dir)

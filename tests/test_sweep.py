@@ -1,0 +1,60 @@
+"""`rlctl sweep`: a grid of real runs under one sweep id, and status and compare over it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import FAST, QUICKSTART, rlctl
+from rlctl.errors import UsageError
+from rlctl.sweep import parse_grid, points, split_values
+
+
+def test_the_grid_is_the_product_of_the_values_and_seeds():
+    grid, fixed = parse_grid(["train.lr=1e-4,3e-4", "rollout.cpus=[0,1],[1]", "run.steps=3"], seeds=2)
+    assert grid == [("train.lr", ["1e-4", "3e-4"]), ("rollout.cpus", ["[0,1]", "[1]"]), ("run.seed", ["0", "1"])]
+    assert fixed == ["run.steps=3"]  # one value: an override every point shares
+    grid_points = points(grid)
+    assert len(grid_points) == 8 and grid_points[0] == {"train.lr": "1e-4", "rollout.cpus": "[0,1]", "run.seed": "0"}
+    assert grid_points[-1] == {"train.lr": "3e-4", "rollout.cpus": "[1]", "run.seed": "1"}
+    assert split_values("{a: 1, b: 2},x") == ["{a: 1, b: 2}", "x"]
+
+
+@pytest.mark.parametrize("args, seeds, says", [
+    (["train.lr"], 0, "is not KEY=VALUE"),
+    (["train.lr=1,2", "train.lr=3"], 0, "given twice"),
+    (["train.lr=1,,2"], 0, "empty value"),
+    (["run.seed=1,2"], 2, "not both"),
+    ([f"k{i}=1,2" for i in range(11)], 0, "2048 points"),
+])
+def test_a_bad_grid_is_refused(args, seeds, says):
+    with pytest.raises(UsageError, match=says):
+        parse_grid(args, seeds)
+
+
+def test_a_bad_point_stops_the_sweep_before_anything_starts(tmp_path):
+    res = rlctl("sweep", str(QUICKSTART), "train.lr=1e-4,-1", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "sweep point train.lr=-1" in res.stderr and "train.lr" in res.stderr
+    assert not (tmp_path / "runs").exists()  # no run, no sweep record
+
+
+@pytest.mark.slow
+def test_a_local_sweep_of_two_values_and_two_seeds(tmp_path):
+    runs = tmp_path / "runs"
+    res = rlctl("sweep", str(QUICKSTART), "train.lr=1e-4,3e-4", "--seeds", "2", "--parallel", "2", *FAST,
+                f"run.output_dir={runs}", cwd=tmp_path, timeout=900)
+    assert res.returncode == 0, res.stderr
+    sweep_id = res.stdout.strip()
+    assert sweep_id.startswith("sweep-quickstart-") and res.stderr.count("point ") == 4
+    status = json.loads(rlctl("status", sweep_id, "--runs-dir", str(runs), "--json", cwd=tmp_path).stdout)
+    assert [p["values"] for p in status["points"]] == [{"train.lr": lr, "run.seed": s} for lr in ("1e-4", "3e-4")
+                                                      for s in ("0", "1")]
+    assert [p["run"]["state"] for p in status["points"]] == ["completed"] * 4
+    text = rlctl("status", sweep_id, "--runs-dir", str(runs), cwd=tmp_path).stdout
+    assert "4 runs of" in text and "(4 completed)" in text
+    comp = json.loads(rlctl("compare", sweep_id, "--runs-dir", str(runs), "--group-by", "train.lr", "--json",
+                            cwd=tmp_path).stdout)
+    assert [(g["value"], g["n"]) for g in comp["groups"]["groups"]] == [(0.0001, 2), (0.0003, 2)]
+    assert len(comp["runs"]) == 4
