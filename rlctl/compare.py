@@ -5,9 +5,9 @@ it as is, so the keys below are stable:
 
     runs     [{label, id, state, exit_reason, launcher, mode, code: {commit, dirty}, steps,
               optimizer_steps_per_step, samples_per_step, path}]
-    x        {by, end, unit, covered: [per run], notes: [...]}: what runs are aligned on (--x), up
-             to `end`, the most every run covers; notes say when runs differ in length or in what
-             a step means
+    x        {by, end, unit, covered: [per run], notes: [...], last_from}: what runs are aligned
+             on (--x), up to `end`, the most every run covers; notes say when runs differ in length
+             or in what a step means; "last" means are over (last_from, end]
     config   {keys_total, keys_differ, differ: {dotted key: [value per run]}}
     metrics  {name: [{last_mean, best, diff, pct} per run]}          reward_mean, response_len_mean
     time     {name: [{median, ratio} per run]}                       step_time, rollout_time, ...
@@ -26,8 +26,9 @@ Requeued or resumed runs can write a step twice: the last record of a step wins.
 A step is not the same unit in every run (a sync step is batch_size / groups_per_batch optimizer
 steps, an async step one), so runs are aligned on what they did: samples generated (the
 default), tokens, optimizer steps or seconds since the start, and compared over the range every
-run covers. Learning is the mean of the last records within that range; times are medians over
-those records, and seconds per 1,000 samples is comparable across modes.
+run covers. Learning is the mean over the last part of that range (where the baseline's last K
+records lie, the same work for every run); times are medians over the records in range, and
+seconds per 1,000 samples is comparable across modes.
 """
 
 from __future__ import annotations
@@ -231,14 +232,17 @@ def comparison(runs: list[RunDir], last: int = 5, group_by: str | None = None, b
         })
         out["curves"][_label(i)] = [m["reward_mean"] if finite(m.get("reward_mean")) else None for m in metrics]
         out["curves_x"][_label(i)] = r["x"]
+        r["x"] = r["x"][:len(_within(r, x["end"]))]
         r["metrics"] = _within(r, x["end"])  # from here on: the range every run covers
+    since = _window_start(loaded, last)
+    x["last_from"] = since
     for name in QUALITY:
-        out["metrics"][name] = _quality_rows(loaded, name, last)
+        out["metrics"][name] = _quality_rows([_since(r, since) for r in loaded], name)
     for name in TIME:
         out["time"][name] = _ratios([{"median": _median(r["metrics"], name)} for r in loaded])
     out["time"]["seconds_per_1k_samples"] = _ratios([{"median": _per_1k_samples(r["metrics"])} for r in loaded])
     if group_by:
-        out["groups"] = _groups(loaded, group_by, last)
+        out["groups"] = _groups(loaded, group_by, since)
     if unreadable:
         out["unreadable"] = unreadable
     return out
@@ -277,12 +281,24 @@ def _config_diff(loaded: list[dict[str, Any]]) -> dict[str, Any]:
     return {"keys_total": len(keys), "keys_differ": len(differ), "differ": differ}
 
 
-def _quality_rows(loaded: list[dict[str, Any]], name: str, last: int) -> list[dict[str, Any]]:
+def _window_start(loaded: list[dict[str, Any]], last: int) -> float:
+    """Where "the last records" begin on the axis: before the baseline's last `last` records in
+    range, so that every run is averaged over the same work (10 sync steps are 40 async ones)."""
+    xs = next((r["x"] for r in loaded if r["x"]), [])
+    return xs[-last - 1] if len(xs) > last else 0.0
+
+
+def _since(r: dict[str, Any], start: float) -> dict[str, Any]:
+    """The run's records past `start` (its last one when none is), and all of them for "best"."""
+    tail = [m for m, x in zip(r["metrics"], r["x"]) if x > start * (1 + 1e-9)] or r["metrics"][-1:]
+    return {"tail": tail, "all": r["metrics"]}
+
+
+def _quality_rows(loaded: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     rows = []
     for r in loaded:
-        values = _values(r["metrics"], name)
-        rows.append({"last_mean": statistics.fmean(values[-last:]) if values else None,
-                     "best": max(values) if values else None})
+        values, every = _values(r["tail"], name), _values(r["all"], name)
+        rows.append({"last_mean": statistics.fmean(values) if values else None, "best": max(every) if every else None})
     base = rows[0]["last_mean"]
     for row in rows:
         ok = row["last_mean"] is not None and base is not None
@@ -291,7 +307,7 @@ def _quality_rows(loaded: list[dict[str, Any]], name: str, last: int) -> list[di
     return rows
 
 
-def _groups(loaded: list[dict[str, Any]], key: str, last: int) -> dict[str, Any]:
+def _groups(loaded: list[dict[str, Any]], key: str, since: float) -> dict[str, Any]:
     if not any(key in (r["config"] or {}) for r in loaded):
         from rlctl.errors import UsageError
 
@@ -305,9 +321,9 @@ def _groups(loaded: list[dict[str, Any]], key: str, last: int) -> dict[str, Any]
         for name in ("reward_mean", "step_time", "rollout_to_train_end", "trainer_wait_ratio"):
             per_run = []
             for i in members:
-                values = _values(loaded[i]["metrics"], name)
+                values = _values(_since(loaded[i], since)["tail"] if name == "reward_mean" else loaded[i]["metrics"], name)
                 if values:
-                    per_run.append(statistics.fmean(values[-last:]) if name == "reward_mean" else statistics.median(values))
+                    per_run.append(statistics.fmean(values) if name == "reward_mean" else statistics.median(values))
             if not per_run:
                 g[name] = None
                 continue

@@ -138,13 +138,14 @@ def test_runs_of_different_lengths_and_step_units_are_aligned_on_samples(tmp_pat
     assert any("differ in length" in n for n in x["notes"]) and any("optimizer steps (A 4, B 1)" in n for n in x["notes"])
     reward = comp["metrics"]["reward_mean"]
     assert reward[0]["last_mean"] == pytest.approx(0.4)  # A's step 4 at 1,280 samples
-    assert reward[1]["last_mean"] == pytest.approx(0.025 * 19)  # B's step 19, at 1,280 samples, not its step 23
+    # B over the same last 256 samples as A's last step (its steps 16..19), not its last step (23)
+    assert reward[1]["last_mean"] == pytest.approx(0.025 * 17.5) and comp["x"]["last_from"] == 1024
     per_1k = comp["time"]["seconds_per_1k_samples"]
     assert per_1k[0]["median"] == pytest.approx(2.0 / 256 * 1000) and per_1k[1]["median"] == pytest.approx(0.5 / 64 * 1000)
     by_steps = comparison([a, b], last=1, by="steps")
     assert by_steps["x"]["end"] == 5 and any("not the same unit" in n for n in by_steps["x"]["notes"])
     by_opt = comparison([a, b], last=1, by="optimizer_steps")
-    assert by_opt["x"]["end"] == 20 and by_opt["metrics"]["reward_mean"][1]["last_mean"] == pytest.approx(0.025 * 19)
+    assert by_opt["x"]["end"] == 20 and by_opt["metrics"]["reward_mean"][1]["last_mean"] == pytest.approx(0.025 * 17.5)
     text = render_text(comp)
     assert "compared over 0 .. 1,280 samples (--x samples)" in text and "note: runs differ in length" in text
 

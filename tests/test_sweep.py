@@ -58,3 +58,34 @@ def test_a_local_sweep_of_two_values_and_two_seeds(tmp_path):
                             cwd=tmp_path).stdout)
     assert [(g["value"], g["n"]) for g in comp["groups"]["groups"]] == [(0.0001, 2), (0.0003, 2)]
     assert len(comp["runs"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").environ.get("RLCTL_SLURM_TESTS"), reason="no Slurm test cluster")
+def test_a_slurm_sweep_is_one_job_per_point(tmp_path):
+    """On the 3-node test cluster: every point is submitted at once as its own heterogeneous job,
+    and Slurm's queue runs them (one at a time here: each takes 2 of the 3 nodes)."""
+    from conftest import wait_for
+
+    res = rlctl("sweep", str(QUICKSTART), "train.lr=1e-4,3e-4", "--seeds", "2", *FAST, "rollout.servers=1",
+                "launcher=slurm", "slurm.time=10:00", "slurm.health_timeout_s=120", f"run.output_dir={tmp_path}",
+                cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    sweep_id = res.stdout.strip()
+    assert res.stderr.count("(Slurm job ") == 4  # submitted at once, not one after the other
+
+    def points():
+        out = rlctl("status", sweep_id, "--runs-dir", str(tmp_path), "--json", cwd=tmp_path)
+        return json.loads(out.stdout)["points"]
+    try:
+        wait_for(lambda: all(p["run"]["state"] in ("completed", "failed", "cancelled") for p in points()), 900,
+                 "every run of the sweep to end")
+    finally:
+        for p in points():
+            job = (p["run"] or {}).get("slurm") or {}
+            if job.get("job_id"):
+                __import__("subprocess").run(["scancel", str(job["job_id"])], capture_output=True)
+    assert [p["run"]["state"] for p in points()] == ["completed"] * 4
+    comp = json.loads(rlctl("compare", sweep_id, "--runs-dir", str(tmp_path), "--group-by", "train.lr", "--json",
+                            cwd=tmp_path).stdout)
+    assert [(g["value"], g["n"]) for g in comp["groups"]["groups"]] == [(0.0001, 2), (0.0003, 2)]
