@@ -161,7 +161,8 @@ class SlurmConfig(Section):
     PATH after the setup lines run, or, without setup lines, the one that runs `rlctl launch`
     (a shared filesystem)."""
     port_base: int = 0
-    """First port the run's servers listen on; 0 = 20000 + job id % 20000, so jobs sharing a node differ."""
+    """First port the run's servers listen on; 0 = 20000 + job id x (its port count rounded up to 8)
+    mod 40000, so that jobs sharing a node (a sweep's, with consecutive ids) never share a port."""
     health_timeout_s: int = 600
     """How long the job waits for every rollout server's /health before it gives up."""
     requeue: bool = True

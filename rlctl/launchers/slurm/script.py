@@ -61,6 +61,13 @@ export -f rlctl_own_gpus
 """
 
 
+def port_stride(recipe: Recipe) -> int:
+    """Ports a job takes from its base (servers per node, the trainer service, the rendezvous, the
+    weight-sync store), rounded up to 8: job j's ports start at 20000 + j x stride (mod 40000), so
+    the jobs of a sweep sharing a node (consecutive ids) never share a port."""
+    return -(-(recipe.slurm.rollout.servers_per_node + 3) // 8) * 8
+
+
 def server_gpus(recipe: Recipe, bound: bool = True) -> int:
     """GPUs of each rollout server: SGLang's or vLLM's tp_size, 1 for a built-in server on cuda,
     else 0. bound=True: the GPUs it is bound to, where a CPU server on a component that asks for
@@ -209,7 +216,7 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
         gres = f"--gres=gpu:{own_gpus} "
     else:
         bind_fn, bind_note, bind, gres = "", "", "", ""
-    port_base = str(sl.port_base) if sl.port_base else "$((20000 + SLURM_JOB_ID % 20000))"
+    port_base = str(sl.port_base) if sl.port_base else f"$((20000 + SLURM_JOB_ID * {port_stride(recipe)} % 40000))"
     prepare = (
         'rlctl_step prepare >"$RLCTL_LOGS/prepare.log" 2>&1 '
         '|| end_run failed prepare "building the model failed; see $RLCTL_LOGS/prepare.log"\n'
