@@ -4,7 +4,7 @@
 it as is, so the keys below are stable:
 
     runs     [{label, id, state, exit_reason, launcher, mode, code: {commit, dirty}, steps,
-              optimizer_steps_per_step, samples_per_step, path}]
+              optimizer_steps_per_step, samples_per_step, groups, dropped: {reason: n}, path}]
     x        {by, end, unit, covered: [per run], notes: [...], last_from}: what runs are aligned
              on (--x), up to `end`, the most every run covers; notes say when runs differ in length
              or in what a step means; "last" means are over (last_from, end]
@@ -228,6 +228,8 @@ def comparison(runs: list[RunDir], last: int = 5, group_by: str | None = None, b
             "launcher": info.get("launcher"), "mode": info.get("mode"), "code": info.get("code") or {},
             "steps": len(metrics), "optimizer_steps_per_step": _median(metrics, "train_batches"),
             "samples_per_step": _median(metrics, "samples"), "path": str(r["rd"].path),
+            "groups": sum(int(m["groups"]) for m in metrics if finite(m.get("groups"))),
+            "dropped": (metrics[-1].get("groups_dropped_by_reason") or {}) if metrics else {},
             **({"problems": r["problems"]} if r["problems"] else {}),
         })
         out["curves"][_label(i)] = [m["reward_mean"] if finite(m.get("reward_mean")) else None for m in metrics]

@@ -27,3 +27,25 @@ def test_shell_completion_completes_commands_and_flags(tmp_path):
     flags = rlctl(cwd=tmp_path, env={"_RLCTL_COMPLETE": "complete_bash", "COMP_WORDS": "rlctl launch --d",
                                      "COMP_CWORD": "2"})
     assert set(flags.stdout.split()) == {"--detach", "--dry-run"}
+
+
+def test_status_json_has_the_keys_the_readme_lists(tmp_path):
+    """The README names every key of `status --json` and `status RUN --json`: both are read from it."""
+    import json
+    import re
+
+    from conftest import REPO
+    from test_status import fake_run
+
+    readme = (REPO / "README.md").read_text()
+    said = re.search(r"`rlctl status --json` gives a list of runs with the keys (.*?); `rlctl status RUN --json`\s+"
+                     r"adds (.*?); `rlctl status SWEEP", readme, re.S)
+    assert said, "the README no longer says what status --json holds"
+    listed = {k.strip() for k in re.split(r",|\band\b", said[1].replace("\n", " ")) if k.strip()}
+    added = {k.strip() for k in re.split(r",|\band\b", said[2].replace("\n", " ")) if k.strip()}
+    fake_run(tmp_path / "runs", "quickstart-20260101-000000-aaaa", "completed", 3, [])
+    rows = json.loads(rlctl("status", "--json", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path).stdout)
+    assert set(rows[0]) == listed
+    detail = json.loads(rlctl("status", "quickstart-20260101-000000-aaaa", "--json", "--runs-dir",
+                              str(tmp_path / "runs"), cwd=tmp_path).stdout)
+    assert set(detail) == listed | added

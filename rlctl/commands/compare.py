@@ -58,7 +58,10 @@ def _runs_table(runs: list[dict[str, Any]], unreadable: list[dict[str, Any]] = (
     t.add_column("", no_wrap=True)
     for r in runs:
         code = r["code"].get("commit", "")[:8] + ("+dirty" if r["code"].get("dirty") else "") if r["code"] else "-"
-        t.add_row(*_cells(r["label"], r["id"], f"{r['state']} {r['mode']}/{r['launcher']} {r['steps']} steps", code or "-"))
+        dropped = sum(v for v in r.get("dropped", {}).values() if isinstance(v, int))
+        drops = f", dropped {dropped / r['groups']:.0%} of groups" if dropped and r.get("groups") else ""
+        t.add_row(*_cells(r["label"], r["id"], f"{r['state']} {r['mode']}/{r['launcher']} {r['steps']} steps{drops}",
+                          code or "-"))
         for problem in r.get("problems", []):
             t.add_row(*_cells("", "", f"damaged: {problem}", ""))
     for r in unreadable:  # left out of the comparison
