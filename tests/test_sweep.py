@@ -10,6 +10,8 @@ from conftest import FAST, QUICKSTART, rlctl
 from rlctl.errors import UsageError
 from rlctl.sweep import parse_grid, points, split_values
 
+ONE_STEP = [o for o in FAST if not o.startswith("run.steps=")] + ["run.steps=1"]  # a sweep's mechanics, not learning
+
 
 def test_the_grid_is_the_product_of_the_values_and_seeds():
     grid, fixed = parse_grid(["train.lr=1e-4,3e-4", "rollout.cpus=[0,1],[1]", "run.steps=3"], seeds=2)
@@ -43,7 +45,7 @@ def test_a_bad_point_stops_the_sweep_before_anything_starts(tmp_path):
 @pytest.mark.slow
 def test_a_local_sweep_of_two_values_and_two_seeds(tmp_path):
     runs = tmp_path / "runs"
-    res = rlctl("sweep", str(QUICKSTART), "train.lr=1e-4,3e-4", "--seeds", "2", "--parallel", "2", *FAST,
+    res = rlctl("sweep", str(QUICKSTART), "train.lr=1e-4,3e-4", "--seeds", "2", "--parallel", "2", *ONE_STEP,
                 f"run.output_dir={runs}", cwd=tmp_path, timeout=900)
     assert res.returncode == 0, res.stderr
     sweep_id = res.stdout.strip()
@@ -67,7 +69,7 @@ def test_a_slurm_sweep_is_one_job_per_point(tmp_path):
     and Slurm's queue runs them (one at a time here: each takes 2 of the 3 nodes)."""
     from conftest import wait_for
 
-    res = rlctl("sweep", str(QUICKSTART), "train.lr=1e-4,3e-4", "--seeds", "2", *FAST, "rollout.servers=1",
+    res = rlctl("sweep", str(QUICKSTART), "train.lr=1e-4,3e-4", "--seeds", "2", *ONE_STEP, "rollout.servers=1",
                 "launcher=slurm", "slurm.time=10:00", "slurm.health_timeout_s=120", f"run.output_dir={tmp_path}",
                 cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

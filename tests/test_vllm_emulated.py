@@ -144,18 +144,20 @@ def only_run(tmp_path) -> RunDir:
 
 @pytest.mark.slow
 def test_quickstart_emulating_vllm_learns_with_every_sync_checked(tmp_path):
-    """The quickstart as it ships, its servers speaking vLLM: 100 steps, buckets of 256 KiB
-    (several per sync), every server's weights checked against the trainer's after every sync."""
+    """The quickstart, its servers speaking vLLM: 40 of its 100 steps (the reward has risen by
+    then: about 0.3 -> 0.7), buckets of 256 KiB (several per sync), every server's weights checked
+    against the trainer's after every sync."""
     res = rlctl("launch", str(QUICKSTART), "rollout.builtin.emulate_vllm=0.33.0", "pipeline.check_weights=true",
-                "train.sync_bucket_mb=0.25", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path, timeout=900)
+                "train.sync_bucket_mb=0.25", "run.steps=40", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path,
+                timeout=900)
     assert res.returncode == 0, res.stderr
     rd = only_run(tmp_path)
     rewards = [m["reward_mean"] for m in rd.metrics()]
-    assert len(rewards) == 100
-    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
-    assert last > first + 0.25, (first, last)
+    assert len(rewards) == 40
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.2, (first, last)
     events = rd.events()
-    assert len([e for e in events if e["event"] == "weights_checked"]) == 101  # version 0, then every step
+    assert len([e for e in events if e["event"] == "weights_checked"]) == 41  # version 0, then every step
     assert next(e for e in events if e["event"] == "initial_sync")["buckets"] > 1
     assert "vLLM 0.33.0 (dev mode)" in rd.log_path("controller").read_text()
     assert "as rank 2 of 3" in rd.log_path("rollout-1").read_text()
