@@ -49,3 +49,15 @@ def test_status_json_has_the_keys_the_readme_lists(tmp_path):
     detail = json.loads(rlctl("status", "quickstart-20260101-000000-aaaa", "--json", "--runs-dir",
                               str(tmp_path / "runs"), cwd=tmp_path).stdout)
     assert set(detail) == listed | added
+
+
+def test_pool_status_json_of_no_pool_and_of_a_pool_that_is_down(tmp_path):
+    import json
+
+    assert json.loads(rlctl("pool", "status", "--json", cwd=tmp_path).stdout) == []
+    (tmp_path / "pools" / "p1").mkdir(parents=True)
+    (tmp_path / "pools" / "p1" / "pool.json").write_text('{"state": "down"}')
+    listed = json.loads(rlctl("pool", "status", "--json", cwd=tmp_path).stdout)
+    assert listed == [{"name": "p1", "state": "down", "path": "pools/p1"}]
+    one = json.loads(rlctl("pool", "status", "p1", "--json", cwd=tmp_path).stdout)
+    assert one == {"name": "p1", "state": "down", "path": "pools/p1", "events": 0}

@@ -107,6 +107,8 @@ def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
             assert j1 == j2 or s2 >= e1 - 1e-6, (d, s1, e1, j1, s2, j2)
     res = rlctl("pool", "status", "cpu", cwd=tmp_path)
     assert res.returncode == 0 and "device" in res.stdout
+    shown = json.loads(rlctl("pool", "status", "cpu", "--json", cwd=tmp_path).stdout)  # the service's own answer
+    assert isinstance(shown, dict) and shown
     res = rlctl("status", a.id, cwd=tmp_path)
     assert res.returncode == 0 and "pool cpu: used" in res.stdout, res.stdout
     res = rlctl("pool", "trace", "cpu", "-o", str(tmp_path / "pool-trace.json"), cwd=tmp_path)

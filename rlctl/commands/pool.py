@@ -130,21 +130,29 @@ def _down_on_slurm(pd, state: dict[str, Any]) -> None:
 
 @app.command("status")
 def status(name: str = typer.Argument("", help="The pool's name (none: every pool)."),
-           pools_dir: Path = typer.Option(Path("pools"), "--dir", help="Where pools are.")) -> None:
+           pools_dir: Path = typer.Option(Path("pools"), "--dir", help="Where pools are."),
+           as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Devices (who holds each, memory, how busy) and runs (device time used against a dedicated
     placement) of a pool; without a name, every pool and its state."""
+    import json
+
     from rlctl.launchers.pool.client import request
     from rlctl.launchers.pool.pooldir import PoolDir
 
     if not name:
-        for path in sorted(p for p in pools_dir.glob("*") if (p / "pool.json").exists()):
-            print(f"{path.name:<20} {_state_words(PoolDir(path)):<8} {path}")
+        pools = [{"name": p.name, "state": _state_words(PoolDir(p)), "path": str(p)}
+                 for p in sorted(p for p in pools_dir.glob("*") if (p / "pool.json").exists())]
+        print(json.dumps(pools, indent=2) if as_json else "\n".join(
+            f"{p['name']:<20} {p['state']:<8} {p['path']}" for p in pools), end="\n" if pools or as_json else "")
         return
     pd = PoolDir(pools_dir / name)
     if not pd.alive():
-        print(f"pool {name}: {_state_words(pd)} ({pd.path}); {len(pd.events())} events recorded")
+        down = {"name": name, "state": _state_words(pd), "path": str(pd.path), "events": len(pd.events())}
+        print(json.dumps(down, indent=2) if as_json else
+              f"pool {name}: {down['state']} ({pd.path}); {down['events']} events recorded")
         return
-    print(render_status(request(pd, "GET", "/status")))
+    answer = request(pd, "GET", "/status")
+    print(json.dumps(answer, indent=2, default=str) if as_json else render_status(answer))
 
 
 def _state_words(pd) -> str:
