@@ -23,14 +23,12 @@ import ast
 import functools
 import hashlib
 import importlib.util
-import os
-import shutil
 import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from pathlib import Path
+
+import wheels
+from wheels import MissingWheel  # noqa: F401 - the tests catch it from here
 
 from sglang_http import Function, Reply, ReplyReader, route_of, struct_name
 
@@ -64,10 +62,6 @@ RUNNER_WEIGHT_UPDATERS = ("sglang/srt/model_executor/model_runner_components/wei
 TENSOR_BUCKET_IMPORTS = {"torch", "dataclasses", "typing", "__future__"}
 
 
-class MissingWheel(FileNotFoundError):
-    pass
-
-
 @dataclass(frozen=True)
 class Field:
     annotation: str  # ast.unparse of the annotation
@@ -83,43 +77,19 @@ class SessionRefusal:
 
 
 def wheel_dir() -> Path:
-    return Path(os.environ.get("RLCTL_SGLANG_WHEELS") or Path.home() / ".cache/rlctl/sglang-wheels")
+    return wheels.wheel_dir("sglang")
 
 
 def src_dir() -> Path:
-    return Path(os.environ.get("RLCTL_SGLANG_SRC") or Path.home() / ".cache/rlctl/sglang-src")
+    return wheels.src_dir("sglang")
 
 
 def wheel(version: str) -> Path:
-    """The wheel of `version` in wheel_dir(); MissingWheel, with the command that gets it, if none."""
-    found = sorted(wheel_dir().glob(f"sglang-{version}-*.whl"))
-    if not found:
-        raise MissingWheel(f"no sglang {version} wheel in {wheel_dir()}: "
-                           f"pip download --no-deps --only-binary=:all: sglang=={version} -d {wheel_dir()}")
-    return found[0]
+    return wheels.wheel("sglang", version)
 
 
 def extract(whl: Path) -> Path:
-    """FILES taken out of the wheel, once: into a temporary folder renamed into place, so that
-    processes racing here each end with the same complete folder."""
-    key = hashlib.sha256(f"{whl.name} {whl.stat().st_size} {FILES}".encode()).hexdigest()[:10]
-    final = src_dir() / f"{whl.stem}-{key}"
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=final.parent))
-    try:
-        with zipfile.ZipFile(whl) as z:
-            for name in z.namelist():
-                if any(fnmatch(name, pattern) for pattern in FILES):
-                    z.extract(name, partial)
-        os.rename(partial, final)
-    except OSError:
-        if not final.is_dir():  # not another process having renamed its copy first
-            raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return final
+    return wheels.extract("sglang", whl, FILES)
 
 
 @functools.cache

@@ -25,17 +25,14 @@ from __future__ import annotations
 import ast
 import configparser
 import functools
-import hashlib
-import os
 import re
-import shutil
-import tempfile
-import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from http import HTTPStatus
 from pathlib import Path
+
+import wheels
+from wheels import MissingWheel  # noqa: F401 - the tests catch it from here
 
 from sglang_http import ROUTE_DECORATORS, Function, Reply, ReplyReader
 from sglang_source import Field
@@ -67,10 +64,6 @@ FRONTEND_ARGS = ("vllm/entrypoints/common/cli_args.py", "vllm/entrypoints/openai
 MAX_HOPS = 5  # calls followed from REGISTER to an include_router
 
 
-class MissingWheel(FileNotFoundError):
-    pass
-
-
 @dataclass(frozen=True)
 class Route:
     path: str
@@ -90,43 +83,19 @@ class Param:
 
 
 def wheel_dir() -> Path:
-    return Path(os.environ.get("RLCTL_VLLM_WHEELS") or Path.home() / ".cache/rlctl/vllm-wheels")
+    return wheels.wheel_dir("vllm")
 
 
 def src_dir() -> Path:
-    return Path(os.environ.get("RLCTL_VLLM_SRC") or Path.home() / ".cache/rlctl/vllm-src")
+    return wheels.src_dir("vllm")
 
 
 def wheel(version: str) -> Path:
-    """The wheel of `version` in wheel_dir(); MissingWheel, with the command that gets it, if none."""
-    found = sorted(wheel_dir().glob(f"vllm-{version}-*.whl"))
-    if not found:
-        raise MissingWheel(f"no vllm {version} wheel in {wheel_dir()}: "
-                           f"pip download --no-deps --only-binary=:all: vllm=={version} -d {wheel_dir()}")
-    return found[0]
+    return wheels.wheel("vllm", version)
 
 
 def extract(whl: Path) -> Path:
-    """FILES taken out of the wheel, once: into a temporary folder renamed into place, so that
-    processes racing here each end with the same complete folder."""
-    key = hashlib.sha256(f"{whl.name} {whl.stat().st_size} {FILES}".encode()).hexdigest()[:10]
-    final = src_dir() / f"{whl.stem}-{key}"
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=final.parent))
-    try:
-        with zipfile.ZipFile(whl) as z:
-            for name in z.namelist():
-                if any(fnmatch(name, pattern) for pattern in FILES):
-                    z.extract(name, partial)
-        os.rename(partial, final)
-    except OSError:
-        if not final.is_dir():  # not another process having renamed its copy first
-            raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return final
+    return wheels.extract("vllm", whl, FILES)
 
 
 @functools.cache
