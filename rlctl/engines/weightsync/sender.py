@@ -122,22 +122,28 @@ class WeightSender:
     async def _join(self) -> None:
         loop = asyncio.get_running_loop()
         self.world_size, self.rank_offsets = group_layout(self.tp_sizes)
-        joins = [
-            asyncio.create_task(c.init_weights_update_group(
-                master_address=self.master_address, master_port=self.master_port, rank_offset=offset,
-                world_size=self.world_size, group_name=self.group_name, backend=self.backend))
-            for c, offset in zip(self.clients, self.rank_offsets, strict=True)
-        ]
+        joins = [asyncio.create_task(self._ask_to_join(c, offset))
+                 for c, offset in zip(self.clients, self.rank_offsets, strict=True)]
         try:
-            self.group = await loop.run_in_executor(None, lambda: init_custom_process_group(
-                backend=self.backend, init_method=f"tcp://{self.master_address}:{self.master_port}",
-                world_size=self.world_size, rank=0, group_name=self.group_name))
+            self.group = await loop.run_in_executor(None, self._join_group)
         except BaseException:  # our side failed: the servers' answers no longer matter
             for j in joins:
                 j.cancel()
             await asyncio.gather(*joins, return_exceptions=True)
             raise
         await asyncio.gather(*joins)
+
+    async def _ask_to_join(self, client, rank_offset: int) -> None:
+        """One server's part of forming the group (it joins while we do)."""
+        await client.init_weights_update_group(
+            master_address=self.master_address, master_port=self.master_port, rank_offset=rank_offset,
+            world_size=self.world_size, group_name=self.group_name, backend=self.backend)
+
+    def _join_group(self):
+        """Our end of the group, as rank 0 (blocking: it waits for every server's ranks)."""
+        return init_custom_process_group(
+            backend=self.backend, init_method=f"tcp://{self.master_address}:{self.master_port}",
+            world_size=self.world_size, rank=0, group_name=self.group_name)
 
     def _maker(self, weights: Iterable[tuple[str, torch.Tensor]]) -> BucketMaker:
         staging = "cpu" if self.backend == "gloo" else None  # None: where the weights are

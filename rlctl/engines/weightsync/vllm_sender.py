@@ -21,7 +21,7 @@ from typing import Any
 
 from rlctl.engines.weightsync.buckets import Bucket
 from rlctl.engines.weightsync.sender import CLOSE_TIMEOUT_S, WeightSender, server_dtype
-from rlctl.engines.weightsync.vllm_group import TransferGroup, group_layout, init_info, packed_chunks
+from rlctl.engines.weightsync.vllm_group import TransferGroup, init_info, packed_chunks
 from rlctl.errors import RunError
 
 
@@ -51,23 +51,14 @@ class VllmWeightSender(WeightSender):
         await self._join()
         self.session_needed = [True] * len(self.clients)
 
-    async def _join(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.world_size, self.rank_offsets = group_layout(self.tp_sizes)
-        joins = [asyncio.create_task(c.init_weight_transfer_engine(init_info(
-            master_address=self.master_address, master_port=self.master_port, rank_offset=offset,
-            world_size=self.world_size, buffer_bytes=self.bucket_bytes)))
-            for c, offset in zip(self.clients, self.rank_offsets, strict=True)]
-        try:
-            self.group = await loop.run_in_executor(None, lambda: TransferGroup.join(
-                self.backend, master_address=self.master_address, master_port=self.master_port, rank=0,
-                world_size=self.world_size, device=self.device))
-        except BaseException:  # our side failed: the servers' answers no longer matter
-            for j in joins:
-                j.cancel()
-            await asyncio.gather(*joins, return_exceptions=True)
-            raise
-        await asyncio.gather(*joins)
+    async def _ask_to_join(self, client, rank_offset: int) -> None:
+        await client.init_weight_transfer_engine(init_info(
+            master_address=self.master_address, master_port=self.master_port, rank_offset=rank_offset,
+            world_size=self.world_size, buffer_bytes=self.bucket_bytes))
+
+    def _join_group(self) -> TransferGroup:
+        return TransferGroup.join(self.backend, master_address=self.master_address, master_port=self.master_port,
+                                  rank=0, world_size=self.world_size, device=self.device)
 
     async def _begin(self, everyone: list, in_session: list, pause_mode: str) -> None:
         await asyncio.gather(*(c.pause_generation(pause_mode) for c in everyone))
