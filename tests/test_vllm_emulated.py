@@ -243,3 +243,37 @@ def test_the_trainer_is_told_the_protocol_and_what_the_servers_hold():
                 "model.init=null", "model.path=~/m")
     assert real["protocol"] == "vllm" and real["server"]["dtype"] == "auto"
     assert real["server"]["model_path"] == os.path.expanduser("~/m")
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_the_emulator_replies_in_the_shapes_of_vllms_own_handlers(vllm_server, version):
+    """Each control reply of the emulating server has exactly the keys the same route's handler in
+    that vLLM release answers 200 with (read from its wheel by tests/vllm_source.py), so the
+    emulation is held to vLLM, not to the client it serves."""
+    import vllm_source
+
+    try:
+        src = vllm_source.source(version)
+    except vllm_source.MissingWheel as e:  # run-tests.sh downloads them; CI must have them
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
+    url = vllm_server(version=version)
+
+    async def replies():
+        async with aiohttp.ClientSession() as s:
+            c = VllmClient(url, s)
+            got = {("GET", "/version"): await c._get_json("/version"),
+                   ("GET", "/is_paused"): await c._get_json("/is_paused"),
+                   ("GET", "/weight_info"): await c._get_json("/weight_info"),
+                   ("GET", "/get_world_size"): await c._get_json("/get_world_size"),
+                   ("POST", "/pause"): await c._control("/pause?mode=abort", {}),
+                   ("POST", "/resume"): await c._control("/resume", {}),
+                   ("POST", "/abort_requests"): await c._control("/abort_requests", {"request_ids": ["x"]}),
+                   ("POST", "/start_weight_update"): await c._control("/start_weight_update", {}),
+                   ("POST", "/finish_weight_update"): await c._control("/finish_weight_update", {}),
+                   ("POST", "/update_weight_version"): await c._control("/update_weight_version", {"new_version": "1"})}
+            return got
+    for (method, path), body in asyncio.run(replies()).items():
+        theirs = {frozenset(r.keys) for r in src.reply_shapes(path, method) if r.status == 200 and r.kind == "json"}
+        assert frozenset(body) in theirs, (path, sorted(body), theirs)
