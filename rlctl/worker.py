@@ -24,10 +24,16 @@ from rlctl.checkpoint import PREEMPTED_EXIT, Preempted
 from rlctl.door import listen_address, read_token, redact_output, sglang_config, token_path
 from rlctl.errors import RlctlError, RunError
 from rlctl.plan import Role, RunPlan
-from rlctl.recipe import Device, Launcher, Recipe, RolloutEngine, TrainEngine, recipe_from_yaml
+from rlctl.recipe import Device, Launcher, PipelineMode, Recipe, RolloutEngine, TrainEngine, recipe_from_yaml
 from rlctl.rundir import RunDir
 
 log = logging.getLogger("rlctl.worker")
+
+
+def behaviour_versions(recipe: Recipe) -> int:
+    """Weight versions a trained sample can come from: the last synced one, or in async up to
+    pipeline.max_staleness + 1 of them (rlctl/engines/train/behaviour.py keeps a copy of each)."""
+    return recipe.pipeline.max_staleness + 1 if recipe.pipeline.mode is PipelineMode.ASYNC else 1
 
 
 def _context(run_dir: Path) -> tuple[RunDir, Recipe, RunPlan, dict]:
@@ -205,11 +211,11 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
 
         # The default group exists: the engine makes Megatron's TP x DP groups on it.
         engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
-                                     world, device=gpu, init_method=init_method)
+                                     world, device=gpu, init_method=init_method, algo=recipe.algo)
     else:
         device = placed["device"] if placed else process_device(recipe.train.device, rank, recipe.train.gpus)
         engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
-                                  device=device)
+                                  device=device, algo=recipe.algo, behaviour_versions=behaviour_versions(recipe))
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
         service = TrainerService(engine, world, token=token)

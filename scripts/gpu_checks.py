@@ -16,14 +16,13 @@
    sync each server's tensors hash like the trainer's.
 6. Qwen2 (q/k/v biases, mapped into Megatron's fused linear_qkv.bias): checks 1 to 3 on a small
    Qwen2-architecture model with random, nonzero biases, so that a dropped or misplaced bias shows.
-7. Weight-broadcast throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU,
-   gloo with CPU staging, for 3 bucket sizes.
+7. Weight-sync throughput of a Qwen3-0.6B-shaped model (bf16) to a built-in server on the GPU.
 8. Megatron checkpoint: dist_checkpointing save after a step, load into a fresh engine: weights,
    every Adam state tensor and the version back exactly, the HF export loads in transformers, and
    the next step as close to the saving engine's as a rerun without a checkpoint is.
 9. Megatron memory release and resume (a pool's moves, bf16): both tags leave the GPU after a step
    and come back bit for bit; the next step is the one an engine that never released takes.
-Prints one line per check and writes OUT_DIR/gpu_checks.json. Exit 1 if a check failed.
+One line per check; OUT_DIR/gpu_checks.json; exit 1 if a check failed (scripts/gpu_algo_checks.py: the algo knobs).
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ def samples(vocab: int, n: int = 12, seed: int = 0) -> list[TrainSample]:
     return out
 
 
-def megatron_engine(model_dir: Path, dtype: str, lr: float = 1e-5):
+def megatron_engine(model_dir: Path, dtype: str, lr: float = 1e-5, algo=None):
     from megatron.core import parallel_state
 
     from rlctl.engines.train.megatron_engine import MegatronTrainEngine
@@ -99,14 +98,15 @@ def megatron_engine(model_dir: Path, dtype: str, lr: float = 1e-5):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     cfg = TrainConfig(lr=lr, grad_clip=1.0, micro_batch_tokens=4096, megatron=MegatronConfig(dtype=dtype))
-    return MegatronTrainEngine(str(model_dir), cfg, 1.0, 0, 1, device="cuda:0", init_method=f"tcp://127.0.0.1:{free_port()}")
+    port = free_port()
+    return MegatronTrainEngine(str(model_dir), cfg, 1.0, 0, 1, device="cuda:0", init_method=f"tcp://127.0.0.1:{port}", algo=algo)
 
 
-def torch_engine(model_dir: Path, lr: float = 1e-5):
+def torch_engine(model_dir: Path, lr: float = 1e-5, algo=None):
     from rlctl.engines.train.torch_engine import TorchTrainEngine
 
     cfg = TrainConfig(lr=lr, grad_clip=1.0, micro_batch_tokens=4096)
-    return TorchTrainEngine(str(model_dir), cfg, 1.0, 0, 1, device="cuda:0")
+    return TorchTrainEngine(str(model_dir), cfg, 1.0, 0, 1, device="cuda:0", algo=algo)
 
 
 def check_engines(work: Path) -> None:

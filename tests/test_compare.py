@@ -60,7 +60,7 @@ def two_runs(tmp_path):
                  step_time=2.0)
     # B was requeued: step 5 was written twice, the last record wins.
     b = make_run(tmp_path, "pipe-20261129-100000-bbbb",
-                 base_recipe("rolloutpipe", pipeline__admission="frontier", train__kl_coef=0.01),
+                 base_recipe("rolloutpipe", pipeline__admission="frontier", algo__kl_coef=0.01),
                  [0.2, 0.25, 0.4, 0.45, 0.5, 0.1], step_time=1.3,
                  extra_steps=[{"step": 5, "reward_mean": 0.58, "response_len_mean": 15.0, "step_time": 1.3,
                                "rollout_time": 0.78, "train_time": 0.65, "sync_time": 0.05, "trainer_wait_ratio": 0.2,
@@ -96,7 +96,7 @@ def test_comparison_numbers(two_runs):
     _, a, b = two_runs
     comp = comparison([a, b], last=3)
     assert comp["config"]["differ"] == {"pipeline.admission": ["fifo", "frontier"], "pipeline.mode": ["sync", "rolloutpipe"],
-                                        "train.kl_coef": [None, 0.01]}  # None: the key is absent from A
+                                        "algo.kl_coef": [None, 0.01]}  # None: the key is absent from A
     assert comp["config"]["keys_total"] == 9 and comp["config"]["keys_differ"] == 3
     reward = comp["metrics"]["reward_mean"]
     assert reward[0]["last_mean"] == pytest.approx(0.55) and reward[0]["best"] == 0.6

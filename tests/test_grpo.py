@@ -1,4 +1,4 @@
-"""GRPO math on hand-computed values."""
+"""The GRPO loss on hand-computed values: clipping, clip_frac, log-probs at a temperature."""
 
 from __future__ import annotations
 
@@ -7,7 +7,18 @@ import math
 import pytest
 import torch
 
-from rlctl.algos.grpo import clipped_policy_loss, group_advantages, k3_kl, token_logprobs
+from rlctl.algos.losses import group_advantages, kl_penalty, policy_loss, token_logprobs
+from rlctl.recipe import KlEstimator
+
+
+def clipped_policy_loss(lp, old, adv, mask, clip_eps, normalizer):
+    """The symmetric clip, as a token mean over `normalizer` tokens, with clip_frac as a share."""
+    loss, stats = policy_loss(lp, old, adv, mask, clip_eps, clip_eps)
+    return loss / normalizer, {"clip_frac": stats["clip_tokens"] / max(stats["tokens"], 1.0)}
+
+
+def k3_kl(lp, ref):
+    return kl_penalty(lp, ref, KlEstimator.K3)
 
 
 def test_group_advantages_normalize_within_the_group():

@@ -284,13 +284,13 @@ def _trainer(rank: int, world: int, dist_port: int, port: int, model_dir: str, o
 
     from rlctl.engines.train.service import TrainerService, follower_loop
     from rlctl.engines.train.torch_engine import TorchTrainEngine
-    from rlctl.recipe import TrainConfig
+    from rlctl.recipe import AlgoConfig, TrainConfig
 
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
-    engine = TorchTrainEngine(model_dir, TrainConfig(lr=1e-2, grad_clip=1e9, kl_coef=kl_coef), temperature=1.0,
-                              rank=rank, world_size=world, offload_dir=offload_dir)
+    engine = TorchTrainEngine(model_dir, TrainConfig(lr=1e-2, grad_clip=1e9), temperature=1.0, rank=rank,
+                              world_size=world, offload_dir=offload_dir, algo=AlgoConfig(kl_coef=kl_coef))
     if rank == 0:
         web.run_app(TrainerService(engine, world).app(), host="127.0.0.1", port=port, print=None, access_log=None)
     else:

@@ -17,7 +17,11 @@ from typing import Any
 
 from rlctl.metrics.spans import SpanKind, SpanPairer, union_length
 
-TRAIN_STATS = ("loss", "clip_frac", "kl", "grad_norm", "logprob_diff")
+TRAIN_STATS = ("loss", "clip_frac", "kl", "grad_norm", "logprob_diff", "approx_kl", "entropy", "dual_clip_frac",
+               "mismatch_kl", "is_weight_mean", "is_capped_frac", "value_loss", "value_clip_frac", "explained_var",
+               "values_mean", "critic_grad_norm", "update_ok")
+"""The trainer's statistics a step's record averages over its train batches (docs/metrics.md);
+each is present only where the run's algo section produces it."""
 
 
 def percentile(values: list[float], q: float) -> float:

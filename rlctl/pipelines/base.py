@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlctl.data import rng_from_json, rng_to_json
-from rlctl.pipelines.core import Clock, EventSink, Group, GroupProducer, Trainer
+from rlctl.pipelines.core import Clock, EventSink, Group, GroupProducer, Shaping, Trainer
 
 
 class Pipeline:
@@ -29,6 +29,8 @@ class Pipeline:
         """The scheduler's own random generators (response lengths), kept by a checkpoint."""
         self.after_step: Callable[[int], Awaitable[None]] | None = None
         """Awaited after each step's end (the controller saves checkpoints there)."""
+        self.shaping = Shaping()
+        """How groups become the trainer's rows (advantage normalization, overlong handling)."""
 
     async def run(self, steps: int, start: int = 0) -> None:
         """Steps start .. steps-1 (a resumed run starts after its checkpoint's last step)."""
@@ -67,12 +69,13 @@ class Pipeline:
         """One optimizer step on `groups`. The trainer is sent all of them, or only `last_piece`
         when train_streamed() has already accumulated the rest there. train_start/train_end
         bracket this call and list every group of the batch."""
-        samples = [row for g in groups for row in g.train_samples()]
-        sent = samples if last_piece is None else [row for g in last_piece for row in g.train_samples()]
+        samples = [row for g in groups for row in g.train_samples(self.shaping)]
+        sent = samples if last_piece is None else [row for g in last_piece for row in g.train_samples(self.shaping)]
         batch = self.batches
         self.batches += 1
+        filtered = sum(len(g.samples) for g in groups) - len(samples)
         self.emit("train_start", self.clock.now(), step=step, batch=batch, groups=[g.id for g in groups],
-                  versions=sorted({s["weight_version"] for s in samples}),
+                  versions=sorted({s["weight_version"] for s in samples}), **({"filtered": filtered} if filtered else {}),
                   staleness=[self.version - s["weight_version"] for s in samples])
         stats = await self.trainer.train(sent)
         self.version = int(stats["version"])
@@ -96,7 +99,7 @@ class Pipeline:
                 return
             ids = [g.id for g in piece]
             self.emit("accumulate_start", self.clock.now(), step=step, batch=self.batches, groups=ids)
-            stats = await self.trainer.accumulate([row for g in piece for row in g.train_samples()])
+            stats = await self.trainer.accumulate([row for g in piece for row in g.train_samples(self.shaping)])
             self.emit("accumulate_end", self.clock.now(), step=step, batch=self.batches, groups=ids,
                       tokens=sum(s.n_tokens for g in piece for s in g.samples),
                       samples=sum(len(g.samples) for g in piece), seconds=stats.get("seconds", 0.0))

@@ -10,11 +10,11 @@ from rlctl.engines.rollout.protocol import SamplingRequest
 from rlctl.pipelines.admission import make_admission
 from rlctl.pipelines.async_ import AsyncPipeline
 from rlctl.pipelines.base import Pipeline
-from rlctl.pipelines.core import Clock, EventSink, GroupProducer, GroupRunner, Rollout, RolloutPool, Trainer
+from rlctl.pipelines.core import Clock, EventSink, GroupProducer, GroupRunner, Rollout, RolloutPool, Shaping, Trainer
 from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
 from rlctl.pipelines.scoring import Score
 from rlctl.pipelines.sync import SyncPipeline
-from rlctl.recipe import InflightAtUpdate, PipelineMode, Recipe
+from rlctl.recipe import InflightAtUpdate, Overlong, PipelineMode, Recipe
 from rlctl.workloads import LengthDistribution
 
 
@@ -53,4 +53,13 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
     else:
         pipeline = RolloutPipePipeline(producer, trainer, stream_train=p.stream_train, **common)
     pipeline.rngs = rngs
+    pipeline.shaping = shaping(recipe)
     return pipeline
+
+
+def shaping(recipe: Recipe) -> Shaping:
+    a = recipe.algo
+    penalty = a.overlong is Overlong.PENALTY
+    return Shaping(norm_by_std=a.norm_adv_by_std, max_new_tokens=recipe.rollout.sampling.max_new_tokens,
+                   overlong_buffer=a.overlong_buffer if penalty else 0, overlong_penalty=a.overlong_penalty,
+                   filter_truncated=a.overlong is Overlong.FILTER)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlctl.algos.grpo import group_advantages
+from rlctl.algos.losses import group_advantages, overlong_penalty
 from rlctl.data import Prompt
 from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest, weight_version_number
 from rlctl.errors import RunError
@@ -78,6 +78,25 @@ class Sample:
         return min(self.versions)
 
 
+@dataclass(frozen=True)
+class Shaping:
+    """How a group's samples become the trainer's rows: the algo section's controller-side knobs."""
+
+    norm_by_std: bool = True
+    """GRPO advantages divided by the group's standard deviation (false: Dr. GRPO)."""
+    max_new_tokens: int = 0
+    overlong_buffer: int = 0
+    """> 0: DAPO's soft overlong penalty over this many tokens before max_new_tokens."""
+    overlong_penalty: float = 0.0
+    filter_truncated: bool = False
+    """Samples cut at the length cap are left out of the rows (after the advantages)."""
+
+    def reward(self, s: Sample) -> float:
+        if not self.overlong_buffer:
+            return s.reward
+        return s.reward + overlong_penalty(s.n_tokens, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty)
+
+
 @dataclass
 class Group:
     """The G samples of one prompt; complete when all are generated and scored."""
@@ -101,13 +120,16 @@ class Group:
     def weight_version(self) -> int:
         return min(s.weight_version for s in self.samples)
 
-    def train_samples(self) -> list[dict[str, Any]]:
-        """JSON rows for the trainer, with group-normalized advantages."""
-        advantages = group_advantages(self.rewards)
+    def train_samples(self, shaping: Shaping = Shaping()) -> list[dict[str, Any]]:
+        """JSON rows for the trainer: each sample with its (shaped) reward and its group-relative
+        advantage; truncated samples left out when shaping.filter_truncated."""
+        rewards = [shaping.reward(s) for s in self.samples]
+        advantages = group_advantages(rewards, shaping.norm_by_std)
         return [
             {"prompt_ids": s.prompt_ids, "response_ids": s.output_ids, "response_tokens": s.n_tokens,
-             "advantage": a, "logprobs": s.logprobs, "weight_version": s.weight_version}
-            for s, a in zip(self.samples, advantages)
+             "advantage": a, "reward": r, "group": self.id, "logprobs": s.logprobs, "weight_version": s.weight_version}
+            for s, a, r in zip(self.samples, advantages, rewards)
+            if not (shaping.filter_truncated and s.finish_reason == "length")
         ]
 
 

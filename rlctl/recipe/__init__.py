@@ -7,6 +7,7 @@ One dataclass per section, each checking its own fields next to where they are d
     inputs.py    run, model, data, reward
     rollout.py   rollout (sampling, long tail, sglang, vllm)
     train.py     train (megatron), pipeline
+    algo.py      algo: the RL objective and its knobs
     cluster.py   slurm, sim, tracking
     schema.py    Recipe: the sections, and the checks that span several
     load.py      YAML + overrides -> checked Recipe; Recipe -> YAML
@@ -16,15 +17,21 @@ A new section is one dataclass with its `check()`, added as a field of Recipe. T
 imports nothing from the rest of rlctl but rlctl.errors.
 """
 
+from rlctl.recipe.algo import AlgoConfig
 from rlctl.recipe.checks import FieldError, Section
 from rlctl.recipe.choices import (
     Admission,
+    AlgoName,
     DataSource,
     Device,
     GpuKind,
     InflightAtUpdate,
+    KlEstimator,
+    KlIn,
     Launcher,
+    LossAgg,
     MegatronDtype,
+    Overlong,
     PipelineMode,
     RolloutEngine,
     SGLangDtype,
@@ -58,8 +65,8 @@ from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
 
 __all__ = [
     "SGLANG_MANAGED_FLAGS", "SGLANG_NEWEST", "SGLANG_OLDEST", "VLLM_MANAGED_FLAGS", "VLLM_NEWEST", "VLLM_OLDEST",
-    "Admission", "BuiltinConfig", "DataConfig", "DataSource", "Device", "FieldError", "GpuKind",
-    "InflightAtUpdate", "Launcher", "LongTailConfig", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit",
+    "Admission", "AlgoConfig", "AlgoName", "BuiltinConfig", "DataConfig", "DataSource", "Device", "FieldError", "GpuKind",
+    "InflightAtUpdate", "KlEstimator", "KlIn", "Launcher", "LossAgg", "LongTailConfig", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit", "Overlong",
     "PipelineConfig", "PipelineMode", "Recipe", "RewardConfig", "RolloutConfig", "RolloutEngine", "RunConfig",
     "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",
     "SlurmTrainerConfig", "SyncBackend", "TaskName", "TrackingConfig", "TrainConfig", "TrainEngine", "Verifier",

@@ -103,3 +103,48 @@ class WandbMode(enum.StrEnum):
     DISABLED = "disabled"
     OFFLINE = "offline"
     ONLINE = "online"
+
+
+class AlgoName(enum.StrEnum):
+    GRPO = "grpo"
+    """Group-relative advantages: each sample's reward against its group's (no critic)."""
+    PPO = "ppo"
+    """A learned critic and GAE: per-token advantages from the value model's estimates."""
+
+
+class LossAgg(enum.StrEnum):
+    """How per-token losses become the batch's loss (rlctl/algos/losses.py: token_weights)."""
+
+    TOKEN_MEAN = "token-mean"
+    """Sum over every response token of the train batch / the batch's response tokens (DAPO)."""
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    """Each sample's token mean, averaged over the batch's samples (the original GRPO)."""
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    """Each sample's token sum, averaged over the batch's samples (Dr. GRPO without its constant)."""
+
+
+class KlEstimator(enum.StrEnum):
+    """Per-token estimators of KL(pi || ref), with d = log ref - log pi (rlctl/algos/losses.py)."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+    LOW_VAR = "low-var"
+    """k3 with d clamped to [-20, 20] and the result to [-10, 10]."""
+
+
+class KlIn(enum.StrEnum):
+    LOSS = "loss"
+    """A penalty term added to the policy loss, aggregated like it."""
+    REWARD = "reward"
+    """Subtracted from the reward before advantages: per token for PPO, summed per sample for GRPO."""
+
+
+class Overlong(enum.StrEnum):
+    """DAPO's treatment of samples that reach rollout.sampling.max_new_tokens."""
+
+    KEEP = "keep"
+    PENALTY = "penalty"
+    """A soft penalty growing linearly over the last algo.overlong_buffer tokens before the cap."""
+    FILTER = "filter"
+    """Truncated samples are left out of the loss (their group's advantages still count them)."""

@@ -255,6 +255,13 @@ def _yaml_where(e: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
+MOVED = {
+    "train.clip_eps": "the clip moved to algo.clip_eps_low and algo.clip_eps_high",
+    "train.kl_coef": "the KL penalty moved to algo.kl_coef (with algo.kl_estimator and algo.kl_in)",
+}
+"""Keys that an older recipe may hold, and where they went."""
+
+
 def _translate_omegaconf_error(e: Exception, recipe_file: str, file: str, schema: type) -> RecipeError:
     """`file` is where the failing text came from (the recipe or "<overrides>"). A choice outside
     its enum is a value error, and names the recipe like every other value check does."""
@@ -262,6 +269,8 @@ def _translate_omegaconf_error(e: Exception, recipe_file: str, file: str, schema
 
     key = getattr(e, "full_key", None) or "<unknown>"
     msg = getattr(e, "msg", None) or str(e)
+    if (isinstance(e, ConfigKeyError) or "not in" in msg) and key in MOVED:
+        return RecipeError(file, key, f"unknown key; {MOVED[key]}")
     if isinstance(e, ConfigKeyError) or "not in" in msg:
         parent = key.rpartition(".")[0]
         valid = _valid_keys(parent, schema)

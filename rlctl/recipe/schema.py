@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from rlctl.recipe.algo import AlgoConfig
 from rlctl.recipe.checks import FieldError, Section, divides
-from rlctl.recipe.choices import DataSource, Device, Launcher, RolloutEngine, SyncBackend
+from rlctl.recipe.choices import DataSource, Device, Launcher, Overlong, RolloutEngine, SyncBackend, TrainEngine
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
 from rlctl.recipe.inputs import DataConfig, ModelConfig, RewardConfig, RunConfig
 from rlctl.recipe.pool import PoolConfig
@@ -22,6 +23,7 @@ class Recipe(Section):
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     launcher: Launcher = Launcher.LOCAL
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -45,6 +47,7 @@ class Recipe(Section):
             self._check_pool()
         self._check_ipc()
         self._check_vllm()
+        self._check_algo()
 
     def _check_pool(self) -> None:
         if not self.pool.name:
@@ -56,6 +59,24 @@ class Recipe(Section):
         if self.rollout.engine is not RolloutEngine.BUILTIN or self.rollout.builtin.emulate_vllm:
             raise FieldError("rollout.engine", "a pool hosts built-in servers speaking SGLang's protocol for now; "
                                                "use builtin without emulate_vllm")
+
+    def _check_algo(self) -> None:
+        algo = self.algo
+        if algo.overlong is Overlong.PENALTY and algo.overlong_buffer > self.rollout.sampling.max_new_tokens:
+            raise FieldError("algo.overlong_buffer", f"{algo.overlong_buffer} tokens is more than "
+                             f"rollout.sampling.max_new_tokens ({self.rollout.sampling.max_new_tokens}); lower it")
+        if self.train.engine is TrainEngine.MEGATRON:
+            for key, on in (("algo.name", algo.ppo), ("algo.recompute_logprobs", algo.recompute_logprobs)):
+                if on:
+                    raise FieldError(key, "the megatron engine has no critic or behaviour copies yet; "
+                                          "use train.engine=torch for PPO and recomputed log-probs")
+        if self.launcher is Launcher.POOL and self.train.engine is TrainEngine.MEGATRON and algo.needs_reference:
+            raise FieldError("algo.kl_coef", "a pool moves a Megatron trainer's policy and optimizer, not its KL "
+                                             "reference model; set it to 0 or use train.engine=torch in a pool")
+        if self.launcher is Launcher.POOL and (algo.ppo or algo.recompute_logprobs):
+            raise FieldError("algo.name" if algo.ppo else "algo.recompute_logprobs",
+                             "a pool moves a trainer's policy and optimizer, not a critic or behaviour copies; "
+                             "run PPO and recomputed log-probs outside a pool")
 
     def _check_vllm(self) -> None:
         """vLLM's workers receive weights over NCCL only: the trainer sends from a GPU."""

@@ -28,7 +28,8 @@ class MegatronConfig(Section):
     tp: int = 1
     """Tensor-parallel size; train.ranks = tp x data-parallel size."""
     pp: int = 1
-    """Pipeline-parallel size (only 1 for now)."""
+    """Pipeline-parallel size; only 1: the trainer's forward-backward runs one model chunk per
+    rank, and the export and checkpoint paths gather TP shards only (README, "Megatron")."""
     dtype: MegatronDtype = MegatronDtype.BFLOAT16
     """Parameter dtype: bfloat16 (fp32 master weights in the optimizer) or float32."""
 
@@ -57,10 +58,6 @@ class TrainConfig(Section):
     weight_decay: float = 0.0
     groups_per_batch: int = 8
     """Groups per train batch (one optimizer step); must divide rollout.batch_size."""
-    clip_eps: float = 0.2
-    """PPO/GRPO ratio clip."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL penalty against the initial model (0 = off, no reference copy kept)."""
     grad_clip: float = 1.0
     micro_batch_tokens: int = 8192
     """Most padded tokens per forward/backward; a train batch is split by length to fit."""
@@ -78,12 +75,11 @@ class TrainConfig(Section):
     (launcher=slurm), else gloo."""
 
     def check(self) -> None:
-        for name in ("ranks", "lr", "groups_per_batch", "clip_eps", "grad_clip", "micro_batch_tokens", "sync_bucket_mb"):
+        for name in ("ranks", "lr", "groups_per_batch", "grad_clip", "micro_batch_tokens", "sync_bucket_mb"):
             positive(name, getattr(self, name))
         for name, high in TRAIN_BOUNDS.items():
             at_most(name, getattr(self, name), high)
-        for name in ("weight_decay", "kl_coef"):
-            positive(name, getattr(self, name), zero_ok=True)
+        positive("weight_decay", self.weight_decay, zero_ok=True)
         if any(g < 0 for g in self.gpus):
             raise FieldError("gpus", f"GPU indices are >= 0, got {self.gpus}")
         if self.engine is not TrainEngine.MEGATRON:
@@ -91,8 +87,6 @@ class TrainConfig(Section):
         divides("megatron.tp", self.megatron.tp, "train.ranks", self.ranks, "ranks = tp x data parallel")
         if self.device is not Device.CUDA:
             raise FieldError("device", "Megatron trains on GPUs only; set train.device=cuda (or train.engine=torch on CPU)")
-        if self.kl_coef > 0:
-            raise FieldError("kl_coef", "the KL penalty is not in the megatron engine yet; set it to 0 or use train.engine=torch")
 
 
 @dataclass(kw_only=True)

@@ -22,6 +22,10 @@ class TrainSample:
     logprobs: list[float]
     """Per response token, from the rollout server: the behaviour policy in the PPO ratio."""
     weight_version: int
+    reward: float = 0.0
+    """The sample's (shaped) reward: PPO's outcome reward, and GRPO's when the KL is in the reward."""
+    group: int = -1
+    """Its group: the trainer recomputes GRPO advantages per group when the KL is in the reward."""
 
     @property
     def length(self) -> int:
@@ -31,7 +35,8 @@ class TrainSample:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainSample:
         return cls(list(d["prompt_ids"]), list(d["response_ids"]), float(d["advantage"]),
-                   [float(x) for x in d["logprobs"]], int(d["weight_version"]))
+                   [float(x) for x in d["logprobs"]], int(d["weight_version"]), float(d.get("reward", 0.0)),
+                   int(d.get("group", -1)))
 
 
 def split_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
@@ -68,7 +73,8 @@ def split_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainS
 
 def padded_batch(samples: list[TrainSample], pad_id: int):
     """Right-padded token ids [B, T], and per position t (predicting token t+1): the response
-    mask, the behaviour log-probs [B, T-1]; the advantages [B]; the true lengths [B]. CPU tensors."""
+    mask, the behaviour log-probs [B, T-1]; the advantages [B]; the true lengths [B]; the rewards
+    [B]. CPU tensors."""
     import torch
 
     lengths = [s.length for s in samples]
@@ -82,14 +88,36 @@ def padded_batch(samples: list[TrainSample], pad_id: int):
         mask[i, start : start + len(s.response_ids)] = 1
         old[i, start : start + len(s.response_ids)] = torch.tensor(s.logprobs[: len(s.response_ids)])
     adv = torch.tensor([s.advantage for s in samples])
-    return ids, mask, old, adv, torch.tensor(lengths)
+    rewards = torch.tensor([s.reward for s in samples])
+    return ids, mask, old, adv, torch.tensor(lengths), rewards
 
 
 def new_accumulator() -> dict[str, float]:
-    """Running sums over the accumulate() calls of one train batch, for step()'s statistics:
-    loss and kl are token sums; batch_tokens counts every rank's response tokens, tokens this rank's."""
-    keys = ("loss", "kl", "clip_tokens", "logprob_diff", "tokens", "batch_tokens", "samples", "micro_batches", "seconds")
-    return dict.fromkeys(keys, 0.0)
+    """Running sums over the accumulate() calls of one train batch, for step()'s statistics: the
+    objective's per-token sums (rlctl/algos/objective.py: SUM_KEYS, this rank's tokens), and
+    batch_tokens and samples, which count every rank's (each rank sees the whole piece)."""
+    from rlctl.algos.objective import SUM_KEYS
+
+    return dict.fromkeys((*SUM_KEYS, "batch_tokens", "samples", "micro_batches", "seconds", "is_weight_max"), 0.0)
+
+
+def with_group_advantages(samples: list[TrainSample], kl_sums: list[float], kl_coef: float,
+                          norm_by_std: bool) -> list[TrainSample]:
+    """GRPO with the KL in the reward: each sample's reward less kl_coef x its summed KL, then
+    advantages normalized within each group again (a piece holds whole groups)."""
+    import dataclasses
+
+    from rlctl.algos.losses import group_advantages
+
+    shaped = [s.reward - kl_coef * k for s, k in zip(samples, kl_sums)]
+    by_group: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_group.setdefault(s.group, []).append(i)
+    out = list(samples)
+    for members in by_group.values():
+        for i, a in zip(members, group_advantages([shaped[i] for i in members], norm_by_std)):
+            out[i] = dataclasses.replace(samples[i], advantage=a)
+    return out
 
 
 class PieceTraining:
@@ -97,6 +125,7 @@ class PieceTraining:
     running sums of new_accumulator() in self._acc, and train_batch() as accumulate() + step()."""
 
     cfg: Any
+    algo: Any
     _acc: dict[str, float]
 
     def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
@@ -106,6 +135,24 @@ class PieceTraining:
         """One optimizer step on one whole train batch: accumulate() then step()."""
         self.accumulate(samples)
         return self.step()
+
+    def kl_shaped(self, samples: list[TrainSample]) -> list[TrainSample]:
+        """GRPO with the KL in the reward: every rank scores the whole piece under the reference
+        model (the engine's _reward_kl: each sample's summed KL), so that each group's advantages
+        are normalized over all its samples."""
+        where = {id(s): i for i, s in enumerate(samples)}
+        by_sample = [0.0] * len(samples)
+        for mb in self.micro_batches(samples):
+            for s, k in zip(mb, self._reward_kl(mb)):
+                by_sample[where[id(s)]] = k
+        return with_group_advantages(samples, by_sample, self.algo.kl_coef, self.algo.norm_adv_by_std)
+
+    def _reward_kl(self, samples: list[TrainSample]) -> list[float]:
+        raise NotImplementedError
+
+    def mark_behaviour(self, version: int) -> None:
+        """The servers now hold the live weights as `version` (an engine that keeps behaviour
+        copies of its weights keeps one now)."""
 
     def _piece_done(self, samples: list[TrainSample], micro: list[list[TrainSample]], start: float) -> dict[str, float]:
         """Count one accumulate() call (all ranks' samples, this rank's micro-batches) in self._acc."""

@@ -11,27 +11,37 @@ the trainer with one line naming them; so does a model feature the mapping canno
 (Layout.from_hf_config: o_proj or MLP biases, sliding-window attention, rope scaling, an
 activation other than SiLU). `hf_weights()` gathers TP shards and returns HF names for the weight
 broadcast, on the (dp 0, tp 0) rank. Tensor parallel and data parallel sizes come from the recipe
-(train.ranks = tp x dp); pipeline parallelism is not supported yet.
+(train.ranks = tp x dp).
+
+The objective is the torch engine's (rlctl/algos/objective.py): every algo knob but PPO's critic
+and recomputed old log-probs (the recipe refuses those with this engine for now). The KL
+reference is a second GPTModel loaded from the same HF weights, frozen and outside DDP. The
+weight version counts optimizer steps that updated the weights: a step Megatron's optimizer skips
+(a non-finite gradient) leaves it, and the weights, as they were.
+
+Pipeline parallelism is not supported yet: the forward-backward here runs one model chunk per
+rank, the reference and log-prob passes read the logits on every rank, and the HF export and
+checkpoint gather TP shards only; a PP stage would need each of those split by stage.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from rlctl.algos.grpo import clipped_policy_loss
-from rlctl.engines.train import ckpt_files
+from rlctl.algos.losses import kl_penalty, loss_normalizer
+from rlctl.algos.objective import SUM_KEYS, Objective
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
+from rlctl.engines.train.megatron_ckpt import MegatronCheckpoint
 from rlctl.engines.train.megatron_memory import MegatronMemory
 from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, gather, hf_to_mcore, iter_mcore_to_hf,
                                                   shard, tp_dim)
 from rlctl.errors import RunError
-from rlctl.recipe import MegatronDtype, TrainConfig
+from rlctl.recipe import AlgoConfig, KlIn, MegatronDtype, TrainConfig
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -53,12 +63,16 @@ def load_hf_state(model_path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-class MegatronTrainEngine(PieceTraining, MegatronMemory):
+class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
     def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
-                 device: str = "cuda", init_method: str | None = None) -> None:
+                 device: str = "cuda", init_method: str | None = None, algo: AlgoConfig | None = None) -> None:
         from transformers import AutoConfig
 
         self.cfg, self.temperature = cfg, temperature
+        self.algo = algo = algo or AlgoConfig()
+        if algo.ppo or algo.recompute_logprobs:
+            raise RunError("the megatron engine has no critic or behaviour copies yet; use train.engine=torch")
+        self.objective = Objective(algo)
         self.model_path = model_path
         self.rank, self.world_size = rank, world_size
         hf_cfg = AutoConfig.from_pretrained(model_path)
@@ -70,7 +84,14 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory):
         self.dtype = torch.bfloat16 if cfg.megatron.dtype is MegatronDtype.BFLOAT16 else torch.float32
         self.tconfig = self._transformer_config(hf_cfg)
         model = self._build_model(hf_cfg)
-        self._load_hf(model, load_hf_state(model_path))
+        hf_state = load_hf_state(model_path)
+        self._load_hf(model, hf_state)
+        self.ref_model = None
+        if algo.needs_reference:  # the initial weights, frozen: the KL's reference
+            self.ref_model = self._build_model(hf_cfg)
+            self._load_hf(self.ref_model, hf_state)
+            self.ref_model.eval().requires_grad_(False)
+        del hf_state
         self._wrap_for_training(model)
         self.pad_id = hf_cfg.pad_token_id or 0
         self.collective_export = self.tp_size > 1  # hf_weights() all-gathers over the TP group
@@ -181,117 +202,79 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory):
         check_mcore_names(params, self.layout, "the Megatron model")
         return iter_mcore_to_hf(lambda name: self._full(name, params[name]), self.layout)
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    # Model and distributed optimizer through megatron.core.dist_checkpointing (every rank writes
-    # its shards; the optimizer's dp_reshardable format: no gathers, same TP on load), plus the
-    # policy exported as an HF directory for serving and `rlctl export`. Written against
-    # megatron-core 0.19.2; needs CUDA, so it is exercised on GPU machines only.
-
-    DIST_OPTIM = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
-        """Megatron-LM's layout: {"model": ..., "optimizer": ...}; the optimizer's sharded state is
-        matched to the model's ShardedTensors (which hold the parameters themselves)."""
-        state: dict[str, Any] = {"model": self.model.sharded_state_dict()}
-        if is_loading:  # a fresh distributed optimizer has no Adam state to load into yet (without
-            # Apex/TE its state_dict() needs a step): Megatron's own dummy step makes it; the load
-            # then replaces it, and the parameters, in place.
-            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                if not opt.optimizer.state:
-                    opt._init_optimizer_states_with_dummy_values()
-        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=self.DIST_OPTIM)
-        return state
-
-    def save_checkpoint(self, path: str) -> dict[str, float]:
-        from megatron.core import dist_checkpointing, tensor_parallel
-
-        root = Path(path)
-        dist_dir = root / ckpt_files.TRAINER_DIR / "megatron"
-        if self.dp_rank == 0:  # rank 0's TP group rebuilds the full tensors; rank 0 writes them
-            weights = list(self.hf_weights())
-            if self.rank == 0:
-                ckpt_files.write_safetensors(weights, root / ckpt_files.HF_DIR)
-                ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR, with_config=True)
-                dist_dir.mkdir(parents=True, exist_ok=True)
-            del weights
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(dist_dir))
-        ckpt_files.save_rng(root, self.rank, megatron_cuda=tensor_parallel.get_cuda_rng_tracker().get_states())
-        if self.rank == 0:
-            ckpt_files.write_engine_info(root, engine="megatron", version=self.version, ranks=self.world_size,
-                                         tp=self.tp_size, dp=self.dp_size)
-        dist.barrier()
-        return {"version": float(self.version)}
-
-    def load_checkpoint(self, path: str) -> dict[str, float]:
-        from megatron.core import dist_checkpointing, tensor_parallel
-
-        root = Path(path)
-        info = ckpt_files.read_engine_info(root)
-        if info.get("engine") != "megatron" or info.get("tp") != self.tp_size:
-            raise RunError(f"{root}: written by the {info.get('engine')} engine with TP {info.get('tp')}; "
-                           f"this trainer is megatron with TP {self.tp_size}")
-        with torch.no_grad():  # the optimizer's fp32 shards are views of parameters that need grad
-            loaded = dist_checkpointing.load(self._sharded_state(is_loading=True),
-                                             str(root / ckpt_files.TRAINER_DIR / "megatron"))
-            self.model.load_state_dict(loaded["model"])
-            self.optimizer.load_state_dict(loaded["optimizer"])
-            _own_step_counters(self.optimizer)
-        rng = ckpt_files.load_rng(root, self.rank)
-        tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_cuda"])
-        self.version = int(info["version"])
-        self._acc = new_accumulator()
-        self.ddp.zero_grad_buffer()
-        return {"version": float(self.version)}
-
     # -- compute ------------------------------------------------------------------------------
 
     def _batch(self, samples: list[TrainSample]):
-        ids, mask, old, adv, _ = padded_batch(samples, self.pad_id)  # right padding: the causal mask suffices
-        return ids.cuda(), mask.cuda(), old.cuda(), adv.cuda()
+        ids, mask, old, adv, _, rewards = padded_batch(samples, self.pad_id)  # right padding: the causal mask suffices
+        return ids.cuda(), mask.cuda(), old.cuda(), adv.cuda(), rewards.cuda()
 
-    def _token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
-        """log p(ids[:, t+1] | ids[:, :t+1]) under the current weights, [B, T-1], via the
-        vocab-parallel cross entropy (each TP rank holds a slice of the vocabulary)."""
+    def _logits(self, ids: torch.Tensor, model=None) -> torch.Tensor:
+        """Logits at the sampling temperature, [B, T-1, V / tp] (each TP rank a vocabulary slice)."""
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        logits = (model or self.ddp)(ids, positions, None)[:, :-1].float()  # causal mask, right padding
+        return logits / self.temperature if self.temperature not in (0.0, 1.0) else logits
+
+    def _token_logprobs(self, ids: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(ids[:, t+1] | ids[:, :t+1]), [B, T-1], via the vocab-parallel cross entropy."""
         from megatron.core import tensor_parallel
 
-        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        logits = self.ddp(ids, positions, None)  # [B, T, V / tp]; causal mask, right padding
-        logits = logits[:, :-1].float()
-        if self.temperature not in (0.0, 1.0):
-            logits = logits / self.temperature
+        logits = self._logits(ids) if logits is None else logits
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), ids[:, 1:].contiguous())
 
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-position entropy over the whole vocabulary: log Z - E_p[z], from the TP slices."""
+        with torch.no_grad():
+            top = logits.max(-1, keepdim=True).values
+            if self.tp_size > 1:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.tp_group)
+            e = torch.exp(logits - top)
+            parts = torch.cat([e.sum(-1, keepdim=True), (e * logits).sum(-1, keepdim=True)], -1)
+            if self.tp_size > 1:
+                dist.all_reduce(parts, group=self.tp_group)
+            return (top.squeeze(-1) + parts[..., 0].log() - parts[..., 1] / parts[..., 0])
+
+    def _ref_logprobs(self, ids: torch.Tensor) -> torch.Tensor | None:
+        if self.ref_model is None:
+            return None
+        with torch.no_grad():
+            return self._token_logprobs(ids, self._logits(ids, self.ref_model))
+
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
-        ids, mask, _, _ = self._batch(samples)
+        ids = self._batch(samples)[0]
         with torch.no_grad():
             lp = self._token_logprobs(ids)
         return [lp[i, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.response_ids)].tolist()
                 for i, s in enumerate(samples)]
 
+    def _reward_kl(self, samples: list[TrainSample]) -> list[float]:
+        """Each sample's KL to the reference, summed over its response tokens, for kl_shaped()."""
+        ids, mask, server, _, _ = self._batch(samples)
+        kl = kl_penalty(server, self._ref_logprobs(ids), self.algo.kl_estimator)
+        return (kl * mask).sum(-1).tolist()
+
     def accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
         """Forward and backward through Megatron's schedule on this DP rank's share of the samples.
-        The loss is the token sum; gradients stay in the DDP grad buffers until step(). A DP rank
-        with no share skips the call: without overlapped reduction, DP ranks do not talk in
-        backward, and TP peers hold the same share, so they skip together."""
+        The loss is a sum (rlctl/algos/objective.py); gradients stay in the DDP grad buffers until
+        step(). A DP rank with no share skips the call: without overlapped reduction, DP ranks do
+        not talk in backward, and TP peers hold the same share, so they skip together."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         start = time.monotonic()
+        if self.ref_model is not None and self.algo.kl_in is KlIn.REWARD:
+            samples = self.kl_shaped(samples)
         mine = samples[self.dp_rank :: self.dp_size]
         micro = self.micro_batches(mine)
         acc = self._acc
 
         def forward_step(data_iterator, model):
-            ids, mask, old, adv = self._batch(next(data_iterator))
-            lp = self._token_logprobs(ids)
+            ids, mask, server, adv, rewards = self._batch(next(data_iterator))
+            prep = self.objective.prepare(mask, server, adv, rewards, ref=self._ref_logprobs(ids))
+            logits = self._logits(ids)
+            lp = self._token_logprobs(ids, logits)
+            entropy = self._entropy(logits)
 
             def loss_func(_output):
-                loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, 1.0)
-                n = float(mask.sum())
-                acc["loss"] += float(loss.detach())
-                acc["clip_tokens"] += pstats["clip_frac"] * n
-                acc["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
-                acc["tokens"] += n
+                loss = self.objective.policy_loss(lp, prep, acc, entropy)
                 # The schedule divides by the number of micro-batches; undo it, the loss is a sum.
                 return loss * len(micro), {"loss": loss.detach()}
 
@@ -304,44 +287,48 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory):
                 micro_batch_size=max(len(m) for m in micro), forward_only=False)
         return self._piece_done(samples, micro, start)
 
+    def _gradients_finite(self) -> bool:
+        """Every rank's reduced gradients are finite (a NaN anywhere reaches its shard's owner)."""
+        return _all_finite(p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None)
+
     def step(self) -> dict[str, float]:
         """Reduce the accumulated gradients over DP ranks (Megatron's finalize: reduce-scatter for
-        the distributed optimizer, scaled by 1/dp), rescale them to the token mean of the whole
-        batch, and take the optimizer step."""
+        the distributed optimizer, scaled by 1/dp), rescale them to the batch's loss normalizer,
+        and take the optimizer step. A step whose gradients are not finite anywhere is skipped on every
+        rank (weights, optimizer state and version stay; update_ok 0)."""
         from megatron.core.distributed import finalize_model_grads
 
         start = time.monotonic()
         acc, self._acc = self._acc, new_accumulator()
-        total_tokens = max(acc["batch_tokens"], 1.0)
+        normalizer = loss_normalizer(self.algo.loss_agg, acc["batch_tokens"], acc["samples"])
         finalize_model_grads([self.ddp])
-        self.ddp.scale_gradients(self.dp_size / total_tokens)
-        ok, grad_norm, _ = self.optimizer.step()
+        self.ddp.scale_gradients(self.dp_size / normalizer)
+        ok, grad_norm = False, float("nan")
+        if self._gradients_finite():  # without loss scaling (bf16, fp32) Megatron would apply a NaN
+            ok, grad_norm, _ = self.optimizer.step()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.version += 1
-        packed = torch.tensor([acc["loss"], acc["clip_tokens"], acc["logprob_diff"], acc["tokens"]], device="cuda")
+        if ok:
+            self.version += 1
+        packed = torch.tensor([acc[k] for k in SUM_KEYS], device="cuda", dtype=torch.float64)
         if self.dp_size > 1:
             from megatron.core import parallel_state
 
             dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
-        loss, clip_tokens, diff, tokens = packed.tolist()
+        stats = self.objective.finish(dict(zip(SUM_KEYS, packed.tolist())), normalizer)
         return {
-            "loss": loss / total_tokens, "kl": 0.0, "clip_frac": clip_tokens / max(tokens, 1.0),
-            "logprob_diff": diff / max(tokens, 1.0), "grad_norm": float(grad_norm or 0.0), "tokens": acc["batch_tokens"],
+            **stats, "grad_norm": float(grad_norm or 0.0), "tokens": acc["batch_tokens"],
             "samples": acc["samples"], "micro_batches": acc["micro_batches"],
             "seconds": acc["seconds"] + time.monotonic() - start, "version": float(self.version),
             "update_ok": float(bool(ok)),
         }
 
 
-def _own_step_counters(optimizer) -> None:
-    """Give every parameter's Adam state its own `step` tensor. Without Apex or Transformer Engine,
-    megatron-core's DistributedOptimizer.load_state_dict (0.19.2) puts ONE step tensor into every
-    parameter's state; torch's Adam then adds 1 to it once per parameter in each step, so the
-    bias correction of a resumed run is off (19 parameters: step 1 counted as 20, updates about a
-    third smaller; scripts/gpu_checks.py --only checkpoint measures the next step against a run
-    that never stopped)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in opt.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
+def _all_finite(tensors, group=None) -> bool:
+    """Whether every tensor is finite on every rank of `group` (one all-reduce)."""
+    bad = torch.zeros(1, device="cuda")
+    for t in tensors:
+        bad += (~torch.isfinite(t)).any()
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return not bool(bad.item())

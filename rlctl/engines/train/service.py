@@ -5,7 +5,8 @@
                                               step: one optimizer step on that train batch
     POST /init_weight_sync {servers, master_address, master_port, backend, bucket_mb}
                                               (master_port 0: one free now on this host)
-    POST /sync_weights   {"version": "3"}     broadcast the working copy to every rollout server
+    POST /sync_weights   {"version": "3"}     broadcast the working copy to every rollout server (and
+                                              keep it as that version's behaviour weights)
     POST /save_checkpoint, /load_checkpoint {"dir": D}   the trainer's part of a checkpoint
     POST /release_memory_occupation {"tags": ["weights", "optimizer"] | null}
     POST /resume_memory_occupation  {"tags": ...}   give the device memory back, take it again
@@ -59,6 +60,7 @@ COMMANDS = {
     "load_checkpoint": ("load_checkpoint", ("weights", "optimizer")),
     "release_memory": ("release_memory", ()),
     "resume_memory": ("resume_memory", ()),
+    "mark_behaviour": ("mark_behaviour", ("weights",)),
 }
 
 
@@ -233,6 +235,8 @@ class TrainerService:
             weights = await self._run(self._weights)
             stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"),
                                            producer=self.worker)
+            # Every rank keeps what the servers now hold, for the old log-probs and values of its samples.
+            await self._run(self._command, "mark_behaviour", int(body["version"]))
         except RunError as e:  # released weights, a server's refusal or a failed broadcast: the controller reports why
             return refused(str(e))
         finally:

@@ -1,12 +1,16 @@
-"""`train.engine: torch`: a transformers causal LM trained with GRPO, data parallel over ranks.
+"""`train.engine: torch`: a transformers causal LM trained with GRPO or PPO, data parallel over ranks.
 
 Each rank holds the whole model. A train batch may arrive in pieces (rolloutpipe streams each
 complete group to the trainer as it is ready): accumulate() runs forward and backward on a
-piece, this rank taking every world_size-th sample, with the loss summed over tokens; step()
-flattens every gradient into one tensor, sums it over ranks in a single all-reduce (gloo on CPU,
-NCCL on GPUs), divides the gradients by the whole batch's response-token count and takes the
-optimizer step. However the batch was cut into pieces and ranks, the step is the token-mean GRPO
-step of the batch.
+piece, this rank taking every world_size-th sample, with the loss summed over tokens
+(rlctl/algos/objective.py); step() flattens every gradient into one tensor, sums it over ranks
+in a single all-reduce (gloo on CPU, NCCL on GPUs), divides the gradients by the whole batch's
+loss normalizer (its response tokens, or its samples for the sequence means) and takes the
+optimizer step. However the batch was cut into pieces and ranks, the step is the one the
+objective defines on the whole batch.
+
+PPO adds a critic (rlctl/engines/train/critic.py) trained in the same calls; algo.recompute_logprobs
+and PPO's old values read the weights of the samples' versions (rlctl/engines/train/behaviour.py).
 
 The model is not wrapped in torch's DistributedDataParallel, which all-reduces in every
 backward pass: here ranks run different numbers of micro-batches (their shares are cut by
@@ -21,6 +25,7 @@ reference model's) and the gradients held, tag `optimizer` the AdamW state
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,21 +33,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlctl.algos.grpo import clipped_policy_loss, k3_kl, token_logprobs
+from rlctl.algos.losses import entropy_from_logits, kl_penalty, loss_normalizer, token_logprobs
+from rlctl.algos.objective import SUM_KEYS, Objective, Prepared
 from rlctl.engines.train import ckpt_files
 from rlctl.engines.memory import Gradients, MemoryTags, ModelWeights, OptimizerState
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
+from rlctl.engines.train.behaviour import Behaviour
+from rlctl.engines.train.critic import Critic
+from rlctl.engines.train.torch_grads import average_gradients
 from rlctl.errors import RunError
 from rlctl.engines.weightsync.flat import flatten_parameters
-from rlctl.recipe import TrainConfig
+from rlctl.recipe import AlgoConfig, KlIn, TrainConfig
 
 
 class TorchTrainEngine(PieceTraining):
     def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
-                 device: str = "cpu", offload_dir: str | None = None) -> None:
+                 device: str = "cpu", offload_dir: str | None = None, algo: AlgoConfig | None = None,
+                 behaviour_versions: int = 1) -> None:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.algo = algo = algo or AlgoConfig()
+        self.objective = Objective(algo)
         self.model_path = model_path
         self.temperature = temperature
         self.rank, self.world_size = rank, world_size
@@ -53,93 +65,134 @@ class TorchTrainEngine(PieceTraining):
         self.model.train()
         self.ref_model = None
         weights = [Gradients(self.model), ModelWeights(self.model, flat)]  # released in this order, resumed in reverse
-        if cfg.kl_coef > 0:
+        if algo.needs_reference:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             weights.insert(1, ModelWeights(self.ref_model, flatten_parameters(self.ref_model), "reference-weights"))
+        self.behaviour = Behaviour(self.model, behaviour_versions) if algo.recompute_logprobs else None
+        self.critic = Critic(model_path, algo.critic_lr, cfg.weight_decay, cfg.grad_clip, self.device, world_size,
+                             behaviour_versions) if algo.ppo else None
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.memory_tags = MemoryTags({"weights": weights, "optimizer": [OptimizerState(self.optimizer)]},
                                       self.device, offload_dir)
         self.version = 0
         self._acc = new_accumulator()
+        self.mark_behaviour(0)
+
+    def mark_behaviour(self, version: int) -> None:
+        """The servers were given the live weights as `version`: keep them for the old log-probs
+        and values of that version's samples (rlctl/engines/train/behaviour.py)."""
+        for b in (self.behaviour, self.critic.behaviour if self.critic else None):
+            if b is not None:
+                b.mark(int(version))
 
     def _batch_tensors(self, samples: list[TrainSample]):
-        """Right-padded ids, attention mask, response mask, behaviour logprobs, advantages."""
-        ids, mask, old, adv, lengths = padded_batch(samples, self.pad_id)
+        """Right-padded ids, attention mask, response mask, behaviour logprobs, advantages, rewards."""
+        ids, mask, old, adv, lengths, rewards = padded_batch(samples, self.pad_id)
         attn = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-        return ids.to(self.device), attn.to(self.device), mask.to(self.device), old.to(self.device), adv.to(self.device)
+        return tuple(t.to(self.device) for t in (ids, attn, mask, old, adv, rewards))
+
+    def _scores(self, model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:], self.temperature)
 
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
         """Per response token log-probs under the current weights (no grad)."""
-        ids, attn, mask, _, _ = self._batch_tensors(samples)
+        ids, attn, *_ = self._batch_tensors(samples)
         with torch.no_grad():
-            lp = token_logprobs(self.model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:], self.temperature)
+            lp = self._scores(self.model, ids, attn)
         out = []
         for i, s in enumerate(samples):
             start = len(s.prompt_ids) - 1
             out.append(lp[i, start : start + len(s.response_ids)].tolist())
         return out
 
+    def _at_versions(self, behaviour: Behaviour, samples: list[TrainSample], fn) -> torch.Tensor:
+        """fn(module, rows) for each weight version among the samples, under that version's
+        weights, gathered back into one [B, T-1] tensor."""
+        out = None
+        for v in sorted({s.weight_version for s in samples}):
+            rows = torch.tensor([i for i, s in enumerate(samples) if s.weight_version == v], device=self.device)
+            part = fn(behaviour.module_at(v, self.version), rows)
+            out = torch.zeros((len(samples), *part.shape[1:]), device=self.device) if out is None else out
+            out[rows] = part
+        assert out is not None
+        return out
+
+    def _prepare(self, mb: list[TrainSample], ids, attn, mask, server, adv, rewards) -> Prepared:
+        """The micro-batch's fixed loss inputs: recomputed old log-probs, the reference model's,
+        the critic's old values (all without gradients)."""
+        recomputed = ref = old_values = None
+        with torch.no_grad():
+            if self.behaviour is not None:
+                recomputed = self._at_versions(self.behaviour, mb, lambda m, r: self._scores(m, ids[r], attn[r]))
+            if self.ref_model is not None:
+                ref = self._scores(self.ref_model, ids, attn)
+            if self.critic is not None:
+                old_values = self._at_versions(self.critic.behaviour, mb, lambda m, r: m(ids[r], attn[r]))
+        return self.objective.prepare(mask, server, adv, rewards, recomputed, ref, old_values)
+
+    def _reward_kl(self, samples: list[TrainSample]) -> list[float]:
+        """Each sample's KL to the reference, summed over its response tokens, for kl_shaped()."""
+        ids, attn, mask, server, _, _ = self._batch_tensors(samples)
+        with torch.no_grad():
+            kl = kl_penalty(server, self._scores(self.ref_model, ids, attn), self.algo.kl_estimator)
+        return (kl * mask).sum(-1).tolist()
+
     def accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
         """Forward and backward on these samples (this rank's share), adding to the gradients of
-        the train batch being built. The loss is summed over tokens here; step() divides the
-        gradients by the train batch's token count, which is only known once it is complete, so
-        a batch built from several calls takes exactly the step one call would."""
+        the train batch being built. Losses are summed over tokens here (rlctl/algos/objective.py);
+        step() divides the gradients by the train batch's loss normalizer, which is only known
+        once it is complete, so a batch built from several calls takes exactly the step one call
+        would."""
         start = time.monotonic()
+        if self.ref_model is not None and self.algo.kl_in is KlIn.REWARD and not self.algo.ppo:
+            samples = self.kl_shaped(samples)
         micro = self.micro_batches(samples[self.rank :: self.world_size])
         acc = self._acc
         if not acc["samples"]:  # the first piece of a new train batch (the last step's grads stay readable until now)
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
         for mb in micro:
-            ids, attn, mask, old, adv = self._batch_tensors(mb)
+            ids, attn, mask, server, adv, rewards = self._batch_tensors(mb)
+            prep = self._prepare(mb, ids, attn, mask, server, adv, rewards)
             logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
             lp = token_logprobs(logits, ids[:, 1:], self.temperature)
-            loss, pstats = clipped_policy_loss(lp, old, adv, mask, self.cfg.clip_eps, 1.0)
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-                    ref_lp = token_logprobs(ref_logits, ids[:, 1:], self.temperature)
-                kl = (k3_kl(lp, ref_lp) * mask).sum()
-                loss = loss + self.cfg.kl_coef * kl
-                acc["kl"] += kl.item()
-            loss.backward()
-            n = float(mask.sum())
-            acc["loss"] += loss.item()
-            acc["clip_tokens"] += pstats["clip_frac"] * n
-            acc["logprob_diff"] += float(((lp.detach() - old).abs() * mask).sum())
-            acc["tokens"] += n
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits / self.temperature if self.temperature not in (0.0, 1.0) else logits)
+            self.objective.policy_loss(lp, prep, acc, entropy).backward()
+            if self.critic is not None:
+                self.objective.value_loss(self.critic.model(ids, attn), prep, acc).backward()
         return self._piece_done(samples, micro, start)
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.zero_grad()
 
     def step(self) -> dict[str, float]:
         """The optimizer step over everything accumulated since the last one: gradients summed
-        over ranks (one all-reduce) and divided by the batch's response tokens (a token mean)."""
+        over ranks (one all-reduce) and divided by the batch's loss normalizer; the critic's too.
+        A step whose gradient is not finite is skipped: weights, optimizer state and version stay."""
         start = time.monotonic()
         acc, self._acc = self._acc, new_accumulator()
         if not acc["samples"]:
-            self.optimizer.zero_grad(set_to_none=True)  # nothing accumulated: no stale gradients
+            self._zero_grad()  # nothing accumulated: no stale gradients
+        normalizer = loss_normalizer(self.algo.loss_agg, acc["batch_tokens"], acc["samples"])
         params = list(self.model.parameters())
-        if self.world_size > 1:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-        total_tokens = max(acc["batch_tokens"], 1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(total_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
-        self.optimizer.step()
-        self.version += 1
-        packed = torch.tensor([acc["loss"], acc["kl"], acc["clip_tokens"], acc["logprob_diff"], acc["tokens"]],
-                              device=self.device)
+        average_gradients(params, self.world_size, normalizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        ok = math.isfinite(grad_norm)  # the same on every rank: the gradients were all-reduced
+        if ok:
+            self.optimizer.step()
+            self.version += 1
+        else:  # a NaN or inf gradient (a NaN reward, an overflow): skip the step, keep the weights
+            self.optimizer.zero_grad(set_to_none=True)
+        extra = {"critic_grad_norm": self.critic.step(normalizer)} if self.critic is not None else {}
+        packed = torch.tensor([acc[k] for k in SUM_KEYS], device=self.device, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(packed)
-        loss, kl, clip_tokens, diff, tokens = packed.tolist()
+        stats = self.objective.finish(dict(zip(SUM_KEYS, packed.tolist())), normalizer)
         return {
-            "loss": loss / total_tokens, "kl": kl / total_tokens, "clip_frac": clip_tokens / max(tokens, 1.0),
-            "logprob_diff": diff / max(tokens, 1.0), "grad_norm": float(grad_norm), "tokens": acc["batch_tokens"],
+            **stats, **extra, "grad_norm": grad_norm, "update_ok": float(ok), "tokens": acc["batch_tokens"],
             "samples": acc["samples"], "micro_batches": acc["micro_batches"],
             "seconds": acc["seconds"] + time.monotonic() - start, "version": float(self.version),
         }
@@ -184,8 +237,8 @@ class TorchTrainEngine(PieceTraining):
     # -- checkpoints (rlctl/engines/train/ckpt_files.py has the files) ---------------------------
 
     def save_checkpoint(self, path: str) -> dict[str, float]:
-        """Rank 0 writes the policy as an HF directory and the optimizer state; every rank its RNG
-        states. The ranks are replicas (the same all-reduced step on every rank), so one copy of
+        """Rank 0 writes the policy as an HF directory and the optimizer state (and PPO's critic
+        with its optimizer); every rank its RNG states. The ranks are replicas (the same all-reduced step on every rank), so one copy of
         the weights and optimizer serves all of them."""
         root = Path(path)
         if self.rank == 0:
@@ -193,6 +246,8 @@ class TorchTrainEngine(PieceTraining):
             ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR)
             torch.save(self.optimizer.state_dict(), ckpt_files.trainer_dir(root) / "optimizer.pt")
             ckpt_files.write_engine_info(root, engine="torch", version=self.version, ranks=self.world_size)
+            if self.critic is not None:
+                self.critic.save(root)
         ckpt_files.save_rng(root, self.rank)
         if self.world_size > 1:
             dist.barrier()
@@ -212,6 +267,11 @@ class TorchTrainEngine(PieceTraining):
         self.optimizer.load_state_dict(opt)
         ckpt_files.load_rng(root, self.rank)
         self.version = int(ckpt_files.read_engine_info(root)["version"])
+        if self.critic is not None:
+            if not (ckpt_files.trainer_dir(root) / "critic.pt").exists():
+                raise RunError(f"{root}: no critic in this checkpoint (trainer/critic.pt); it was not written by a PPO run")
+            self.critic.load(root, self.device)
         self._acc = new_accumulator()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
+        self.mark_behaviour(self.version)
         return {"version": float(self.version)}

@@ -45,7 +45,7 @@ def job_blocks(recipe: Recipe, model_path: str, devices: int) -> list[Block]:
     stored = declared_dtype(read_config(model_path))
     params = w / {"float32": 4, "float16": 2, "bfloat16": 2}.get(stored, 4)
     n, ranks = recipe.rollout.servers, recipe.train.ranks
-    trainer_weights = 4 * params * (2 if recipe.train.kl_coef > 0 else 1) / ranks
+    trainer_weights = 4 * params * (2 if recipe.algo.kl_coef > 0 else 1) / ranks
     server_working, trainer_working = w / 4, 12 * params / ranks
     if recipe.train.engine is TrainEngine.MEGATRON:
         # A rank holds its TP shard of the parameters and of their fp32 gradients, and its share of

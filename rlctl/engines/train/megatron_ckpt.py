@@ -1,0 +1,92 @@
+"""The Megatron engine's checkpoints: the model and distributed optimizer through
+megatron.core.dist_checkpointing (every rank writes its shards; the optimizer's dp_reshardable
+format: no gathers, same TP on load), plus the policy exported as an HF directory for serving
+and `rlctl export`. Written against megatron-core 0.19.2; needs CUDA, so it is exercised on GPU
+machines only (scripts/gpu_checks.py --only checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlctl.engines.train import ckpt_files
+from rlctl.engines.train.base import new_accumulator
+from rlctl.errors import RunError
+
+
+class MegatronCheckpoint:
+    """save_checkpoint / load_checkpoint of MegatronTrainEngine (its model, optimizer, ddp,
+    layout and parallel ranks)."""
+
+    DIST_OPTIM = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
+        """Megatron-LM's layout: {"model": ..., "optimizer": ...}; the optimizer's sharded state is
+        matched to the model's ShardedTensors (which hold the parameters themselves)."""
+        state: dict[str, Any] = {"model": self.model.sharded_state_dict()}
+        if is_loading:  # a fresh distributed optimizer has no Adam state to load into yet (without
+            # Apex/TE its state_dict() needs a step): Megatron's own dummy step makes it; the load
+            # then replaces it, and the parameters, in place.
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if not opt.optimizer.state:
+                    opt._init_optimizer_states_with_dummy_values()
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=self.DIST_OPTIM)
+        return state
+
+    def save_checkpoint(self, path: str) -> dict[str, float]:
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        root = Path(path)
+        dist_dir = root / ckpt_files.TRAINER_DIR / "megatron"
+        if self.dp_rank == 0:  # rank 0's TP group rebuilds the full tensors; rank 0 writes them
+            weights = list(self.hf_weights())
+            if self.rank == 0:
+                ckpt_files.write_safetensors(weights, root / ckpt_files.HF_DIR)
+                ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR, with_config=True)
+                dist_dir.mkdir(parents=True, exist_ok=True)
+            del weights
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(is_loading=False), str(dist_dir))
+        ckpt_files.save_rng(root, self.rank, megatron_cuda=tensor_parallel.get_cuda_rng_tracker().get_states())
+        if self.rank == 0:
+            ckpt_files.write_engine_info(root, engine="megatron", version=self.version, ranks=self.world_size,
+                                         tp=self.tp_size, dp=self.dp_size)
+        dist.barrier()
+        return {"version": float(self.version)}
+
+    def load_checkpoint(self, path: str) -> dict[str, float]:
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        root = Path(path)
+        info = ckpt_files.read_engine_info(root)
+        if info.get("engine") != "megatron" or info.get("tp") != self.tp_size:
+            raise RunError(f"{root}: written by the {info.get('engine')} engine with TP {info.get('tp')}; "
+                           f"this trainer is megatron with TP {self.tp_size}")
+        with torch.no_grad():  # the optimizer's fp32 shards are views of parameters that need grad
+            loaded = dist_checkpointing.load(self._sharded_state(is_loading=True),
+                                             str(root / ckpt_files.TRAINER_DIR / "megatron"))
+            self.model.load_state_dict(loaded["model"])
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            _own_step_counters(self.optimizer)
+        rng = ckpt_files.load_rng(root, self.rank)
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_cuda"])
+        self.version = int(info["version"])
+        self._acc = new_accumulator()
+        self.ddp.zero_grad_buffer()
+        return {"version": float(self.version)}
+
+
+def _own_step_counters(optimizer) -> None:
+    """Give every parameter's Adam state its own `step` tensor. Without Apex or Transformer Engine,
+    megatron-core's DistributedOptimizer.load_state_dict (0.19.2) puts ONE step tensor into every
+    parameter's state; torch's Adam then adds 1 to it once per parameter in each step, so the
+    bias correction of a resumed run is off (19 parameters: step 1 counted as 20, updates about a
+    third smaller; scripts/gpu_checks.py --only checkpoint measures the next step against a run
+    that never stopped)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()

@@ -1,0 +1,50 @@
+"""End to end: PPO on the quickstart learns, in sync and in rolloutpipe (a complete sample is all
+GAE needs), and its critic's value loss falls; and the other algo knobs run through a real run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, QUICKSTART, rlctl
+from rlctl.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+
+def run(tmp_path: Path, *overrides: str) -> list[dict]:
+    res = rlctl("launch", str(QUICKSTART), f"run.output_dir={tmp_path / 'runs'}", *overrides, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (path,) = (tmp_path / "runs").iterdir()
+    return RunDir(path).metrics()
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rolloutpipe"])
+def test_ppo_on_the_quickstart_learns_and_its_value_loss_falls(tmp_path, mode):
+    # 50 steps of the quickstart (4 optimizer steps each): measured 0.26 -> 0.68 in rolloutpipe.
+    m = run(tmp_path, "algo.name=ppo", f"pipeline.mode={mode}", "pipeline.admission=frontier", "run.steps=50")
+    assert len(m) == 50
+    first, last = m[:3], m[-10:]
+    assert mean(last, "reward_mean") - mean(first, "reward_mean") >= 0.3, [round(r["reward_mean"], 3) for r in m]
+    assert mean(last, "value_loss") < 0.7 * mean(first, "value_loss")
+    assert mean(last, "explained_var") > 0.3
+    assert all(r["staleness_max"] <= 3 and r["sync_lag_max"] == 0 for r in m)
+
+
+def test_dapo_and_off_policy_knobs_run_end_to_end(tmp_path):
+    """Clip-higher, seq-mean aggregation, Dr. GRPO advantages, a KL in the reward, recomputed
+    log-probs with truncated IS and the overlong penalty, together, in async: a run completes
+    and reports each one's statistics."""
+    m = run(tmp_path, *FAST, "run.steps=3", "pipeline.mode=async", "algo.clip_eps_high=0.28",
+            "algo.loss_agg=seq-mean-token-mean", "algo.norm_adv_by_std=false", "algo.kl_coef=0.05",
+            "algo.kl_in=reward", "algo.recompute_logprobs=true", "algo.tis_cap=2.0", "algo.overlong=penalty",
+            "algo.overlong_buffer=2", "algo.dual_clip=3.0")
+    assert len(m) == 3
+    for key in ("kl", "mismatch_kl", "is_weight_mean", "is_capped_frac", "dual_clip_frac", "approx_kl", "entropy"):
+        assert all(key in r for r in m), key
+    assert all(0.0 <= r["is_capped_frac"] <= 1.0 and r["is_weight_mean"] > 0 for r in m)
