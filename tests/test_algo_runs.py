@@ -26,9 +26,9 @@ def mean(rows: list[dict], key: str) -> float:
 
 @pytest.mark.parametrize("mode", ["sync", "rolloutpipe"])
 def test_ppo_on_the_quickstart_learns_and_its_value_loss_falls(tmp_path, mode):
-    # 50 steps of the quickstart (4 optimizer steps each): measured 0.26 -> 0.68 in rolloutpipe.
-    m = run(tmp_path, "algo.name=ppo", f"pipeline.mode={mode}", "pipeline.admission=frontier", "run.steps=50")
-    assert len(m) == 50
+    # 80 of the quickstart's 100 steps (4 optimizer steps each): PPO reaches 0.55-0.7 by step 50, noisily.
+    m = run(tmp_path, "algo.name=ppo", f"pipeline.mode={mode}", "pipeline.admission=frontier", "run.steps=80")
+    assert len(m) == 80
     first, last = m[:3], m[-10:]
     assert mean(last, "reward_mean") - mean(first, "reward_mean") >= 0.3, [round(r["reward_mean"], 3) for r in m]
     assert mean(last, "value_loss") < 0.7 * mean(first, "value_loss")
