@@ -17,10 +17,13 @@ from rlctl.errors import RlctlError
 
 def _flags_as_flags() -> None:
     """Typer's help shows every option's type, so flags read `--detach <bool>`, as if they took a
-    value. A flag's type column is left empty instead."""
+    value. A flag's type column is left empty instead. Typer releases without the hook (it came
+    in a later release than the oldest one rlctl takes) keep their own help as it is."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:
+        return
 
     def display_type_rich(self, ctx):
         return None if self.is_flag else shown(self, ctx)
