@@ -211,7 +211,8 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
 
         # The default group exists: the engine makes Megatron's TP x DP groups on it.
         engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
-                                     world, device=gpu, init_method=init_method, algo=recipe.algo)
+                                     world, device=gpu, init_method=init_method, algo=recipe.algo,
+                                     behaviour_versions=behaviour_versions(recipe))
     else:
         device = placed["device"] if placed else process_device(recipe.train.device, rank, recipe.train.gpus)
         engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,

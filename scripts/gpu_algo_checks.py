@@ -11,7 +11,9 @@ entropy statistics within 1e-3 absolute. The behaviour log-probs are the torch e
 moved by up to +-0.4 nats (and by -2.5 for a quarter of the samples), so that both clips bind.
 
 Then a Megatron step (bf16) whose gradients are not finite (a NaN advantage): it is skipped, the
-weights stay finite and the weight version stays at 0.
+weights stay finite and the weight version stays at 0. PPO on Megatron: a checkpoint after one
+step, loaded, takes the next step exactly as the saving engine; and a 10-step local PPO run
+(rolloutpipe, recomputed log-probs with truncated IS) completes with the critic's statistics.
 
 Prints one line per check and writes OUT_DIR/gpu_algo_checks.json; exit 1 if a check failed.
 """
@@ -40,8 +42,12 @@ VARIANTS = {
     "clip-higher + dual clip": AlgoConfig(clip_eps_high=0.28, dual_clip=3.0),
     **{f"KL {k} in the loss": AlgoConfig(kl_coef=0.1, kl_estimator=k) for k in ("k1", "k2", "k3", "low-var")},
     "KL k3 in the reward": AlgoConfig(kl_coef=0.5, kl_in="reward"),
+    "recomputed log-probs + truncated IS": AlgoConfig(recompute_logprobs=True, tis_cap=1.5),
+    "PPO (critic, GAE, value clip, KL k3 in the reward)": AlgoConfig(name="ppo", gamma=0.95, gae_lambda=0.9,
+                                                                    kl_coef=0.05, kl_in="reward"),
 }
-STATS = ("kl", "clip_frac", "dual_clip_frac", "entropy", "approx_kl")
+STATS = ("kl", "clip_frac", "dual_clip_frac", "entropy", "approx_kl", "mismatch_kl", "is_weight_mean", "value_loss",
+         "explained_var", "values_mean", "value_clip_frac")
 
 
 def off_policy(batch, logprobs, seed: int):
@@ -71,6 +77,54 @@ def check_variant(model_dir: Path, name: str, algo: AlgoConfig) -> None:
     del me, te
 
 
+def check_ppo_checkpoint(model_dir: Path, work: Path) -> None:
+    """PPO on Megatron: a checkpoint after one step, loaded into a fresh engine, takes the next
+    step exactly as the engine that saved it (the critic's weights and Adam state came back)."""
+    import shutil
+
+    algo = VARIANTS["PPO (critic, GAE, value clip, KL k3 in the reward)"]
+    first, second = samples(TWO_LAYERS["vocab_size"], seed=13), samples(TWO_LAYERS["vocab_size"], seed=14)
+    te = torch_engine(model_dir, lr=1e-3, algo=algo)
+    first, second = off_policy(first, te.logprobs(first), 3), off_policy(second, te.logprobs(second), 4)
+    del te
+    ckpt = work / "ckpt-ppo"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    saver = megatron_engine(model_dir, "float32", lr=1e-3, algo=algo)
+    saver.train_batch(first)
+    saver.save_checkpoint(str(ckpt))
+    second = [dataclasses.replace(s, weight_version=1) for s in second]
+    want = saver.train_batch(second)
+    critic_after = [p.detach().clone() for p in saver.critic.model.parameters()]
+    del saver
+    loader = megatron_engine(model_dir, "float32", lr=1e-3, algo=algo)
+    loader.load_checkpoint(str(ckpt))
+    got = loader.train_batch(second)
+    diff = max(float((p.detach() - q).abs().max()) for p, q in zip(loader.critic.model.parameters(), critic_after))
+    same = all(got[k] == want[k] for k in ("loss", "value_loss", "values_mean"))
+    report("Megatron PPO checkpoint: the next step as the saving engine's", same and diff == 0.0,
+           value_loss=got["value_loss"], value_loss_saver=want["value_loss"], critic_max_abs_diff=diff)
+
+
+def check_ppo_run(out: Path) -> None:
+    """A local PPO run with the Megatron trainer: rolloutpipe, 2 built-in servers on the same GPU."""
+    import json
+    import subprocess
+
+    runs = out / "ppo-runs"
+    cmd = [sys.executable, "-m", "rlctl", "launch", str(REPO / "recipes" / "quickstart.yaml"), "run.steps=10",
+           "train.engine=megatron", "train.device=cuda", "rollout.device=cuda", "train.megatron.dtype=float32",
+           "algo.name=ppo", "algo.recompute_logprobs=true", "algo.tis_cap=2", "pipeline.mode=rolloutpipe",
+           "pipeline.admission=frontier", f"run.output_dir={runs}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=400)
+    if res.returncode != 0:
+        report("local PPO run, megatron trainer", False, error=res.stderr.strip().splitlines()[-1][:300])
+        return
+    m = [json.loads(line) for line in (next(runs.iterdir()) / "metrics.jsonl").read_text().splitlines()]
+    report("local PPO run, megatron trainer", len(m) == 10 and all("value_loss" in r for r in m), steps=len(m),
+           reward_first=m[0]["reward_mean"], reward_last=m[-1]["reward_mean"], value_loss_first=m[0]["value_loss"],
+           value_loss_last=m[-1]["value_loss"], mismatch_kl=m[-1]["mismatch_kl"])
+
+
 def check_skipped_step(model_dir: Path) -> None:
     me = megatron_engine(model_dir, "bfloat16", lr=1e-3)
     batch = [dataclasses.replace(s, advantage=float("nan")) for s in samples(TWO_LAYERS["vocab_size"], seed=12)]
@@ -84,6 +138,7 @@ def check_skipped_step(model_dir: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-checks-out")))
+    p.add_argument("--only", default="", help="comma-separated check names (default: all)")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/rlctl-gpu-checks")
@@ -91,7 +146,9 @@ def main() -> None:
     model_dir = build_model(work / "small-algo", torch.float32, **TWO_LAYERS)
     steps = {name: (lambda n=name, v=algo: check_variant(model_dir, n, v)) for name, algo in VARIANTS.items()}
     steps["skipped step"] = lambda: check_skipped_step(model_dir)
-    run_checks(steps, list(steps), a.out / "gpu_algo_checks.json")
+    steps["ppo checkpoint"] = lambda: check_ppo_checkpoint(model_dir, work)
+    steps["ppo run"] = lambda: check_ppo_run(a.out)
+    run_checks(steps, a.only.split(",") if a.only else list(steps), a.out / "gpu_algo_checks.json")
 
 
 if __name__ == "__main__":

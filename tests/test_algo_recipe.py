@@ -31,9 +31,9 @@ from rlctl.recipe import load_recipe
      "9 tokens is more than rollout.sampling.max_new_tokens (4); lower it"),
     (["algo.kl_estimator=k4"], "algo.kl_estimator", "'k4' is not one of k1, k2, k3, low-var"),
     (["algo.gae_lambda=1.5"], "algo.gae_lambda", "must be in [0, 1], got 1.5"),
-    (["algo.name=ppo", "train.engine=megatron", "train.device=cuda"], "algo.name",
-     "the megatron engine has no critic or behaviour copies yet; use train.engine=torch for PPO and recomputed "
-     "log-probs"),
+    (["algo.name=ppo", "launcher=pool", "pool.name=p"], "algo.name",
+     "a pool moves a trainer's policy and optimizer, not a critic or behaviour copies; run PPO and recomputed "
+     "log-probs outside a pool"),
 ])
 def test_algo_errors_name_the_key_and_the_fix(overrides, key, message):
     with pytest.raises(RecipeError) as info:

@@ -65,11 +65,6 @@ class Recipe(Section):
         if algo.overlong is Overlong.PENALTY and algo.overlong_buffer > self.rollout.sampling.max_new_tokens:
             raise FieldError("algo.overlong_buffer", f"{algo.overlong_buffer} tokens is more than "
                              f"rollout.sampling.max_new_tokens ({self.rollout.sampling.max_new_tokens}); lower it")
-        if self.train.engine is TrainEngine.MEGATRON:
-            for key, on in (("algo.name", algo.ppo), ("algo.recompute_logprobs", algo.recompute_logprobs)):
-                if on:
-                    raise FieldError(key, "the megatron engine has no critic or behaviour copies yet; "
-                                          "use train.engine=torch for PPO and recomputed log-probs")
         if self.launcher is Launcher.POOL and self.train.engine is TrainEngine.MEGATRON and algo.needs_reference:
             raise FieldError("algo.kl_coef", "a pool moves a Megatron trainer's policy and optimizer, not its KL "
                                              "reference model; set it to 0 or use train.engine=torch in a pool")

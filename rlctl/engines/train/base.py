@@ -126,6 +126,7 @@ class PieceTraining:
 
     cfg: Any
     algo: Any
+    version: int
     _acc: dict[str, float]
 
     def micro_batches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
@@ -151,8 +152,26 @@ class PieceTraining:
         raise NotImplementedError
 
     def mark_behaviour(self, version: int) -> None:
-        """The servers now hold the live weights as `version` (an engine that keeps behaviour
-        copies of its weights keeps one now)."""
+        """The servers now hold the live weights as `version`: keep them for the old log-probs
+        and values of that version's samples (rlctl/engines/train/behaviour.py)."""
+        critic = getattr(self, "critic", None)
+        for b in (getattr(self, "behaviour", None), critic.behaviour if critic is not None else None):
+            if b is not None:
+                b.mark(int(version))
+
+    def at_versions(self, behaviour: Any, samples: list[TrainSample], fn, device: Any) -> torch.Tensor:
+        """fn(module, rows) for each weight version among the samples, under that version's
+        weights (behaviour.module_at), gathered back into one [B, ...] tensor."""
+        import torch
+
+        out = None
+        for v in sorted({s.weight_version for s in samples}):
+            rows = torch.tensor([i for i, s in enumerate(samples) if s.weight_version == v], device=device)
+            part = fn(behaviour.module_at(v, self.version), rows)
+            out = torch.zeros((len(samples), *part.shape[1:]), device=device) if out is None else out
+            out[rows] = part
+        assert out is not None
+        return out
 
     def _piece_done(self, samples: list[TrainSample], micro: list[list[TrainSample]], start: float) -> dict[str, float]:
         """Count one accumulate() call (all ranks' samples, this rank's micro-batches) in self._acc."""

@@ -23,9 +23,12 @@ from rlctl.errors import RunError
 
 
 class Behaviour:
-    def __init__(self, live: torch.nn.Module, keep: int, what: str = "policy") -> None:
+    def __init__(self, live: torch.nn.Module, keep: int, what: str = "policy",
+                 shadow: torch.nn.Module | None = None) -> None:
+        """`shadow`: a module of live's structure to load copies into (a deep copy of live when
+        None; Megatron builds a fresh model, its live parameters being views of DDP buffers)."""
         self.live, self.keep, self.what = live, max(1, keep), what
-        self.shadow = copy.deepcopy(live).eval().requires_grad_(False)
+        self.shadow = shadow if shadow is not None else copy.deepcopy(live).eval().requires_grad_(False)
         self._shadow_params = list(self.shadow.parameters())
         self.copies: dict[int, list[torch.Tensor]] = {}
         self.loaded: int | None = None

@@ -23,33 +23,44 @@ class MegatronCheckpoint:
 
     DIST_OPTIM = {"distrib_optim_sharding_type": "dp_reshardable"}
 
-    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
+    def _sharded_state(self, is_loading: bool, model=None, optimizer=None) -> dict[str, Any]:
         """Megatron-LM's layout: {"model": ..., "optimizer": ...}; the optimizer's sharded state is
-        matched to the model's ShardedTensors (which hold the parameters themselves)."""
-        state: dict[str, Any] = {"model": self.model.sharded_state_dict()}
+        matched to the model's ShardedTensors (which hold the parameters themselves). The policy's
+        unless a model and its optimizer (PPO's critic) are given."""
+        model, optimizer = model or self.model, optimizer or self.optimizer
+        state: dict[str, Any] = {"model": model.sharded_state_dict()}
         if is_loading:  # a fresh distributed optimizer has no Adam state to load into yet (without
             # Apex/TE its state_dict() needs a step): Megatron's own dummy step makes it; the load
             # then replaces it, and the parameters, in place.
-            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
                 if not opt.optimizer.state:
                     opt._init_optimizer_states_with_dummy_values()
-        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=self.DIST_OPTIM)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=self.DIST_OPTIM)
         return state
+
+    def _parts(self, root: Path) -> list[tuple[Any, Any, Path]]:
+        """(model, optimizer, directory) of each dist_checkpointing part: the policy, and PPO's critic."""
+        trainer = root / ckpt_files.TRAINER_DIR
+        parts = [(self.model, self.optimizer, trainer / "megatron")]
+        if self.critic is not None:
+            parts.append((self.critic.model, self.critic.optimizer, trainer / "megatron-critic"))
+        return parts
 
     def save_checkpoint(self, path: str) -> dict[str, float]:
         from megatron.core import dist_checkpointing, tensor_parallel
 
         root = Path(path)
-        dist_dir = root / ckpt_files.TRAINER_DIR / "megatron"
         if self.dp_rank == 0:  # rank 0's TP group rebuilds the full tensors; rank 0 writes them
             weights = list(self.hf_weights())
             if self.rank == 0:
                 ckpt_files.write_safetensors(weights, root / ckpt_files.HF_DIR)
                 ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR, with_config=True)
-                dist_dir.mkdir(parents=True, exist_ok=True)
+                for _, _, part in self._parts(root):
+                    part.mkdir(parents=True, exist_ok=True)
             del weights
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(dist_dir))
+        for model, optimizer, part in self._parts(root):
+            dist_checkpointing.save(self._sharded_state(False, model, optimizer), str(part))
         ckpt_files.save_rng(root, self.rank, megatron_cuda=tensor_parallel.get_cuda_rng_tracker().get_states())
         if self.rank == 0:
             ckpt_files.write_engine_info(root, engine="megatron", version=self.version, ranks=self.world_size,
@@ -65,17 +76,22 @@ class MegatronCheckpoint:
         if info.get("engine") != "megatron" or info.get("tp") != self.tp_size:
             raise RunError(f"{root}: written by the {info.get('engine')} engine with TP {info.get('tp')}; "
                            f"this trainer is megatron with TP {self.tp_size}")
-        with torch.no_grad():  # the optimizer's fp32 shards are views of parameters that need grad
-            loaded = dist_checkpointing.load(self._sharded_state(is_loading=True),
-                                             str(root / ckpt_files.TRAINER_DIR / "megatron"))
-            self.model.load_state_dict(loaded["model"])
-            self.optimizer.load_state_dict(loaded["optimizer"])
-            _own_step_counters(self.optimizer)
+        for model, optimizer, part in self._parts(root):
+            if part.name == "megatron-critic" and not part.is_dir():
+                raise RunError(f"{root}: no critic in this checkpoint (trainer/{part.name}); it was not written by a PPO run")
+            with torch.no_grad():  # the optimizer's fp32 shards are views of parameters that need grad
+                loaded = dist_checkpointing.load(self._sharded_state(True, model, optimizer), str(part))
+                model.load_state_dict(loaded["model"])
+                optimizer.load_state_dict(loaded["optimizer"])
+                _own_step_counters(optimizer)
         rng = ckpt_files.load_rng(root, self.rank)
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_cuda"])
         self.version = int(info["version"])
         self._acc = new_accumulator()
         self.ddp.zero_grad_buffer()
+        if self.critic is not None:
+            self.critic.ddp.zero_grad_buffer()
+        self.mark_behaviour(self.version)
         return {"version": float(self.version)}
 
 

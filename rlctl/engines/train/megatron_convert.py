@@ -198,9 +198,14 @@ def check_hf_tensors(hf: dict[str, torch.Tensor], layout: Layout) -> None:
         raise RunError(f"HF tensors of the wrong shape: {', '.join(wrong[:4])}")
 
 
-def check_mcore_names(have: Iterable[str], layout: Layout, what: str) -> None:
-    """Raise unless `have` (names of `what`) are exactly the Megatron parameters of the layout."""
-    want, have = set(mcore_names(layout)), set(have)
+BACKBONE_ONLY = ("decoder.final_layernorm.weight", "output_layer.weight")
+"""What a GPTModel built with post_process=False (a critic's backbone) does not have."""
+
+
+def check_mcore_names(have: Iterable[str], layout: Layout, what: str, without: Iterable[str] = ()) -> None:
+    """Raise unless `have` (names of `what`) are exactly the Megatron parameters of the layout
+    (less `without`)."""
+    want, have = set(mcore_names(layout)) - set(without), set(have)
     if want - have:
         raise RunError(f"{what} lacks Megatron parameters {describe(want - have)}")
     if have - want:

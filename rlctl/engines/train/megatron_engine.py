@@ -13,9 +13,9 @@ activation other than SiLU). `hf_weights()` gathers TP shards and returns HF nam
 broadcast, on the (dp 0, tp 0) rank. Tensor parallel and data parallel sizes come from the recipe
 (train.ranks = tp x dp).
 
-The objective is the torch engine's (rlctl/algos/objective.py): every algo knob but PPO's critic
-and recomputed old log-probs (the recipe refuses those with this engine for now). The KL
-reference is a second GPTModel loaded from the same HF weights, frozen and outside DDP. The
+The objective is the torch engine's (rlctl/algos/objective.py), every algo knob of it. The KL
+reference and the behaviour copies (recompute_logprobs) are further GPTModels loaded from the
+same HF weights, frozen and outside DDP; PPO's critic is rlctl/engines/train/megatron_critic.py. The
 weight version counts optimizer steps that updated the weights: a step Megatron's optimizer skips
 (a non-finite gradient) leaves it, and the weights, as they were.
 
@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos.losses import kl_penalty, loss_normalizer
-from rlctl.algos.objective import SUM_KEYS, Objective
+from rlctl.algos.objective import SUM_KEYS, Objective, Prepared
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.engines.train.megatron_ckpt import MegatronCheckpoint
 from rlctl.engines.train.megatron_memory import MegatronMemory
-from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, gather, hf_to_mcore, iter_mcore_to_hf,
+from rlctl.engines.train.behaviour import Behaviour
+from rlctl.engines.train.megatron_convert import (BACKBONE_ONLY, Layout, check_mcore_names, gather, hf_to_mcore, iter_mcore_to_hf,
                                                   shard, tp_dim)
 from rlctl.errors import RunError
 from rlctl.recipe import AlgoConfig, KlIn, MegatronDtype, TrainConfig
@@ -65,13 +66,12 @@ def load_hf_state(model_path: str) -> dict[str, torch.Tensor]:
 
 class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
     def __init__(self, model_path: str, cfg: TrainConfig, temperature: float, rank: int, world_size: int,
-                 device: str = "cuda", init_method: str | None = None, algo: AlgoConfig | None = None) -> None:
+                 device: str = "cuda", init_method: str | None = None, algo: AlgoConfig | None = None,
+                 behaviour_versions: int = 1) -> None:
         from transformers import AutoConfig
 
         self.cfg, self.temperature = cfg, temperature
         self.algo = algo = algo or AlgoConfig()
-        if algo.ppo or algo.recompute_logprobs:
-            raise RunError("the megatron engine has no critic or behaviour copies yet; use train.engine=torch")
         self.objective = Objective(algo)
         self.model_path = model_path
         self.rank, self.world_size = rank, world_size
@@ -86,18 +86,34 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
         model = self._build_model(hf_cfg)
         hf_state = load_hf_state(model_path)
         self._load_hf(model, hf_state)
-        self.ref_model = None
-        if algo.needs_reference:  # the initial weights, frozen: the KL's reference
-            self.ref_model = self._build_model(hf_cfg)
-            self._load_hf(self.ref_model, hf_state)
-            self.ref_model.eval().requires_grad_(False)
-        del hf_state
         self._wrap_for_training(model)
+        self._build_companions(hf_cfg, hf_state, behaviour_versions)
+        del hf_state
         self.pad_id = hf_cfg.pad_token_id or 0
         self.collective_export = self.tp_size > 1  # hf_weights() all-gathers over the TP group
         self.version = 0
         self._acc = new_accumulator()
         self.ddp.zero_grad_buffer()
+        self.mark_behaviour(0)
+
+    def _build_companions(self, hf_cfg: PretrainedConfig, hf_state: dict[str, torch.Tensor], keep: int) -> None:
+        """What the algo needs besides the policy, each a model of its own on this GPU: the KL's
+        reference (the initial weights, frozen), the policy's behaviour copies
+        (recompute_logprobs), PPO's critic (with its own behaviour copies)."""
+        from rlctl.engines.train.megatron_critic import MegatronCritic
+
+        self.ref_model = self.behaviour = self.critic = None
+        if self.algo.needs_reference:
+            self.ref_model = self._frozen(hf_cfg, hf_state)
+        if self.algo.recompute_logprobs:
+            self.behaviour = Behaviour(self.model, keep, shadow=self._frozen(hf_cfg, hf_state))
+        if self.algo.ppo:
+            self.critic = MegatronCritic(self, hf_cfg, hf_state, self.algo.critic_lr, keep)
+
+    def _frozen(self, hf_cfg: PretrainedConfig, hf_state: dict[str, torch.Tensor]) -> GPTModel:
+        model = self._build_model(hf_cfg)
+        self._load_hf(model, hf_state)
+        return model.eval().requires_grad_(False)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -135,8 +151,9 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
             masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         )
 
-    def _build_model(self, hf_cfg: PretrainedConfig) -> GPTModel:
-        """An uninitialized GPTModel on this GPU with the local layer spec (no Transformer Engine)."""
+    def _build_model(self, hf_cfg: PretrainedConfig, post_process: bool = True) -> GPTModel:
+        """An uninitialized GPTModel on this GPU with the local layer spec (no Transformer Engine);
+        post_process=False: without its final norm and output layer (a critic's backbone)."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -145,8 +162,8 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
             config=self.tconfig,
             transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=L.qk_norm, normalization="RMSNorm"),
             vocab_size=L.vocab_size, max_sequence_length=hf_cfg.max_position_embeddings,
-            pre_process=True, post_process=True, parallel_output=True,
-            share_embeddings_and_output_weights=L.tied, position_embedding_type="rope",
+            pre_process=True, post_process=post_process, parallel_output=True,
+            share_embeddings_and_output_weights=L.tied and post_process, position_embedding_type="rope",
             rotary_base=int(getattr(hf_cfg, "rope_theta", None) or hf_cfg.rope_parameters["rope_theta"]),
         ).cuda()
 
@@ -173,12 +190,13 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
 
     # -- weights ------------------------------------------------------------------------------
 
-    def _load_hf(self, model, hf: dict[str, torch.Tensor]) -> None:
+    def _load_hf(self, model, hf: dict[str, torch.Tensor], backbone_only: bool = False) -> None:
         """Every parameter of the model from the HF tensors; hf_to_mcore refuses HF tensors it does
         not use, and every Megatron parameter must be filled (and every mapped tensor used)."""
         full = hf_to_mcore(hf, self.layout)
         params = dict(model.named_parameters())
-        check_mcore_names(params, self.layout, "the Megatron model built from the HF config")
+        without = BACKBONE_ONLY if backbone_only else ()
+        check_mcore_names(params, self.layout, "the Megatron model built from the HF config", without)
         with torch.no_grad():
             for name, p in params.items():
                 part = shard(name, full[name], self.tp_rank, self.tp_size)
@@ -252,6 +270,18 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
         kl = kl_penalty(server, self._ref_logprobs(ids), self.algo.kl_estimator)
         return (kl * mask).sum(-1).tolist()
 
+    def _prepare(self, mb: list[TrainSample], ids, mask, server, adv, rewards) -> Prepared:
+        """The micro-batch's fixed loss inputs (no gradients): the reference's log-probs, the
+        behaviour weights' (recompute_logprobs), the behaviour critic's values (PPO)."""
+        recomputed = old_values = None
+        with torch.no_grad():
+            if self.behaviour is not None:
+                recomputed = self.at_versions(self.behaviour, mb, lambda m, r: self._token_logprobs(
+                    ids[r], self._logits(ids[r], m)), "cuda")
+            if self.critic is not None:
+                old_values = self.at_versions(self.critic.behaviour, mb, lambda m, r: m(ids[r]), "cuda")
+        return self.objective.prepare(mask, server, adv, rewards, recomputed, self._ref_logprobs(ids), old_values)
+
     def accumulate(self, samples: list[TrainSample]) -> dict[str, float]:
         """Forward and backward through Megatron's schedule on this DP rank's share of the samples.
         The loss is a sum (rlctl/algos/objective.py); gradients stay in the DDP grad buffers until
@@ -267,8 +297,11 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
         acc = self._acc
 
         def forward_step(data_iterator, model):
-            ids, mask, server, adv, rewards = self._batch(next(data_iterator))
-            prep = self.objective.prepare(mask, server, adv, rewards, ref=self._ref_logprobs(ids))
+            mb = next(data_iterator)
+            ids, mask, server, adv, rewards = self._batch(mb)
+            prep = self._prepare(mb, ids, mask, server, adv, rewards)
+            if self.critic is not None:  # its own forward and backward, into its own DDP buffers
+                self.objective.value_loss(self.critic.values(ids), prep, acc).backward()
             logits = self._logits(ids)
             lp = self._token_logprobs(ids, logits)
             entropy = self._entropy(logits)
@@ -310,6 +343,7 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
         self.optimizer.zero_grad()
         if ok:
             self.version += 1
+        extra = {"critic_grad_norm": self.critic.step(normalizer, _all_finite)} if self.critic is not None else {}
         packed = torch.tensor([acc[k] for k in SUM_KEYS], device="cuda", dtype=torch.float64)
         if self.dp_size > 1:
             from megatron.core import parallel_state
@@ -317,7 +351,7 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
             dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
         stats = self.objective.finish(dict(zip(SUM_KEYS, packed.tolist())), normalizer)
         return {
-            **stats, "grad_norm": float(grad_norm or 0.0), "tokens": acc["batch_tokens"],
+            **stats, **extra, "grad_norm": float(grad_norm or 0.0), "tokens": acc["batch_tokens"],
             "samples": acc["samples"], "micro_batches": acc["micro_batches"],
             "seconds": acc["seconds"] + time.monotonic() - start, "version": float(self.version),
             "update_ok": float(bool(ok)),

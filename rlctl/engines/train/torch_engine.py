@@ -79,13 +79,6 @@ class TorchTrainEngine(PieceTraining):
         self._acc = new_accumulator()
         self.mark_behaviour(0)
 
-    def mark_behaviour(self, version: int) -> None:
-        """The servers were given the live weights as `version`: keep them for the old log-probs
-        and values of that version's samples (rlctl/engines/train/behaviour.py)."""
-        for b in (self.behaviour, self.critic.behaviour if self.critic else None):
-            if b is not None:
-                b.mark(int(version))
-
     def _batch_tensors(self, samples: list[TrainSample]):
         """Right-padded ids, attention mask, response mask, behaviour logprobs, advantages, rewards."""
         ids, mask, old, adv, lengths, rewards = padded_batch(samples, self.pad_id)
@@ -106,29 +99,17 @@ class TorchTrainEngine(PieceTraining):
             out.append(lp[i, start : start + len(s.response_ids)].tolist())
         return out
 
-    def _at_versions(self, behaviour: Behaviour, samples: list[TrainSample], fn) -> torch.Tensor:
-        """fn(module, rows) for each weight version among the samples, under that version's
-        weights, gathered back into one [B, T-1] tensor."""
-        out = None
-        for v in sorted({s.weight_version for s in samples}):
-            rows = torch.tensor([i for i, s in enumerate(samples) if s.weight_version == v], device=self.device)
-            part = fn(behaviour.module_at(v, self.version), rows)
-            out = torch.zeros((len(samples), *part.shape[1:]), device=self.device) if out is None else out
-            out[rows] = part
-        assert out is not None
-        return out
-
     def _prepare(self, mb: list[TrainSample], ids, attn, mask, server, adv, rewards) -> Prepared:
         """The micro-batch's fixed loss inputs: recomputed old log-probs, the reference model's,
         the critic's old values (all without gradients)."""
         recomputed = ref = old_values = None
         with torch.no_grad():
             if self.behaviour is not None:
-                recomputed = self._at_versions(self.behaviour, mb, lambda m, r: self._scores(m, ids[r], attn[r]))
+                recomputed = self.at_versions(self.behaviour, mb, lambda m, r: self._scores(m, ids[r], attn[r]), self.device)
             if self.ref_model is not None:
                 ref = self._scores(self.ref_model, ids, attn)
             if self.critic is not None:
-                old_values = self._at_versions(self.critic.behaviour, mb, lambda m, r: m(ids[r], attn[r]))
+                old_values = self.at_versions(self.critic.behaviour, mb, lambda m, r: m(ids[r], attn[r]), self.device)
         return self.objective.prepare(mask, server, adv, rewards, recomputed, ref, old_values)
 
     def _reward_kl(self, samples: list[TrainSample]) -> list[float]:
