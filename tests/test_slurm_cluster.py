@@ -5,11 +5,13 @@ others, so the weight broadcast and every HTTP call cross hosts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -184,6 +186,30 @@ def test_cancel_leaves_no_process_on_any_node_and_resume_submits_again(tmp_path)
     assert (rd.logs / "attempt-2" / "controller.log").is_file()
 
 
+@contextlib.contextmanager
+def released_when_requeued(job_id: str):
+    """Slurm holds a requeued job until a begin time about two minutes on (reason BeginTime); the
+    job's own requeue is what is tested, not that wait, so the test lets it start at once."""
+    done = threading.Event()
+    released: list[str] = []
+
+    def watch() -> None:
+        while not done.wait(2.0):
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True).stdout
+            if any(line.startswith("PENDING|BeginTime") for line in out.splitlines()):
+                res = subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True,
+                                     text=True)
+                released.append(res.stderr.strip() or "ok")
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield released
+    finally:
+        done.set()
+        thread.join()
+
+
 @pytest.mark.timeout(900)
 def test_the_time_limit_checkpoints_and_requeues_until_the_run_completes(tmp_path):
     """slurm.time=2 (minutes) with the warning 50 s before it: Slurm looks at time limits every
@@ -197,7 +223,8 @@ def test_the_time_limit_checkpoints_and_requeues_until_the_run_completes(tmp_pat
     rd = launch(tmp_path, f"run.steps={steps}", "rollout.batch_size=64", "slurm.time=2", "slurm.signal_before_s=50",
                 detach=True)
     job_id = rd.read()["slurm"]["job_id"]
-    wait_for(lambda: rd.read()["state"] in ("completed", "failed", "cancelled"), 720, "the run to end")
+    with released_when_requeued(job_id):
+        wait_for(lambda: rd.read()["state"] in ("completed", "failed", "cancelled"), 720, "the run to end")
     info = rd.read()
     assert info["state"] == "completed", info.get("exit_reason")
     attempts = status_json(tmp_path, rd.id)["attempts"]
