@@ -1,5 +1,5 @@
-"""End to end: PPO on the quickstart learns, in sync and in rolloutpipe (a complete sample is all
-GAE needs), and its critic's value loss falls; and the other algo knobs run through a real run."""
+"""End to end: PPO on the quickstart learns in rolloutpipe (a complete sample is all GAE needs) and
+its critic's value loss falls; and the other algo knobs run through a real run."""
 
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ def mean(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
-@pytest.mark.parametrize("mode", ["sync", "rolloutpipe"])
-def test_ppo_on_the_quickstart_learns_and_its_value_loss_falls(tmp_path, mode):
-    # 80 of the quickstart's 100 steps (4 optimizer steps each): PPO reaches 0.55-0.7 by step 50, noisily.
-    m = run(tmp_path, "algo.name=ppo", f"pipeline.mode={mode}", "pipeline.admission=frontier", "run.steps=80")
+def test_ppo_on_the_quickstart_learns_and_its_value_loss_falls(tmp_path):
+    """rolloutpipe: groups streamed to the trainer, 4 optimizer steps per rollout batch, so the
+    later ones read the critic's and policy's behaviour copies. (sync, the same but for streaming,
+    learns as well; run by hand, it is left out here to keep the suite's time.)"""
+    # 80 of the quickstart's 100 steps: PPO reaches 0.55-0.7 by step 50, noisily.
+    m = run(tmp_path, "algo.name=ppo", "pipeline.mode=rolloutpipe", "pipeline.admission=frontier", "run.steps=80")
     assert len(m) == 80
     first, last = m[:3], m[-10:]
     assert mean(last, "reward_mean") - mean(first, "reward_mean") >= 0.3, [round(r["reward_mean"], 3) for r in m]
