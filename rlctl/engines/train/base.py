@@ -98,7 +98,7 @@ def new_accumulator() -> dict[str, float]:
     batch_tokens and samples, which count every rank's (each rank sees the whole piece)."""
     from rlctl.algos.objective import SUM_KEYS
 
-    return dict.fromkeys((*SUM_KEYS, "batch_tokens", "samples", "micro_batches", "seconds", "is_weight_max"), 0.0)
+    return dict.fromkeys((*SUM_KEYS, "batch_tokens", "samples", "micro_batches", "seconds"), 0.0)
 
 
 def with_group_advantages(samples: list[TrainSample], kl_sums: list[float], kl_coef: float,

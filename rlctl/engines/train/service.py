@@ -235,8 +235,9 @@ class TrainerService:
             weights = await self._run(self._weights)
             stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"),
                                            producer=self.worker)
-            # Every rank keeps what the servers now hold, for the old log-probs and values of its samples.
-            await self._run(self._command, "mark_behaviour", int(body["version"]))
+            if getattr(self.engine, "behaviour", None) is not None or getattr(self.engine, "critic", None) is not None:
+                # Every rank keeps what the servers now hold, for the old log-probs and values of its samples.
+                await self._run(self._command, "mark_behaviour", int(body["version"]))
         except RunError as e:  # released weights, a server's refusal or a failed broadcast: the controller reports why
             return refused(str(e))
         finally:
