@@ -11,14 +11,13 @@ come from behaviour copies, as the policy's old log-probs do (rlctl/engines/trai
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 from rlctl.engines.train import ckpt_files
 from rlctl.engines.train.behaviour import Behaviour
-from rlctl.engines.train.torch_grads import average_gradients
+from rlctl.engines.train.torch_grads import optimizer_step
 
 
 class ValueModel(torch.nn.Module):
@@ -46,15 +45,9 @@ class Critic:
         self.behaviour = Behaviour(self.model, keep, "critic")
 
     def step(self, normalizer: float) -> float:
-        """The critic's optimizer step on its accumulated gradients; returns the gradient norm."""
-        params = list(self.model.parameters())
-        average_gradients(params, self.world_size, normalizer)
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
-        if math.isfinite(norm):
-            self.optimizer.step()
-        else:  # as the policy's: a non-finite gradient is not applied
-            self.zero_grad()
-        return norm
+        """The critic's optimizer step on its accumulated gradients (skipped, as the policy's, when
+        they are not finite); returns the gradient norm."""
+        return optimizer_step(self.model, self.optimizer, self.world_size, normalizer, self.grad_clip)[1]
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

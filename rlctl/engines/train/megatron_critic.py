@@ -14,12 +14,12 @@ from behaviour copies held in a second, frozen critic (rlctl/engines/train/behav
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
 
 from rlctl.engines.train.behaviour import Behaviour
+from rlctl.engines.train.megatron_engine import optimizer_step, wrap_for_training
 
 
 def _value_model_class():
@@ -51,11 +51,8 @@ def _value_model_class():
 
 class MegatronCritic:
     def __init__(self, engine: Any, hf_cfg: Any, hf_state: dict[str, torch.Tensor], lr: float, keep: int) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         self.engine = engine
-        self.config = copy.copy(engine.tconfig)  # its own no_sync and grad-scale hooks, below
+        self.config = copy.copy(engine.tconfig)  # its own no_sync and grad-scale hooks
         cls = _value_model_class()
 
         def build():
@@ -64,18 +61,7 @@ class MegatronCritic:
             return cls(self.config, backbone, hf_state["model.norm.weight"], hf_cfg.rms_norm_eps)
 
         self.model = build()
-        self.ddp = DistributedDataParallel(
-            self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
-                                                       overlap_grad_reduce=False), module=self.model)
-        cfg = engine.cfg
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=lr, weight_decay=cfg.weight_decay, bf16=engine.dtype == torch.bfloat16,
-                            params_dtype=engine.dtype, use_distributed_optimizer=True, clip_grad=cfg.grad_clip,
-                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8),
-            [self.ddp])
-        self.config.finalize_model_grads_func = None
-        self.config.no_sync_func = self.ddp.no_sync
-        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.ddp, self.optimizer = wrap_for_training(self.model, self.config, engine.cfg, engine.dtype, lr)
         self.behaviour = Behaviour(self.model, keep, "critic", shadow=build().eval().requires_grad_(False))
         self.ddp.zero_grad_buffer()
 
@@ -84,17 +70,7 @@ class MegatronCritic:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         return self.ddp(ids, positions, None)
 
-    def step(self, normalizer: float, finite) -> float:
-        """Reduce over DP, scale to the batch's normalizer, step (skipped, like the policy's, when a
-        gradient is not finite); returns the gradient norm."""
-        from megatron.core.distributed import finalize_model_grads
-
-        finalize_model_grads([self.ddp])
-        self.ddp.scale_gradients(self.engine.dp_size / normalizer)
-        norm = float("nan")
-        if finite(p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None):
-            _, grad_norm, _ = self.optimizer.step()
-            norm = float(grad_norm if grad_norm is not None and math.isfinite(grad_norm) else float("nan"))
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        return norm
+    def step(self, normalizer: float) -> float:
+        """The critic's optimizer step (skipped, like the policy's, when a gradient is not finite);
+        returns the gradient norm."""
+        return optimizer_step(self.model, self.ddp, self.optimizer, self.engine.dp_size / normalizer)[1]

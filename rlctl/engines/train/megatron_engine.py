@@ -168,25 +168,8 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
         ).cuda()
 
     def _wrap_for_training(self, model: GPTModel) -> None:
-        """Megatron's DDP with the distributed optimizer around the loaded model."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        cfg, bf16 = self.cfg, self.dtype == torch.bfloat16
-        self.ddp = DistributedDataParallel(
-            self.tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
-                                                        overlap_grad_reduce=False), module=model)
         self.model = model
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, bf16=bf16,
-                            params_dtype=self.dtype, use_distributed_optimizer=True, clip_grad=cfg.grad_clip,
-                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8),
-            [self.ddp])
-        # Gradients are reduced once per optimizer step, in step(), not at the end of every
-        # forward-backward call: a train batch may arrive in several accumulate() calls.
-        self.tconfig.finalize_model_grads_func = None
-        self.tconfig.no_sync_func = self.ddp.no_sync
-        self.tconfig.grad_scale_func = self.optimizer.scale_loss
+        self.ddp, self.optimizer = wrap_for_training(model, self.tconfig, self.cfg, self.dtype, self.cfg.lr)
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -320,30 +303,18 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
                 micro_batch_size=max(len(m) for m in micro), forward_only=False)
         return self._piece_done(samples, micro, start)
 
-    def _gradients_finite(self) -> bool:
-        """Every rank's reduced gradients are finite (a NaN anywhere reaches its shard's owner)."""
-        return _all_finite(p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None)
-
     def step(self) -> dict[str, float]:
         """Reduce the accumulated gradients over DP ranks (Megatron's finalize: reduce-scatter for
         the distributed optimizer, scaled by 1/dp), rescale them to the batch's loss normalizer,
         and take the optimizer step. A step whose gradients are not finite anywhere is skipped on every
         rank (weights, optimizer state and version stay; update_ok 0)."""
-        from megatron.core.distributed import finalize_model_grads
-
         start = time.monotonic()
         acc, self._acc = self._acc, new_accumulator()
         normalizer = loss_normalizer(self.algo.loss_agg, acc["batch_tokens"], acc["samples"])
-        finalize_model_grads([self.ddp])
-        self.ddp.scale_gradients(self.dp_size / normalizer)
-        ok, grad_norm = False, float("nan")
-        if self._gradients_finite():  # without loss scaling (bf16, fp32) Megatron would apply a NaN
-            ok, grad_norm, _ = self.optimizer.step()
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        ok, grad_norm = optimizer_step(self.model, self.ddp, self.optimizer, self.dp_size / normalizer)
         if ok:
             self.version += 1
-        extra = {"critic_grad_norm": self.critic.step(normalizer, _all_finite)} if self.critic is not None else {}
+        extra = {"critic_grad_norm": self.critic.step(normalizer)} if self.critic is not None else {}
         packed = torch.tensor([acc[k] for k in SUM_KEYS], device="cuda", dtype=torch.float64)
         if self.dp_size > 1:
             from megatron.core import parallel_state
@@ -351,11 +322,49 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
             dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
         stats = self.objective.finish(dict(zip(SUM_KEYS, packed.tolist())), normalizer)
         return {
-            **stats, **extra, "grad_norm": float(grad_norm or 0.0), "tokens": acc["batch_tokens"],
+            **stats, **extra, "grad_norm": grad_norm, "tokens": acc["batch_tokens"],
             "samples": acc["samples"], "micro_batches": acc["micro_batches"],
             "seconds": acc["seconds"] + time.monotonic() - start, "version": float(self.version),
             "update_ok": float(bool(ok)),
         }
+
+
+def wrap_for_training(model, config: TransformerConfig, cfg: TrainConfig, dtype: torch.dtype, lr: float):
+    """(Megatron's DDP around `model`, its distributed optimizer) with `config`'s hooks set so that
+    gradients are reduced once per optimizer step, in optimizer_step(), not at the end of every
+    forward-backward call: a train batch may arrive in several accumulate() calls."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=cfg.weight_decay, bf16=dtype == torch.bfloat16,
+                        params_dtype=dtype, use_distributed_optimizer=True, clip_grad=cfg.grad_clip,
+                        adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8),
+        [ddp])
+    config.finalize_model_grads_func = None
+    config.no_sync_func = ddp.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return ddp, optimizer
+
+
+def optimizer_step(model, ddp, optimizer, scale: float) -> tuple[bool, float]:
+    """Reduce the accumulated gradients over DP ranks (Megatron's finalize: reduce-scatter for the
+    distributed optimizer, scaled by 1/dp), multiply them by `scale` and take the step; returns
+    (whether the weights were updated, the gradient norm). A step whose gradients are not finite on
+    some rank is skipped on every rank: without loss scaling (bf16, fp32) Megatron would apply it."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp])
+    ddp.scale_gradients(scale)
+    ok, norm = False, float("nan")
+    if _all_finite(p.main_grad for p in model.parameters() if getattr(p, "main_grad", None) is not None):
+        ok, grad_norm, _ = optimizer.step()
+        norm = float(grad_norm or 0.0)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    return bool(ok), norm
 
 
 def _all_finite(tensors, group=None) -> bool:

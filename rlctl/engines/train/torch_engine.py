@@ -25,7 +25,6 @@ reference model's) and the gradients held, tag `optimizer` the AdamW state
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,7 +39,7 @@ from rlctl.engines.memory import Gradients, MemoryTags, ModelWeights, OptimizerS
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.engines.train.behaviour import Behaviour
 from rlctl.engines.train.critic import Critic
-from rlctl.engines.train.torch_grads import average_gradients
+from rlctl.engines.train.torch_grads import optimizer_step
 from rlctl.errors import RunError
 from rlctl.engines.weightsync.flat import flatten_parameters
 from rlctl.recipe import AlgoConfig, KlIn, TrainConfig
@@ -158,15 +157,9 @@ class TorchTrainEngine(PieceTraining):
         if not acc["samples"]:
             self._zero_grad()  # nothing accumulated: no stale gradients
         normalizer = loss_normalizer(self.algo.loss_agg, acc["batch_tokens"], acc["samples"])
-        params = list(self.model.parameters())
-        average_gradients(params, self.world_size, normalizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        ok = math.isfinite(grad_norm)  # the same on every rank: the gradients were all-reduced
+        ok, grad_norm = optimizer_step(self.model, self.optimizer, self.world_size, normalizer, self.cfg.grad_clip)
         if ok:
-            self.optimizer.step()
             self.version += 1
-        else:  # a NaN or inf gradient (a NaN reward, an overflow): skip the step, keep the weights
-            self.optimizer.zero_grad(set_to_none=True)
         extra = {"critic_grad_norm": self.critic.step(normalizer)} if self.critic is not None else {}
         packed = torch.tensor([acc[k] for k in SUM_KEYS], device=self.device, dtype=torch.float64)
         if self.world_size > 1:

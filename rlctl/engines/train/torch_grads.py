@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -19,3 +21,19 @@ def average_gradients(params: list[torch.nn.Parameter], world_size: int, divisor
     for p in params:
         if p.grad is not None:
             p.grad.div_(divisor)
+
+
+def optimizer_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int, divisor: float,
+                   grad_clip: float) -> tuple[bool, float]:
+    """Average the module's gradients (average_gradients), clip their norm and step; returns
+    (whether the step was taken, the norm before clipping). A non-finite norm (a NaN reward, an
+    overflow) skips the step, the same on every rank since the gradients were all-reduced."""
+    params = list(module.parameters())
+    average_gradients(params, world_size, divisor)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    ok = math.isfinite(norm)
+    if ok:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    return ok, norm
