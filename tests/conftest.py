@@ -62,6 +62,15 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def rejoined(rd, server: str):
+    """`server`'s server_rejoined event in run `rd`, or None while it has not; a run that ended
+    meanwhile fails the wait at once, with the run's own reason."""
+    event = next((e for e in rd.events() if e["event"] == "server_rejoined" and e["server"] == server), None)
+    if event is None and (info := rd.read())["state"] in ("completed", "failed", "cancelled"):
+        raise AssertionError(f"the run ended ({info['state']}: {info.get('exit_reason')}) before {server} rejoined")
+    return event
+
+
 def wait_http(url: str, timeout: float = 120.0) -> None:
     import urllib.request
 
@@ -93,6 +102,7 @@ def start_server(tiny_model_dir, tmp_path):
         wait_http(url + "/health")
         return url
 
+    start.procs = procs  # type: ignore[attr-defined]  # a test may kill one
     yield start
     for p in procs:
         p.kill()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, REPO, rlctl, wait_for
+from conftest import FAST, QUICKSTART, REPO, rejoined, rlctl, wait_for
 from rlctl.door import bearer, read_token
 from rlctl.rundir import RunDir, pid_alive, read_jsonl
 
@@ -127,7 +127,7 @@ def test_a_killed_server_comes_back_and_a_killed_trainer_fails_only_its_run(pool
 
     # The pool starts the server again on its device (warm too); a's controller gives it the
     # weights when it is back, and a goes on.
-    back = wait_for(lambda: next((e for e in a.events() if e["event"] == "server_rejoined"), None), 300,
+    back = wait_for(lambda: rejoined(a, "rollout-1"), 300,
                     "rollout-1 to rejoin")  # a warm start, then the next sync: a minute or more on a loaded 2-core CI
     assert back["server"] == "rollout-1"
     said = [e["event"] for e in a.events() if e.get("role") == "rollout-1"]

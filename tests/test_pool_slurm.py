@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, wait_for
+from conftest import FAST, QUICKSTART, processes_mentioning, rejoined, rlctl, wait_for
 from rlctl.rundir import RunDir, read_jsonl
 
 if not os.environ.get("RLCTL_SLURM_TESTS"):
@@ -103,7 +103,7 @@ def test_runs_attach_to_a_pool_on_slurm_and_their_engines_run_on_its_nodes(pool,
     # One run's server step killed on its node: the pool starts it again there, as a new step.
     step = killed.read()["processes"]["rollout-1"]["slurm_step"]
     subprocess.run(["scancel", "--signal=KILL", step], check=True, capture_output=True)
-    wait_for(lambda: any(e["event"] == "server_rejoined" for e in killed.events()), 120, "rollout-1 to rejoin")
+    wait_for(lambda: rejoined(killed, "rollout-1"), 120, "rollout-1 to rejoin")
     again = killed.read()["processes"]["rollout-1"]
     assert again["slurm_step"] != step and again["host"] == placed_node(killed, "rollout-1"), again
     # Its trainer's step killed: that run fails, saying which engine; the other goes on.

@@ -126,6 +126,53 @@ def test_weight_broadcast_to_two_servers_is_bit_exact(start_server, tiny_model_d
     asyncio.run(scenario())
 
 
+def test_a_sync_cut_by_a_dead_server_leaves_the_others_ready_for_the_next(start_server, tiny_model_dir):
+    """A server dies in the middle of a sync, after the others opened their update sessions: the
+    failed sync closes them, so the sync done again without the dead server is not refused
+    ("a weight-update session is already open", as SGLang says) and gives the living one every
+    weight. The failover path (rlctl/failover.py) does exactly this."""
+    from transformers import AutoModelForCausalLM
+
+    urls = [start_server(seed=0), start_server(seed=1)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    weights = [(n, p.detach()) for n, p in model.named_parameters()]
+    expected = {n: tensor_sha256(t) for n, t in model.state_dict().items()}
+
+    def killing_on_read(k: int):
+        """The weights, read lazily; reading the k-th kills the second server (the first buckets,
+        and every begin_weight_update, are behind us by then)."""
+        for i, item in enumerate(weights):
+            if i == k:
+                start_server.procs[1].kill()
+                start_server.procs[1].wait()
+            yield item
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            clients = [RolloutClient(u, s) for u in urls]
+            sender = WeightSender(clients, master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                                  bucket_bytes=4 * 1024)
+            await sender.connect()
+            with pytest.raises(RunError):
+                await sender.send(killing_on_read(6), version="1")
+            await sender.close()
+            again = WeightSender(clients[:1], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                                 bucket_bytes=4 * 1024)
+            await again.connect()
+            stats = await again.send(weights, version="2")
+            assert stats.buckets > 6
+            assert (await clients[0].weight_checksums())["checksums"] == expected
+            assert await clients[0].weight_version() == "2"
+            out = await clients[0].generate([1, 22], SamplingRequest(max_new_tokens=2), "after")
+            assert out.weight_version == "2"
+            await again.close()
+
+    asyncio.run(scenario())
+
+
 def test_update_outside_session_is_refused(start_server, tiny_model_dir):
     url = start_server()
 

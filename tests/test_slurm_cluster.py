@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, wait_for
+from conftest import FAST, QUICKSTART, processes_mentioning, rejoined, rlctl, wait_for
 from rlctl.checkpoint import list_checkpoints
 from rlctl.rundir import RunDir
 
@@ -126,8 +126,7 @@ def test_killed_and_frozen_rollout_servers_are_restarted_on_their_nodes_and_the_
         back = wait_for(lambda: (p := rd.read()["processes"][role])["pid"] != old["pid"] and p, 60,
                         f"{role} to be started again")
         assert back["host"] == old["host"] and back["slurm_step"] != old["slurm_step"]  # its node, a new step
-        wait_for(lambda: any(e["event"] == "server_rejoined" and e["server"] == role for e in rd.events()), 60,
-                 f"{role} to rejoin")
+        wait_for(lambda: rejoined(rd, role), 60, f"{role} to rejoin")
         return back
 
     killed = rd.read()["processes"]["rollout-1"]

@@ -98,6 +98,8 @@ class WeightSender:
         self.group = None
         self.broken = False
         self.session_needed: list[bool] = []
+        self.open_sessions: list = []
+        """Servers whose update session this sync opened and has not closed yet."""
         self.world_size = 0
         self.rank_offsets: list[int] = []
         self.tp_sizes: list[int] = []
@@ -193,6 +195,7 @@ class WeightSender:
             if upcoming is not None:
                 await asyncio.gather(upcoming, return_exceptions=True)
             await asyncio.gather(loop.run_in_executor(producer, maker.drain), return_exceptions=True)
+            await self._abandon()
             raise
         await self._finish(everyone, in_session, version, buckets)
         return SyncStats(time.monotonic() - start, nbytes, buckets, tensors)
@@ -200,13 +203,32 @@ class WeightSender:
     async def _begin(self, everyone: list, in_session: list, pause_mode: str) -> None:
         await asyncio.gather(*(c.pause_generation(pause_mode) for c in everyone))
         await asyncio.gather(*(c.flush_cache() for c in everyone))
-        await asyncio.gather(*(c.begin_weight_update() for c in in_session))
+        opened = await asyncio.gather(*(c.begin_weight_update() for c in in_session), return_exceptions=True)
+        self.open_sessions = [c for c, r in zip(in_session, opened, strict=True) if not isinstance(r, BaseException)]
+        for r in opened:
+            if isinstance(r, BaseException):
+                raise r
 
     async def _finish(self, everyone: list, in_session: list, version: str, buckets: int) -> None:
         if buckets == 0:
             await asyncio.gather(*(c.update_weight_version(version) for c in everyone))
         await asyncio.gather(*(c.end_weight_update() for c in in_session))
+        self.open_sessions = []
         await asyncio.gather(*(c.continue_generation() for c in everyone))
+
+    async def _abandon(self) -> None:
+        """After a failed sync, close the update sessions it opened: a server keeps its session
+        open otherwise, and refuses the next sync's begin_weight_update (SGLang does: a second
+        begin fails with "a weight-update session is already open"). The servers stay paused:
+        their weights may be half new, and only a whole sync may let them generate again. A
+        server that does not answer is left as it is; it is lost, or it will be."""
+        opened, self.open_sessions = self.open_sessions, []
+        if opened:
+            ends = asyncio.gather(*(c.end_weight_update() for c in opened), return_exceptions=True)
+            try:
+                await asyncio.wait_for(ends, CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                pass
 
     async def _send_bucket(self, bucket: Bucket, version: str | None) -> None:
         """Announce one bucket to every server, send it, and wait for every reply; the first
