@@ -43,7 +43,8 @@ class Layer(enum.IntEnum):
     ENGINES: the rollout and train engines, their HTTP clients and services, weight sync.
     SCHEDULING: the pipeline modes over the engines' interfaces (rlctl.pipelines), and the shared
     pool's placement and time slicing of several runs' calls (rlctl.plex).
-    SIMULATION: the same scheduler over simulated engines in virtual time (rlctl.sim).
+    SIMULATION: the same scheduler over simulated engines in virtual time (rlctl.sim), and the
+      placement planner that prices steps on the same cost model (rlctl.planner).
     ORCHESTRATION: what puts the pieces together into a running run and watches it: the
       launchers (local and Slurm), the worker entry point of every process, the controller, and
       the status of runs (which asks the Slurm launcher about live jobs).
@@ -71,6 +72,7 @@ LAYERS: dict[str, Layer] = {
     "rlctl.failover": Layer.ORCHESTRATION,
     "rlctl.status": Layer.ORCHESTRATION,
     "rlctl.sim": Layer.SIMULATION,
+    "rlctl.planner": Layer.SIMULATION,
     "rlctl.pipelines": Layer.SCHEDULING,
     "rlctl.plex": Layer.SCHEDULING,
     "rlctl.engines": Layer.ENGINES,

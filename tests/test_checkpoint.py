@@ -203,7 +203,7 @@ def simulated(recipe):
     from rlctl.pipelines.scoring import inline_scorer
     from rlctl.sim.engines import SimRollout, SimTrainer
     from rlctl.sim.loop import VirtualClock
-    from rlctl.sim.run import cost_model
+    from rlctl.planner.costs import cost_model
 
     cost = cost_model(recipe)
     servers = [SimRollout(f"rollout-{i}", cost, recipe.rollout.max_running_requests) for i in range(4)]

@@ -136,14 +136,23 @@ def test_model_shape() -> None:
 def test_cost_model_formulas() -> None:
     cost = CostModel(H200, M7, gpus_per_server=2, trainer_gpus=8)
     kv = 2048 * M7.kv_bytes_per_token
+    layers = (7e9 / (12 * 128**2)) ** (1 / 3)
+    hidden = 128 * layers
+
+    def tp2(batch):  # two all-reduces per layer of the batch's bf16 hidden states between 2 GPUs
+        return 2 * layers * (1e-5 + 2 * (1 / 2) * batch * hidden * 2 / 450e9)
+
     # Small batches: memory-bound, weights read once per step, plus each request's KV cache.
-    assert cost.decode_step_seconds(1) == pytest.approx((14e9 + kv) / (4.8e12 * 0.7 * 2))
-    assert cost.decode_step_seconds(64) == pytest.approx((14e9 + 64 * kv) / (4.8e12 * 0.7 * 2))
+    assert cost.decode_step_seconds(1) == pytest.approx((14e9 + kv) / (4.8e12 * 0.7 * 2) + tp2(1))
+    assert cost.decode_step_seconds(64) == pytest.approx((14e9 + 64 * kv) / (4.8e12 * 0.7 * 2) + tp2(64))
     # Short contexts and large batches: compute-bound.
     short = CostModel(H200, M7, mean_context_tokens=1, decode_step_overhead_s=0.001)
     assert short.decode_step_seconds(4096) == pytest.approx(2 * 7e9 * 4096 / (989e12 * 0.5) + 0.001)
     assert cost.prefill_seconds(1000) == pytest.approx(2 * 7e9 * 1000 / (989e12 * 0.5 * 2))
-    assert cost.train_seconds(10**6) == pytest.approx(6 * 7e9 * 1e6 / (989e12 * 0.4 * 8))
+    # 8 data-parallel ranks: the compute, then a ring all-reduce of 7e9 fp32 gradients.
+    allreduce = 2 * 7 / 8 * 4 * 7e9 / 50e9
+    assert cost.train_seconds(10**6) == pytest.approx(6 * 7e9 * 1e6 / (989e12 * 0.4 * 8) + allreduce)
+    assert cost.train_seconds(10**6, step=False) == pytest.approx(6 * 7e9 * 1e6 / (989e12 * 0.4 * 8))
     assert CostModel(H200, M7, train_step_overhead_s=2.0).train_seconds(0) == 2.0
     assert cost.broadcast_seconds() == pytest.approx(14e9 / (50e9 * 0.8))
     assert cost.kv_capacity_tokens() == int((141e9 * 2 * 0.9 - 14e9) / M7.kv_bytes_per_token)

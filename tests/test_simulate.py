@@ -78,7 +78,8 @@ def test_calibration_recovers_the_knobs_that_made_the_events(tiny_model_dir, mod
     truth = [f"sim.params_b={model_parameters(str(tiny_model_dir)) / 1e9}", "sim.gpu=cpu", "sim.rollout_gpus=2",
              "sim.trainer_gpus=1", "sim.prompt_tokens=12", "sim.context_tokens=16",
              f"sim.layers={config['num_hidden_layers']}", f"sim.kv_dim={config['num_key_value_heads'] * config['head_dim']}",
-             "sim.decode_step_overhead_s=0.01", "sim.mfu_train=0.3", "rollout.sampling.max_new_tokens=4"]
+             "sim.decode_step_overhead_s=0.01", "sim.mfu_train=0.3", "sim.layer_launch_s=0",
+             "rollout.sampling.max_new_tokens=4"]
     pipeline = [f"pipeline.mode={mode}", "pipeline.admission=frontier", "rollout.concurrency=4"]
     quick = REPO / "recipes" / "quickstart.yaml"
     recipe = load_recipe(quick, ["run.steps=3", *truth, *pipeline], check_paths=False)
@@ -112,3 +113,24 @@ def test_a_recipe_without_a_sim_section_is_refused_unless_defaults_are_asked_for
     res = rlctl("simulate", str(QUICKSTART), "run.steps=2", "--no-save", "sim.params_b=7", cwd=tmp_path)
     assert res.returncode == 0 and "model 7B" in res.stdout and "overridden: sim.params_b" in res.stdout
     assert all(len(line) <= 80 for line in res.stdout.splitlines()[:6])
+
+
+def test_calibration_tells_a_call_from_an_optimizer_step(tiny_model_dir):
+    """Streamed groups of different lengths: accumulate calls pay the per-call cost only, the
+    final call of a batch the step too; both come back, with the per-token cost."""
+    import json as _json
+
+    from rlctl.sim.calibrate import calibrate, model_parameters
+
+    config = _json.loads((tiny_model_dir / "config.json").read_text())
+    truth = [f"sim.params_b={model_parameters(str(tiny_model_dir)) / 1e9}", "sim.gpu=cpu", "sim.rollout_gpus=2",
+             "sim.trainer_gpus=1", "sim.prompt_tokens=12", f"sim.layers={config['num_hidden_layers']}",
+             "sim.mfu_train=0.3", "sim.layer_launch_s=0.001", "sim.train_step_overhead_s=0.004",
+             "rollout.sampling.max_new_tokens=64", "rollout.sampling.long_tail.enabled=true",
+             "pipeline.mode=rolloutpipe", "pipeline.admission=frontier", "rollout.concurrency=4"]
+    events = simulate_run(load_recipe(REPO / "recipes" / "quickstart.yaml", ["run.steps=3", *truth],
+                                      check_paths=False)).events
+    knobs = calibrate(events, str(tiny_model_dir), servers=2, trainer_ranks=1, long_tail=True)
+    assert knobs["sim.layer_launch_s"] == pytest.approx(0.001, rel=0.05)
+    assert knobs["sim.train_step_overhead_s"] == pytest.approx(0.004, rel=0.05)
+    assert knobs["sim.mfu_train"] == pytest.approx(0.3, rel=0.05)

@@ -80,8 +80,8 @@ def _sim_source(recipe: Path, overrides: list[str], fitted: list[str], defaults_
     overridden = [o.split("=")[0] for o in overrides if o.startswith("sim.")]
     if not (has_section or overridden or fitted or defaults_ok):
         raise UsageError(f"{recipe}: no sim: section, so nothing says what cluster and model to price; add one "
-                         "(see recipes/sim-1024gpu.yaml), set sim.* keys, or pass --sim-defaults (a 1.7B model "
-                         "on 8 + 8 H200s)")
+                         "(see recipes/sim-1024gpu.yaml), set sim.* keys, or pass --sim-defaults (the recipe's "
+                         "model on 8 + 8 H200s)")
     parts = [f"the sim: section of {recipe}"] if has_section else ["the sim: defaults"]
     parts += [f"overridden: {', '.join(overridden)}"] if overridden else []
     parts += [f"calibrated: {', '.join(f.split('=')[0] for f in fitted)}"] if fitted else []
@@ -114,6 +114,7 @@ def simulate(
         print(render_pool(simulate_pool(spec)))
         return
 
+    from rlctl.planner.costs import cost_model
     from rlctl.recipe import load_recipe
     from rlctl.rundir import find_run
     from rlctl.sim.run import simulate_into_run_dir, simulate_run
@@ -127,7 +128,8 @@ def simulate(
         fitted = [f"{k}={v}" for k, v in knobs.items()]
         print(f"calibrated on {measured.id}: " + " ".join(f"{k}={_shown(v)}" for k, v in knobs.items()))
     where = _sim_source(recipe, list(overrides or []), fitted, sim_defaults)
-    r = load_recipe(recipe, [*fitted, *(overrides or [])], check_paths=False)
+    default_size = ["sim.params_b=1.7"] if where.endswith("the sim: defaults") else []  # not the recipe's model
+    r = load_recipe(recipe, [*default_size, *fitted, *(overrides or [])], check_paths=False)
     rd = None
     if save:
         rd, result = simulate_into_run_dir(r, recipe, list(overrides or []))
@@ -137,7 +139,7 @@ def simulate(
     samples = r.rollout.batch_size * r.rollout.group_size
     print(f"simulated {r.run.steps} steps of {r.pipeline.mode} ({r.pipeline.admission} admission) "
           f"in {result.wall_seconds:.2f} s of wall time")
-    print(f"  model {sim.params_b:g}B; {sim.gpu} GPUs: {sim.rollout_gpus} rollout (tp {sim.tp}) + "
+    print(f"  model {cost_model(r).model.params / 1e9:.4g}B; {sim.gpu} GPUs: {sim.rollout_gpus} rollout (tp {sim.tp}) + "
           f"{sim.trainer_gpus} trainer")
     print(f"  per step: {r.rollout.batch_size} groups x {r.rollout.group_size} = {samples} samples asked")
     print(f"  cost model (rlctl/sim/cost.py: durations priced, not measured):{where}")

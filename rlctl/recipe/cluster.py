@@ -19,8 +19,9 @@ _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
 # task 4,096, servers per node 64, the health timeout a week; the simulated cluster 65,536 GPUs
 # per side, tp 64, 2^20 tokens of prompt or context, models of 100,000 B parameters.
 NODE_BOUNDS = {"nodes": 16_384, "gpus_per_node": 64, "cpus_per_task": 4096, "servers_per_node": 64}
-SIM_BOUNDS = {"rollout_gpus": 65_536, "trainer_gpus": 65_536, "tp": 64, "prompt_tokens": 1 << 20,
-              "context_tokens": 1 << 20, "params_b": 100_000.0, "layers": 1024, "kv_dim": 1 << 20}
+SIM_BOUNDS = {"rollout_gpus": 65_536, "trainer_gpus": 65_536, "tp": 64, "train_tp": 64, "train_pp": 1024,
+              "prompt_tokens": 1 << 20, "context_tokens": 1 << 20, "params_b": 100_000.0, "layers": 1024,
+              "kv_dim": 1 << 20, "hidden": 1 << 20, "vocab": 1 << 24}
 # sbatch flags the batch script sets itself: a recipe may not override them.
 _SBATCH_MANAGED_FLAGS = ("--job-name", "-J", "--output", "-o", "--error", "-e", "--nodes", "-N", "--het-group")
 
@@ -203,19 +204,31 @@ class SimConfig(Section):
 
     gpu: GpuKind = GpuKind.H200
     """h200 | h100 | a100 | cpu"""
-    params_b: float = 1.7
-    """Model size in billions of parameters (bf16)."""
+    params_b: float = 0.0
+    """Model size in billions of parameters (bf16); 0 = the recipe's own model (model.init, or the
+    config.json at model.path), or 1.7 when neither is there."""
     rollout_gpus: int = 8
     trainer_gpus: int = 8
     tp: int = 1
     """GPUs per rollout server; the simulation has rollout_gpus / tp servers."""
+    train_tp: int = 1
+    """The trainer's tensor-parallel size (GPUs of one node)."""
+    train_pp: int = 1
+    """The trainer's pipeline-parallel size; data parallel is trainer_gpus / (train_tp x train_pp)."""
+    colocated: bool = False
+    """Rollout and training time-share the same GPUs (rollout_gpus = trainer_gpus; sync mode)."""
     prompt_tokens: int = 256
-    context_tokens: int = 2048
-    """Mean tokens of context a decoding request holds (its KV cache read per step)."""
+    context_tokens: int = 0
+    """Mean tokens of context a decoding request holds (its KV cache read per step); 0 = the
+    prompt plus a running response's mean length so far, from rollout.sampling's lengths."""
     layers: int = 0
     """Transformer layers, for the KV-cache size (0 = estimate from params_b)."""
     kv_dim: int = 0
     """KV heads x head dim, for the KV-cache size (0 = estimate)."""
+    hidden: int = 0
+    """Hidden size, for activations and tensor-parallel traffic (0 = estimate: 128 x layers)."""
+    vocab: int = 0
+    """Vocabulary size, for the logits' memory (0 = 128k)."""
     reward_rate: float = 0.5
     """Chance that a simulated sample is right (drives dynamic sampling's drop rate)."""
     mfu_train: float = 0.4
@@ -223,14 +236,24 @@ class SimConfig(Section):
     decode_bw_efficiency: float = 0.7
     decode_step_overhead_s: float = 0.0
     train_step_overhead_s: float = 0.0
+    layer_launch_s: float = 2e-4
+    """Fixed seconds per layer and training micro-batch: some 40 kernel launches forward and
+    backward at ~5 us each; calibration sets it."""
 
     def check(self) -> None:
-        for name in ("params_b", "rollout_gpus", "trainer_gpus", "tp", "prompt_tokens", "mfu_train", "mfu_prefill",
-                     "decode_bw_efficiency"):
+        positive("params_b", self.params_b, zero_ok=True)
+        positive("context_tokens", self.context_tokens, zero_ok=True)
+        for name in ("rollout_gpus", "trainer_gpus", "tp", "train_tp", "train_pp", "prompt_tokens",
+                     "mfu_train", "mfu_prefill", "decode_bw_efficiency"):
             positive(name, getattr(self, name))
         for name, high in SIM_BOUNDS.items():
             at_most(name, getattr(self, name), high)
         divides("tp", self.tp, "sim.rollout_gpus", self.rollout_gpus, "pick a tp that divides it")
+        divides("train_tp", self.train_tp * self.train_pp, "sim.trainer_gpus", self.trainer_gpus,
+                "train_tp x train_pp must divide it")
+        if self.colocated and self.rollout_gpus != self.trainer_gpus:
+            raise FieldError("colocated", f"colocated rollout and training share their GPUs: set rollout_gpus = "
+                             f"trainer_gpus (now {self.rollout_gpus} and {self.trainer_gpus})")
         within("reward_rate", self.reward_rate, 0.0, 1.0)
 
 

@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 
 from rlctl.recipe.algo import AlgoConfig
 from rlctl.recipe.checks import FieldError, Section, divides
-from rlctl.recipe.choices import DataSource, Device, Launcher, Overlong, RolloutEngine, SyncBackend, TrainEngine
+from rlctl.recipe.choices import (
+    DataSource,
+    Device,
+    Launcher,
+    Overlong,
+    PipelineMode,
+    RolloutEngine,
+    SyncBackend,
+    TrainEngine,
+)
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
 from rlctl.recipe.inputs import DataConfig, ModelConfig, RewardConfig, RunConfig
 from rlctl.recipe.pool import PoolConfig
@@ -48,6 +57,9 @@ class Recipe(Section):
         self._check_ipc()
         self._check_vllm()
         self._check_algo()
+        if self.sim.colocated and self.pipeline.mode is not PipelineMode.SYNC:
+            raise FieldError("sim.colocated", "colocated rollout and training take turns on their GPUs: "
+                             "set pipeline.mode=sync, or colocated=false")
 
     def _check_pool(self) -> None:
         if not self.pool.name:

@@ -22,6 +22,7 @@ from rlctl.errors import UsageError
 from rlctl.metrics.spans import SpanKind, SpanPairer, union_length
 from rlctl.recipe import GpuKind, load_recipe
 from rlctl.rundir import RunDir
+from rlctl.planner.costs import algo_passes
 from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
 
 
@@ -40,14 +41,17 @@ def calibrate_run(run: RunDir) -> dict[str, Any]:
     info = run.read()
     procs = info.get("processes", {})
     recipe = load_recipe(run.recipe_path, check_paths=False)
+    passes, critic = algo_passes(recipe)
     return calibrate(run.events(), info["model_path"], servers=sum(r.startswith("rollout-") for r in procs),
                      trainer_ranks=sum(r.startswith("trainer-") for r in procs),
-                     long_tail=recipe.rollout.sampling.long_tail.enabled)
+                     long_tail=recipe.rollout.sampling.long_tail.enabled,
+                     flops_per_token=6 + 2 * passes + (8 if critic else 0))
 
 
 def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, trainer_ranks: int,
-              long_tail: bool) -> dict[str, Any]:
-    """sim.* overrides (and the fixed response length) that make the cost model fit the events."""
+              long_tail: bool, flops_per_token: float = 6.0) -> dict[str, Any]:
+    """sim.* overrides (and the fixed response length) that make the cost model fit the events.
+    `flops_per_token` per parameter: 6, plus the algorithm's extra passes (planner/costs.py)."""
     hw = HARDWARE[GpuKind.CPU]
     params = model_parameters(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -59,8 +63,8 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
         raise UsageError("--calibrate: the run has no completed groups; calibrate on a run that finished a step")
     prompt_tokens = round(statistics.fmean(e.get("prompt_tokens", 0) for e in completed)) or 1
 
-    overhead, per_token = _train_cost(events, prompt_tokens)
-    mfu_train = 6 * params / (per_token * hw.bf16_flops * trainer_ranks) if per_token > 0 else 1.0
+    per_call, overhead, per_token = _train_cost(events, prompt_tokens)
+    mfu_train = flops_per_token * params / (per_token * hw.bf16_flops * trainer_ranks) if per_token > 0 else 1.0
     step_s, concurrency = _decode_step(completed)
     lengths = sorted(n for e in completed for n in e["lengths"])
     context = prompt_tokens + max(1, lengths[len(lengths) // 2])
@@ -77,9 +81,12 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
         "sim.context_tokens": context,
         "sim.layers": layers,
         "sim.kv_dim": kv_dim,
+        "sim.hidden": int(config["hidden_size"]),
+        "sim.vocab": int(config["vocab_size"]),
         "sim.reward_rate": statistics.fmean(r for e in completed for r in e["rewards"]),
         "sim.mfu_train": mfu_train,
         "sim.train_step_overhead_s": max(0.0, overhead),
+        "sim.layer_launch_s": max(0.0, per_call) / layers,
         "sim.decode_step_overhead_s": max(0.0, step_s - base),
     }
     if not long_tail:
@@ -87,11 +94,13 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
     return overrides
 
 
-def _train_cost(events: list[dict[str, Any]], prompt_tokens: int) -> tuple[float, float]:
-    """(overhead seconds per call, seconds per token) of the trainer, one point per trainer call.
-    A streamed train batch is accumulate calls and a final call; train_end counts the whole batch,
-    so the final call's share is the rest."""
-    xs, ys = [], []
+def _train_cost(events: list[dict[str, Any]], prompt_tokens: int) -> tuple[float, float, float]:
+    """(seconds per trainer call, seconds per optimizer step, seconds per token), one point per
+    trainer call. A streamed train batch is accumulate calls and a final call that also steps;
+    train_end counts the whole batch, so the final call's share is the rest. With calls of both
+    kinds, y = call + step x [it steps] + per_token x tokens is fitted by least squares; with
+    train calls only, a call and its step cannot be told apart and all goes to the step."""
+    xs, ys, steps = [], [], []
     pieces: dict[tuple[int, int], tuple[float, float]] = {}
     pairer = SpanPairer()
     for e in sorted(events, key=lambda e: e["t"]):
@@ -107,11 +116,39 @@ def _train_cost(events: list[dict[str, Any]], prompt_tokens: int) -> tuple[float
             tokens, samples = tokens - done_tokens, samples - done_samples
         xs.append(tokens + samples * prompt_tokens)
         ys.append(span.seconds)
+        steps.append(float(span.kind is SpanKind.TRAIN))
     if statistics.pstdev(xs) < 0.1 * statistics.fmean(xs):
         # Every batch about the same size: overhead and per-token cost cannot be told apart, and
         # need not be for batches of that size; charge it all per token.
-        return 0.0, statistics.fmean(ys) / statistics.fmean(xs)
-    return _least_squares(xs, ys)
+        return 0.0, 0.0, statistics.fmean(ys) / statistics.fmean(xs)
+    if 0 < sum(steps) < len(steps):
+        fitted = _least_squares_steps(xs, steps, ys)
+        if fitted is not None:
+            return fitted
+    overhead, per_token = _least_squares(xs, ys)
+    return 0.0, overhead, per_token
+
+
+def _least_squares_steps(xs: list[float], steps: list[float], ys: list[float]) -> tuple[float, float, float] | None:
+    """(a, s, b) of y = a + s * step + b * x by the normal equations; None when singular."""
+    rows = [(1.0, st, x) for x, st in zip(xs, steps, strict=True)]
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    aty = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(3)]
+
+    def det(m: list[list[float]]) -> float:
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+    d = det(ata)
+    if abs(d) < 1e-12 * max(1.0, abs(ata[0][0] * ata[1][1] * ata[2][2])):
+        return None
+    solved = []
+    for col in range(3):  # Cramer's rule
+        m = [row[:] for row in ata]
+        for i in range(3):
+            m[i][col] = aty[i]
+        solved.append(det(m) / d)
+    return solved[0], solved[1], solved[2]
 
 
 def _decode_step(completed: list[dict[str, Any]]) -> tuple[float, float]:

@@ -56,7 +56,8 @@ class SimTrainer:
 
     async def _compute(self, samples: list[dict[str, Any]], step: bool) -> dict[str, float]:
         response = sum(s["response_tokens"] for s in samples)
-        seconds = self.cost.train_seconds(response + sum(len(s["prompt_ids"]) for s in samples), step=step)
+        seconds = self.cost.train_seconds(response + sum(len(s["prompt_ids"]) for s in samples), step=step,
+                                          samples=len(samples))
         await asyncio.sleep(seconds)
         # "tokens" means response tokens, as the real trainer reports it.
         self.pending["tokens"] += response

@@ -35,7 +35,7 @@ from rlctl.recipe.pool import PoolFile, PoolSimConfig
 from rlctl.sim.cost import HARDWARE, CostModel
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
-from rlctl.sim.run import cost_model
+from rlctl.planner.costs import cost_model
 
 GB = 1e9
 

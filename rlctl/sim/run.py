@@ -13,16 +13,16 @@ import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from rlctl.metrics import KeptEvents, Recorder
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.scoring import inline_scorer
-from rlctl.recipe import Recipe, recipe_to_yaml
+from rlctl.planner.costs import cost_model
+from rlctl.recipe import DataConfig, Recipe, recipe_to_yaml
 from rlctl.rundir import EventLog, RunDir, RunState, create_run_dir
-from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
 
@@ -36,17 +36,6 @@ class SimulationResult:
     """The time of the last event."""
     events: list[dict[str, Any]] | None
     """Every event, when the simulation kept them in memory (no run directory)."""
-
-
-def cost_model(recipe: Recipe) -> CostModel:
-    sim = recipe.sim
-    return CostModel(
-        HARDWARE[sim.gpu], ModelShape.from_params_b(sim.params_b, layers=sim.layers or None, kv_dim=sim.kv_dim or None),
-        mfu_train=sim.mfu_train, mean_context_tokens=sim.context_tokens,
-        mfu_prefill=sim.mfu_prefill, decode_bw_efficiency=sim.decode_bw_efficiency, gpus_per_server=sim.tp,
-        trainer_gpus=sim.trainer_gpus, decode_step_overhead_s=sim.decode_step_overhead_s,
-        train_step_overhead_s=sim.train_step_overhead_s,
-    )
 
 
 def simulate_run(recipe: Recipe, rd: RunDir | None = None,
@@ -70,8 +59,10 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
     recorder = Recorder(kept if rd is None else EventLog(rd.events_path), on_record)
     rng = random.Random(recipe.run.seed)
     prompt = [0] * sim.prompt_tokens
+    # Simulated servers see token counts, not text: the prompts come from a built-in task, so a
+    # recipe whose data lives on a cluster's filesystem simulates anywhere.
     pipeline = build_pipeline(
-        recipe, servers, SimTrainer(cost, servers), VirtualClock(), recorder.emit, lambda step: None,
+        replace(recipe, data=DataConfig()), servers, SimTrainer(cost, servers), VirtualClock(), recorder.emit, lambda step: None,
         tokenize=lambda text: prompt,
         score=inline_scorer(lambda ids: "", lambda response, answer: 1.0 if rng.random() < sim.reward_rate else 0.0),
     )
