@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from rlctl.commands import cancel, compare, export, launch, logs, pool, resume, simulate, status, sweep, trace
+from rlctl.commands import cancel, compare, export, launch, logs, plan, pool, resume, simulate, status, sweep, trace
 from rlctl.errors import RlctlError
 
 
@@ -51,6 +51,7 @@ app.command("status")(status.status)
 app.command("cancel", no_args_is_help=True)(cancel.cancel)
 app.command("logs", no_args_is_help=True)(logs.logs)
 app.command("simulate", no_args_is_help=True)(simulate.simulate)
+app.command("plan", no_args_is_help=True)(plan.plan)
 app.command("trace", no_args_is_help=True)(trace.trace)
 app.command("compare", no_args_is_help=True)(compare.compare)
 app.command("resume", no_args_is_help=True)(resume.resume)

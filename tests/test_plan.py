@@ -1,0 +1,191 @@
+"""`rlctl plan`: the placement space, the memory model against what torch holds, the length order
+statistics against sampling, the analytic step against `rlctl simulate`, and the command."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from conftest import REPO, rlctl
+from rlctl.planner.costs import cost_model
+from rlctl.planner.estimate import Placement, estimate
+from rlctl.planner.lengths import Lengths
+from rlctl.planner.memory import TrainLayout, trainer_memory
+from rlctl.planner.search import placements, plan
+from rlctl.recipe import PipelineMode, load_recipe
+from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
+from rlctl.sim.run import simulate_run
+from rlctl.workloads import LengthDistribution
+
+SIM = REPO / "recipes" / "sim-1024gpu.yaml"
+QWEN = REPO / "recipes" / "slurm-qwen3-1.7b.yaml"
+
+
+def recipe(path=SIM, *overrides: str):
+    return load_recipe(path, list(overrides), check_paths=False)
+
+
+def test_length_order_statistics_match_sampling():
+    rng = random.Random(7)
+    for cap in (512, 16384):
+        dist, lengths = LengthDistribution(cap), Lengths(cap, long_tail=True)
+        draws = [dist.sample(rng) for _ in range(40_000)]
+        assert lengths.mean == pytest.approx(statistics.fmean(draws), rel=0.02)
+        assert lengths.std == pytest.approx(statistics.pstdev(draws), rel=0.03)
+        for n in (4, 16, 64):
+            sampled = statistics.fmean(max(rng.choice(draws) for _ in range(n)) for _ in range(3000))
+            assert lengths.expected_max(n) == pytest.approx(sampled, rel=0.03), n
+    fixed = Lengths(256, long_tail=False)
+    assert fixed.mean == fixed.expected_max(1000) == 256 and fixed.std == 0
+    assert fixed.residual_mean == pytest.approx(128, rel=0.01)  # a uniform age over one length
+
+
+def test_the_activation_model_counts_what_autograd_saves():
+    """ModelShape.activation_values_per_token against the bytes autograd keeps for the backward
+    pass of a Qwen3 forward and the trainer's log-probs, for shapes that move each width."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rlctl.algos.losses import token_logprobs
+
+    torch.manual_seed(0)
+    for h, layers, inter, heads, kv, vocab in [(64, 2, 128, 4, 2, 300), (96, 3, 384, 6, 2, 500), (64, 2, 512, 8, 4, 99)]:
+        cfg = Qwen3Config(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=heads,
+                          num_key_value_heads=kv, head_dim=16, vocab_size=vocab, tie_word_embeddings=True,
+                          attn_implementation="sdpa")
+        model = Qwen3ForCausalLM(cfg)
+        ids = torch.randint(0, vocab, (2, 48))
+        saved: dict[int, int] = {}
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t, saved=saved, params=params):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])
+        shape = ModelShape.from_hf_config(cfg.to_dict(), 4.0)
+        tokens = ids.numel()
+        # The saved log-softmax is one of the three vocabulary rows the peak counts.
+        predicted = (shape.activation_values_per_token() + shape.logits_values_per_token() / 3) * tokens * 4
+        assert sum(saved.values()) == pytest.approx(predicted, rel=0.12), (h, layers, inter, heads)
+        assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+def test_trainer_memory_by_engine_layout_and_algorithm():
+    shape = ModelShape.from_params_b(1.0, layers=16, hidden=2048, vocab=100_000)
+    mega = recipe(QWEN)  # megatron, bf16
+    m = trainer_memory(mega, shape, TrainLayout(tp=2, dp=8), micro_tokens=0)
+    shard = 0.5e9
+    assert m.parts["weights"] == 2 * shard and m.parts["gradients"] == 4 * shard
+    assert m.parts["optimizer"] == pytest.approx(12 * shard / 8)  # distributed optimizer: fp32 master + Adam
+    torch_engine = recipe(SIM)
+    t = trainer_memory(torch_engine, shape, TrainLayout(dp=8), micro_tokens=1000)
+    assert t.parts["weights"] + t.parts["gradients"] + t.parts["optimizer"] == 16e9  # nothing sharded
+    assert t.parts["activations"] == shape.activation_values_per_token() * 1000 * 4
+    assert t.parts["logits"] == 3 * 100_000 * 1000 * 4
+    kl = trainer_memory(recipe(SIM, "algo.kl_coef=0.1"), shape, TrainLayout(), 0)
+    assert kl.parts["reference"] == 4e9
+    ppo = trainer_memory(recipe(SIM, "algo.name=ppo", "pipeline.mode=async", "pipeline.max_staleness=2"), shape,
+                         TrainLayout(), 0)
+    assert ppo.parts["behaviour copies"] == 3 * 4e9  # max_staleness + 1 versions
+    assert ppo.parts["critic"] == 16e9 + 3 * 4e9
+
+
+def test_the_space_follows_the_engines_and_nodes():
+    torch_engine = list(placements(recipe(SIM), 64))
+    assert {(p.train_tp, p.train_pp) for p in torch_engine} == {(1, 1)}
+    assert {p.rollout_gpus for p in torch_engine if not p.colocated} == set(range(8, 64, 8))
+    assert all(p.mode is PipelineMode.SYNC for p in torch_engine if p.colocated)
+    assert all(p.rollout_gpus % p.rollout_tp == 0 and p.trainer_gpus % (p.train_tp * p.train_pp) == 0
+               for p in torch_engine)
+    mega = list(placements(recipe(QWEN), 64, pp=True))
+    assert {p.train_tp for p in mega} == {1, 2, 4, 8} and {p.train_pp for p in mega} == {1, 2, 4, 8}
+    assert {p.rollout_gpus for p in placements(recipe(SIM), 6, per_node=8) if not p.colocated} == {1, 2, 3, 4, 5}
+
+
+def test_a_bigger_model_than_fits_is_set_apart_with_its_reason():
+    r = recipe(SIM, "sim.params_b=70", "sim.gpu=h100")
+    result = plan(r, cost_model(r), 16)
+    assert result.unfit and all("GiB per GPU" in e.unfit or "KV cache" in e.unfit for e in result.unfit)
+    assert all(e.trainer.total <= 80e9 * 0.92 for e in result.ranked)
+    ranks = [e.s_per_1k for e in result.ranked]
+    assert ranks == sorted(ranks)
+
+
+def test_cost_model_layout_terms():
+    h200, shape = HARDWARE["h200"], ModelShape.from_params_b(1.0, layers=10, hidden=1000)
+    base = CostModel(h200, shape, trainer_gpus=64, train_tp=1, micro_batch_tokens=10**9)
+    compute = 6e9 * 64_000 / (989e12 * 0.4 * 64)
+    assert base.train_seconds(64_000, step=False) == pytest.approx(compute)
+    # 16 samples on 64 data-parallel ranks: 48 ranks idle, the busiest does one sample.
+    assert base.train_seconds(16_000, step=False, samples=16) == pytest.approx(6e9 * 1000 / (989e12 * 0.4))
+    pp = CostModel(h200, shape, trainer_gpus=64, train_pp=4, micro_batch_tokens=1000)
+    # 64000 tokens over 16 replicas: 4 micro-batches each, and the 1F1B bubble of (4 - 1) / 4.
+    assert pp.train_seconds(64_000, step=False) == pytest.approx(compute * (1 + 3 / 4))
+    tp = CostModel(h200, shape, trainer_gpus=64, train_tp=2, micro_batch_tokens=10**9)
+    comm = 4 * 10 * (1e-5 + 2 * (1 / 2) * 2000 * 1000 * 2 / 450e9)  # 2000 tokens per rank, one micro-batch
+    assert tp.train_seconds(64_000, step=False) == pytest.approx(compute + comm)
+    passes = CostModel(h200, shape, trainer_gpus=64, micro_batch_tokens=10**9, forward_passes=1, critic=True)
+    assert passes.train_seconds(64_000, step=False) == pytest.approx(compute * (6 + 2 + 8) / 6)
+    colocated = CostModel(h200, shape, colocated=True, swap_bytes=5e9)
+    assert colocated.broadcast_seconds() == pytest.approx(2 * 2e9 / (4.8e12 * 0.7) + 2 * 5e9 / 50e9)
+
+
+@pytest.mark.parametrize("path,overrides,gpus", [
+    (SIM, ["rollout.batch_size=256", "train.groups_per_batch=32"], 128),
+    (QWEN, ["rollout.batch_size=64", "train.groups_per_batch=16", "rollout.sampling.long_tail.enabled=true"], 64),
+], ids=["sim-longtail", "qwen3-1.7b"])
+def test_the_analytic_step_is_within_15_percent_of_the_simulated_one(path, overrides, gpus):
+    """The top 5 placements: the planner's step against the scheduler's own in virtual time,
+    on the same cost model."""
+    r = recipe(path, *overrides)
+    result = plan(r, cost_model(r), gpus)
+    for e in result.ranked[:5]:
+        simulated = simulate_run(recipe(path, *overrides, *e.placement.overrides(e.running), "run.steps=3")).metrics
+        step = statistics.median(m["step_time"] for m in simulated[1:])
+        assert e.step_s == pytest.approx(step, rel=0.15), e.placement.label()
+
+
+def test_estimates_move_the_way_the_work_does():
+    r = recipe(SIM, "rollout.batch_size=256", "train.groups_per_batch=32")
+    base = cost_model(r)
+    sync = Placement(PipelineMode.SYNC, 64, 1, 64)
+    one = estimate(r, base, sync)
+    assert one.fits and one.bound in one.stages and one.step_s == pytest.approx(sum(one.stages.values()))
+    assert estimate(r, base, Placement(PipelineMode.SYNC, 32, 1, 96)).stages["rollout"] > one.stages["rollout"]
+    assert estimate(r, base, Placement(PipelineMode.SYNC, 96, 1, 32)).stages["train"] > one.stages["train"]
+    pipelined = estimate(r, base, Placement(PipelineMode.ROLLOUTPIPE, 64, 1, 64))
+    assert pipelined.step_s < one.step_s  # training hides under the rollout
+    assert estimate(recipe(SIM, "rollout.batch_size=256", "train.groups_per_batch=32",
+                           "rollout.max_running_requests=16"), base, sync).running == 16
+    assert math.isclose(one.gpu_s_per_1k, one.step_s * 128 / one.samples * 1000)
+
+
+def test_plan_command_ranks_prints_and_refuses(tmp_path):
+    res = rlctl("plan", str(SIM), "--gpus", "64", "--top", "3", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["considered"] > 100 and len(out["ranked"]) == 3
+    assert [e["s_per_1k_samples"] for e in out["ranked"]] == sorted(e["s_per_1k_samples"] for e in out["ranked"])
+    res = rlctl("plan", str(SIM), "rollout.batch_size=64", "train.groups_per_batch=8", "--gpus", "16",
+                "--simulate", "2", "--sim-steps", "2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "#1 against #2:" in res.stdout and "sim s" in res.stdout and "simulate #1: rlctl simulate" in res.stdout
+    for args, code, said in [(["--gpus", "0"], 2, "--gpus"), (["--gpus", "8", "sim.nope=1"], 2, "sim.nope"),
+                             (["--gpus", "1", "sim.params_b=5000"], 1, "no placement")]:
+        res = rlctl("plan", str(SIM), *args, cwd=tmp_path)
+        assert res.returncode == code and said in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_colocated_needs_one_set_of_gpus_and_sync(tmp_path):
+    for args, said in [(["sim.colocated=true", "sim.rollout_gpus=8", "sim.trainer_gpus=16"], "sim.colocated"),
+                       (["sim.colocated=true", "sim.rollout_gpus=8", "sim.trainer_gpus=8", "pipeline.mode=async"],
+                        "pipeline.mode=sync")]:
+        res = rlctl("simulate", str(SIM), *args, "--no-save", cwd=tmp_path)
+        assert res.returncode == 2 and said in res.stderr, res.stderr
