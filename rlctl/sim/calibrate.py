@@ -20,7 +20,7 @@ from typing import Any
 
 from rlctl.errors import UsageError
 from rlctl.metrics.spans import SpanKind, SpanPairer, union_length
-from rlctl.recipe import GpuKind, load_recipe
+from rlctl.recipe import Device, GpuKind, load_recipe
 from rlctl.rundir import RunDir
 from rlctl.planner.costs import algo_passes
 from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
@@ -42,17 +42,20 @@ def calibrate_run(run: RunDir) -> dict[str, Any]:
     procs = info.get("processes", {})
     recipe = load_recipe(run.recipe_path, check_paths=False)
     passes, critic = algo_passes(recipe)
+    on_gpu = recipe.train.device is Device.CUDA
     return calibrate(run.events(), info["model_path"], servers=sum(r.startswith("rollout-") for r in procs),
                      trainer_ranks=sum(r.startswith("trainer-") for r in procs),
                      long_tail=recipe.rollout.sampling.long_tail.enabled,
-                     flops_per_token=6 + 2 * passes + (8 if critic else 0))
+                     flops_per_token=6 + 2 * passes + (8 if critic else 0),
+                     gpu=recipe.sim.gpu if on_gpu else GpuKind.CPU)
 
 
 def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, trainer_ranks: int,
-              long_tail: bool, flops_per_token: float = 6.0) -> dict[str, Any]:
-    """sim.* overrides (and the fixed response length) that make the cost model fit the events.
+              long_tail: bool, flops_per_token: float = 6.0, gpu: GpuKind = GpuKind.CPU) -> dict[str, Any]:
+    """sim.* overrides (and the fixed response length) that make the cost model fit the events of
+    a run on `gpu` (the recipe's sim.gpu for a run on CUDA: its kind is not recorded).
     `flops_per_token` per parameter: 6, plus the algorithm's extra passes (planner/costs.py)."""
-    hw = HARDWARE[GpuKind.CPU]
+    hw = HARDWARE[gpu]
     params = model_parameters(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     layers = int(config["num_hidden_layers"])
@@ -72,7 +75,7 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
     base = CostModel(hw, shape, mean_context_tokens=context).decode_step_seconds(max(1, round(concurrency)))
 
     overrides = {
-        "sim.gpu": GpuKind.CPU,
+        "sim.gpu": gpu,
         "sim.params_b": params / 1e9,
         "sim.rollout_gpus": servers,
         "sim.trainer_gpus": trainer_ranks,
@@ -86,16 +89,17 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
         "sim.reward_rate": statistics.fmean(r for e in completed for r in e["rewards"]),
         "sim.mfu_train": mfu_train,
         "sim.train_step_overhead_s": max(0.0, overhead),
-        "sim.layer_launch_s": max(0.0, per_call) / layers,
         "sim.decode_step_overhead_s": max(0.0, step_s - base),
     }
+    if per_call is not None:  # told apart from the step only when accumulate calls were seen
+        overrides["sim.layer_launch_s"] = max(0.0, per_call) / layers
     if not long_tail:
         overrides["rollout.sampling.max_new_tokens"] = max(1, lengths[len(lengths) // 2])
     return overrides
 
 
-def _train_cost(events: list[dict[str, Any]], prompt_tokens: int) -> tuple[float, float, float]:
-    """(seconds per trainer call, seconds per optimizer step, seconds per token), one point per
+def _train_cost(events: list[dict[str, Any]], prompt_tokens: int) -> tuple[float | None, float, float]:
+    """(seconds per trainer call or None, seconds per optimizer step, seconds per token), one point per
     trainer call. A streamed train batch is accumulate calls and a final call that also steps;
     train_end counts the whole batch, so the final call's share is the rest. With calls of both
     kinds, y = call + step x [it steps] + per_token x tokens is fitted by least squares; with
@@ -120,13 +124,13 @@ def _train_cost(events: list[dict[str, Any]], prompt_tokens: int) -> tuple[float
     if statistics.pstdev(xs) < 0.1 * statistics.fmean(xs):
         # Every batch about the same size: overhead and per-token cost cannot be told apart, and
         # need not be for batches of that size; charge it all per token.
-        return 0.0, 0.0, statistics.fmean(ys) / statistics.fmean(xs)
+        return None, 0.0, statistics.fmean(ys) / statistics.fmean(xs)
     if 0 < sum(steps) < len(steps):
         fitted = _least_squares_steps(xs, steps, ys)
         if fitted is not None:
             return fitted
     overhead, per_token = _least_squares(xs, ys)
-    return 0.0, overhead, per_token
+    return None, overhead, per_token
 
 
 def _least_squares_steps(xs: list[float], steps: list[float], ys: list[float]) -> tuple[float, float, float] | None:

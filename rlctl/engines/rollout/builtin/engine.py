@@ -111,7 +111,8 @@ class BatchCache:
         self.lengths = [self.lengths[i] for i in idx]
         sel = torch.tensor(idx, device=self.layers[0][0].device)
         cut = self.columns - max(self.lengths)
-        self.layers = [(k.index_select(0, sel)[:, :, cut:], v.index_select(0, sel)[:, :, cut:]) for k, v in self.layers]
+        for i, (k, v) in enumerate(self.layers):  # layer by layer: one layer's copy at a time
+            self.layers[i] = (k.index_select(0, sel)[:, :, cut:], v.index_select(0, sel)[:, :, cut:])
 
     def append(self, rows: list[Request], lengths: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Add rows (a prefilled batch, left-padded the same way) below the existing ones."""
@@ -123,8 +124,8 @@ class BatchCache:
         def left_pad(t: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
 
-        self.layers = [(torch.cat([left_pad(k0), left_pad(k1)]), torch.cat([left_pad(v0), left_pad(v1)]))
-                       for (k0, v0), (k1, v1) in zip(self.layers, layers)]
+        for i, ((k0, v0), (k1, v1)) in enumerate(zip(self.layers, layers, strict=True)):  # one layer's copy at a time
+            self.layers[i] = (torch.cat([left_pad(k0), left_pad(k1)]), torch.cat([left_pad(v0), left_pad(v1)]))
         self.rows += rows
         self.lengths += lengths
 
@@ -315,8 +316,18 @@ class Engine:
         lengths = torch.tensor(cache.lengths, device=self.device)
         mask = (torch.arange(columns + 1, device=self.device)[None, :] >= (columns - lengths)[:, None]).long()
         ids = torch.tensor([[r.output_ids[-1] if r.output_ids else r.input_ids[-1]] for r in cache.rows], device=self.device)
+        # The DynamicCache copies what it is given: it is filled layer by layer, each layer let go
+        # of once copied, and then holds the only reference, so each layer's old keys and values
+        # are freed as soon as it has appended the new column. The step so needs one layer's copy
+        # at a time, not the whole cache's.
+        past = DynamicCache()
+        for i in range(len(cache.layers)):
+            past.update(*cache.layers[i], i)
+            cache.layers[i] = None
+        cache.layers = []
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=lengths[:, None], use_cache=True,
-                         logits_to_keep=1, **{self._cache_arg: DynamicCache(cache.layers)})
+                         logits_to_keep=1, **{self._cache_arg: past})
+        del past
         cache.layers = _layers_of(out)
         cache.lengths = [n + 1 for n in cache.lengths]
         return out.logits[:, -1].float()
