@@ -1,16 +1,17 @@
 """The planner (`rlctl plan`) against one GPU, for the GPU machine:
 
     python -m pip install --no-deps --target /tmp/deps .device-wheels/*.whl   # omegaconf, math-verify
-    PYTHONPATH=$PWD:/tmp/deps python scripts/gpu_plan_checks.py --out OUT_DIR [--only memory,order]
+    PYTHONPATH=$PWD:/tmp/deps python scripts/gpu_plan_checks.py --out OUT_DIR [--only order,trainer,server]
 
 1. memory: the GPU bench trainer (recipes/bench-longtail-gpu.yaml: the torch engine, fp32, KL
-   reference) takes one train step on a batch of one micro-batch of 16384 and of 4096 tokens;
-   torch's peak allocated memory against planner/memory.py's trainer_memory. Its built-in server
+   reference) takes two train steps on a batch of one micro-batch of 16384 and of 4096 tokens;
+   torch's peak allocated memory in the second (AdamW's state exists from the first on) against
+   planner/memory.py's trainer_memory. Its built-in server
    runs 256 requests of 524 tokens at once; the peak against server_memory at that context.
    Within 15% each.
 2. order: three placements of the bench recipe on this GPU, launched for real (3 steps each, the
    weights' warm-up skipped: the long-tail lengths do not depend on them): as written; a small
-   KV budget (32 running requests); micro-batches of 1024 tokens. The planner, calibrated on the
+   KV budget (32 running requests); micro-batches of 512 tokens. The planner, calibrated on the
    first run, predicts each one's step; the order of the predictions must be the order of the
    measured median steps.
 One line per check; OUT_DIR/gpu_plan_checks.json; exit 1 if a check failed.
@@ -19,18 +20,17 @@ One line per check; OUT_DIR/gpu_plan_checks.json; exit 1 if a check failed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import statistics
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from rlctl.planner.costs import cost_model  # noqa: E402
 from rlctl.planner.memory import TrainLayout, server_memory, trainer_memory  # noqa: E402
@@ -80,6 +80,7 @@ def check_trainer_memory(work: Path) -> None:
             ids = torch.randint(3, shape.vocab, (per,), generator=g).tolist()
             batch.append(TrainSample(ids[:12], ids[12:], advantage=float(torch.randn(1, generator=g)),
                                      logprobs=[-1.0] * (per - 12), weight_version=0))
+        engine.train_batch(batch)  # the optimizer's state exists from the first step on
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         engine.train_batch(batch)
@@ -91,6 +92,7 @@ def check_trainer_memory(work: Path) -> None:
                predicted_gib=predicted.total / GIB, ratio=predicted.total / measured,
                **{k.replace(" ", "_") + "_gib": v / GIB for k, v in predicted.parts.items() if v})
         del engine
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -117,75 +119,51 @@ def check_server_memory(work: Path) -> None:
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
     engine.stop()
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
     cost = replace(cost_model(recipe), mean_context_tokens=prompt + new)  # every request at its longest
-    predicted = server_memory(cost, running)
+    predicted = server_memory(cost, running, expands_kv=True)
     report(f"server peak memory, {running} requests of {prompt + new} tokens", abs(predicted.total / measured - 1) <= 0.15,
            measured_gib=measured / GIB, predicted_gib=predicted.total / GIB, ratio=predicted.total / measured,
-           weights_gib=predicted.parts["weights"] / GIB, kv_gib=predicted.parts["kv cache"] / GIB)
+           **{k.replace(" ", "_") + "_gib": v / GIB for k, v in predicted.parts.items()})
 
 
-VARIANTS = {
-    "as written": [],
-    "small KV budget (32 running)": ["rollout.max_running_requests=32", "rollout.concurrency=32"],
-    "micro-batches of 1024 tokens": ["train.micro_batch_tokens=1024"],
-}
-COMMON = ["run.steps=3", "rollout.batch_size=16", "train.groups_per_batch=4", "model.init.warmup_steps=0"]
+def gpu_variants() -> list:
+    from plan_order import Variant
 
+    from rlctl.planner.estimate import Placement
+    from rlctl.recipe import PipelineMode
 
-def launch(out: Path, name: str, extra: list[str]) -> Path | None:
-    runs = out / "runs"
-    slug = "".join(c if c.isalnum() else "-" for c in name)
-    cmd = [sys.executable, "-m", "rlctl", "launch", str(BENCH), *COMMON, *extra, f"run.name={slug}",
-           f"run.output_dir={runs}"]
-    before = set(runs.iterdir()) if runs.exists() else set()
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=400)
-    after = set(runs.iterdir()) - before
-    if res.returncode != 0 or not after:
-        report(f"run: {name}", False, error=(res.stderr.strip().splitlines() or [""])[-1][:300])
-        return None
-    return after.pop()
+    def one_gpu(mb: int = 16384) -> Placement:
+        return Placement(PipelineMode.SYNC, 1, 1, 1, micro_batch_tokens=mb, colocated=True)
+
+    return [Variant("as written", [], one_gpu()),
+            Variant("small KV budget", ["rollout.max_running_requests=32", "rollout.concurrency=32"], one_gpu()),
+            Variant("micro-batch 512", ["train.micro_batch_tokens=512"], one_gpu(512))]
 
 
 def check_order(out: Path) -> None:
-    from rlctl.planner.estimate import Placement, estimate
-    from rlctl.recipe import PipelineMode
-    from rlctl.rundir import RunDir
-    from rlctl.sim.calibrate import calibrate_run
+    from plan_order import check_order as run_and_compare
 
-    measured, predicted, fitted = {}, {}, None
-    for name, extra in VARIANTS.items():
-        start = time.monotonic()
-        run = launch(out, name, extra)
-        if run is None:
-            return
-        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        measured[name] = statistics.median(m["step_time"] for m in metrics[1:])
-        if fitted is None:
-            fitted = [f"{k}={v}" for k, v in calibrate_run(RunDir(run)).items()]
-        r = load_recipe(BENCH, [*COMMON, *extra, *fitted], check_paths=False)
-        p = Placement(PipelineMode.SYNC, 1, 1, 1, micro_batch_tokens=r.train.micro_batch_tokens, colocated=True)
-        e = estimate(r, cost_model(r), p)
-        predicted[name] = e.step_s
-        report(f"run: {name}", None, measured_step_s=measured[name], predicted_step_s=e.step_s,
-               rollout_s=statistics.median(m["rollout_time"] for m in metrics[1:]),
-               train_s=statistics.median(m["train_time"] for m in metrics[1:]), bound=e.bound,
-               wall_s=time.monotonic() - start)
-    by_measured = sorted(measured, key=measured.get)
-    by_predicted = sorted(predicted, key=predicted.get)
-    report("predicted order of step times is the measured order", by_measured == by_predicted,
-           measured=" < ".join(by_measured), predicted=" < ".join(by_predicted), calibration=" ".join(fitted or []))
+    variants = gpu_variants()
+    common = ["run.steps=3", "rollout.batch_size=16", "train.groups_per_batch=4", "model.init.warmup_steps=0"]
+    ok = run_and_compare(BENCH, variants, common, out / "runs")
+    report("predicted order of step times is the measured order", ok,
+           **{v.name.replace(" ", "_"): f"measured {v.measured:.2f} s, predicted {v.predicted:.2f} s" for v in variants})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--only", default="memory,order")
+    ap.add_argument("--only", default="order,trainer,server")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(4)
     only = set(args.only.split(","))
-    steps = {"memory": lambda: (check_trainer_memory(args.out), check_server_memory(args.out)),
-             "order": lambda: check_order(args.out)}
+    # The runs first, while this process holds no GPU memory.
+    steps = {"order": lambda: check_order(args.out),
+             "trainer": lambda: check_trainer_memory(args.out), "server": lambda: check_server_memory(args.out)}
     for name, step in steps.items():
         if name in only:
             try:

@@ -45,7 +45,7 @@ from rlctl.planner.memory import (
     trainer_memory,
 )
 from rlctl.planner.schedule import schedule, step_samples
-from rlctl.recipe import PipelineMode, Recipe
+from rlctl.recipe import PipelineMode, Recipe, RolloutEngine
 from rlctl.sim.cost import CostModel
 
 
@@ -151,18 +151,19 @@ def estimate(recipe: Recipe, base: CostModel, p: Placement, lengths: Lengths | N
     cost = replace(base, gpus_per_server=p.rollout_tp, trainer_gpus=p.trainer_gpus, train_tp=p.train_tp,
                    train_pp=p.train_pp, micro_batch_tokens=p.micro_batch_tokens, colocated=p.colocated, swap_bytes=0.0)
     out = Estimate(p, samples=samples)
+    builtin = ro.engine is RolloutEngine.BUILTIN
     out.trainer = _trainer_fit(recipe, cost, p, tokens)
     hbm = cost.hardware.hbm_bytes
     if p.colocated:
         out.running, swap = colocated_budget(cost, out.trainer, ro.max_running_requests)
         cost = replace(cost, swap_bytes=swap)
-        out.server = server_memory(cost, out.running)
+        out.server = server_memory(cost, out.running, builtin)
         peak = out.trainer.total + out.server.parts["weights"]  # the KV cache is freed to train
         if peak > hbm * TRAINER_HEADROOM:
             out.unfit = f"training beside the servers' weights needs {peak / 1024**3:.0f} GiB per GPU"
     else:
         out.running = running_batch(cost, ro.max_running_requests)
-        out.server = server_memory(cost, out.running)
+        out.server = server_memory(cost, out.running, builtin)
         if out.trainer.total > hbm * TRAINER_HEADROOM:
             out.unfit = f"the trainer needs {out.trainer.total / 1024**3:.0f} GiB per GPU ({out.trainer.largest()} most)"
     if out.running < 1:

@@ -15,7 +15,8 @@ Trainer, per GPU of a tp x pp x dp layout (parameters split over tp x pp):
   first pipeline stage holds pp micro-batches of its 1/pp of the layers: the same total), and
   its fp32 logits (ModelShape.logits_values_per_token, split over tp).
 Server, per GPU of a tp-way server: its weights in the serving dtype and the KV cache of the
-requests it runs, split over tp.
+requests it runs, split over tp; for the built-in server also its decode step's attention
+working set (server_memory).
 
 Not counted: the CUDA context, NCCL buffers, allocator fragmentation and cuBLAS workspaces (the
 `fits` headroom is for them), and rollout-side activations (a decode step's are small).
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlctl.recipe import AlgoName, MegatronDtype, PipelineMode, Recipe, TrainEngine
-from rlctl.sim.cost import CostModel, ModelShape
+from rlctl.sim.cost import DEFAULT_KV_DIM, CostModel, ModelShape
 
 GIB = 1024**3
 TRAINER_HEADROOM = 0.92
@@ -114,11 +115,20 @@ def trainer_memory(recipe: Recipe, shape: ModelShape, layout: TrainLayout, micro
     return Breakdown(parts)
 
 
-def server_memory(cost: CostModel, running: int) -> Breakdown:
-    """Bytes per GPU of one server running `running` requests of the cost model's mean context."""
+def server_memory(cost: CostModel, running: int, expands_kv: bool = False) -> Breakdown:
+    """Bytes per GPU of one server running `running` requests of the cost model's mean context.
+    `expands_kv`: the engine's attention repeats a layer's keys and values to every query head
+    (transformers' repeat_kv: the built-in server) and grows the layer's cache by a copy, so a
+    decode step also holds one layer's keys and values at the query width and one at its own."""
     tp = cost.gpus_per_server
-    kv = running * cost.mean_context_tokens * cost.model.kv_bytes_per_token / tp
-    return Breakdown({"weights": cost.model.weight_bytes / tp, "kv cache": kv})
+    m = cost.model
+    tokens = running * cost.mean_context_tokens
+    parts = {"weights": m.weight_bytes / tp, "kv cache": tokens * m.kv_bytes_per_token / tp}
+    if expands_kv:
+        per_layer = m.kv_bytes_per_token / m.n_layers
+        widen = (m.q_dim or m.d_hidden) / (m.kv_dim or DEFAULT_KV_DIM)
+        parts["attention"] = tokens * per_layer * (widen + 1) / tp
+    return Breakdown(parts)
 
 
 def running_batch(cost: CostModel, max_running: int, kv_budget: float | None = None) -> int:

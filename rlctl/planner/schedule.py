@@ -85,6 +85,9 @@ class Training:
         self.step = self.batch - cost.train_seconds(batch_samples * per_sample, step=False, samples=batch_samples)
         self.last = cost.train_seconds(ro.group_size * per_sample, step=True, samples=ro.group_size)
         """The last group of a streamed batch, and the step."""
+        self.piece = lambda groups: cost.train_seconds(groups * ro.group_size * per_sample, step=False,
+                                                       samples=max(1, round(groups * ro.group_size)))
+        """One call of `groups` groups (forward and backward, no step)."""
         self.streamed = p.mode is not PipelineMode.SYNC and recipe.pipeline.stream_train
         self.groups_per_batch = gpb
         self.batches = ro.batch_size // gpb
@@ -108,14 +111,17 @@ def arrivals(recipe: Recipe, rollout: Rollout, batches: int) -> list[float]:
 
 def pipelined_end(recipe: Recipe, rollout: Rollout, train: Training) -> float:
     """rolloutpipe: when the last train batch is done. Streamed, the trainer takes the groups as
-    they complete, its work per group a gpb-th of a batch's, and each batch's optimizer step
-    once its last group is in; else a batch starts once its gpb-th group is in."""
+    they complete: an idle trainer takes each group in a call of its own, a busy one takes what
+    came meanwhile in one call (rlctl/pipelines/base.py, train_streamed); each batch's optimizer
+    step follows its last group. Else a batch starts once its gpb-th group is in."""
     points = arrivals(recipe, rollout, train.batches)
     free = 0.0
     if train.streamed:
-        share = (train.batch - train.step) / QUANTILES
+        groups = train.groups_per_batch / QUANTILES
         for k, t in enumerate(points):
-            free = max(free, t) + share + (train.step if (k + 1) % QUANTILES == 0 else 0.0)
+            calls = groups if free <= t else 1.0
+            free = max(free, t) + calls * train.piece(groups / calls)
+            free += train.step if (k + 1) % QUANTILES == 0 else 0.0
         return max(free, rollout.total + train.last)
     for i in range(train.batches):
         free = max(free, points[(i + 1) * QUANTILES - 1]) + train.batch

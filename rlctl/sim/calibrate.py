@@ -14,12 +14,13 @@ The result is a list of `sim.*` overrides; anything else in the recipe stays as 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from rlctl.errors import UsageError
-from rlctl.metrics.spans import SpanKind, SpanPairer, union_length
+from rlctl.metrics.spans import SpanKind, SpanPairer
 from rlctl.recipe import Device, GpuKind, load_recipe
 from rlctl.rundir import RunDir
 from rlctl.planner.costs import algo_passes
@@ -47,11 +48,13 @@ def calibrate_run(run: RunDir) -> dict[str, Any]:
                      trainer_ranks=sum(r.startswith("trainer-") for r in procs),
                      long_tail=recipe.rollout.sampling.long_tail.enabled,
                      flops_per_token=6 + 2 * passes + (8 if critic else 0),
-                     gpu=recipe.sim.gpu if on_gpu else GpuKind.CPU)
+                     gpu=recipe.sim.gpu if on_gpu else GpuKind.CPU,
+                     max_running=recipe.rollout.max_running_requests)
 
 
 def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, trainer_ranks: int,
-              long_tail: bool, flops_per_token: float = 6.0, gpu: GpuKind = GpuKind.CPU) -> dict[str, Any]:
+              long_tail: bool, flops_per_token: float = 6.0, gpu: GpuKind = GpuKind.CPU,
+              max_running: int | None = None) -> dict[str, Any]:
     """sim.* overrides (and the fixed response length) that make the cost model fit the events of
     a run on `gpu` (the recipe's sim.gpu for a run on CUDA: its kind is not recorded).
     `flops_per_token` per parameter: 6, plus the algorithm's extra passes (planner/costs.py)."""
@@ -68,11 +71,15 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
 
     per_call, overhead, per_token = _train_cost(events, prompt_tokens)
     mfu_train = flops_per_token * params / (per_token * hw.bf16_flops * trainer_ranks) if per_token > 0 else 1.0
-    step_s, concurrency = _decode_step(completed)
+    step_s, concurrency = _decode_step(completed, max_running)
     lengths = sorted(n for e in completed for n in e["lengths"])
     context = prompt_tokens + max(1, lengths[len(lengths) // 2])
     shape = ModelShape.from_params_b(params / 1e9, layers=layers, kv_dim=kv_dim)
-    base = CostModel(hw, shape, mean_context_tokens=context).decode_step_seconds(max(1, round(concurrency)))
+    model = CostModel(hw, shape, mean_context_tokens=context)
+    base = model.decode_step_seconds(max(1, round(concurrency)))
+    # The servers' busy time held the prefills too, which the cost model charges apart: per step,
+    # the batch's requests' prefills spread over their tokens.
+    step_s -= concurrency * model.prefill_seconds(prompt_tokens) / max(1.0, statistics.fmean(lengths))
 
     overrides = {
         "sim.gpu": gpu,
@@ -155,9 +162,12 @@ def _least_squares_steps(xs: list[float], steps: list[float], ys: list[float]) -
     return solved[0], solved[1], solved[2]
 
 
-def _decode_step(completed: list[dict[str, Any]]) -> tuple[float, float]:
-    """(seconds, concurrency) of one decode step: medians over each step and server of the time
-    its requests took per token, and of how many ran at once while it was busy."""
+def _decode_step(completed: list[dict[str, Any]], max_running: int | None) -> tuple[float, float]:
+    """(seconds, running batch) of one decode step: medians over each step and server. A request's
+    span runs from when it was sent, so it includes its wait in the server's queue when more were
+    sent than the server runs at once: the server ran min(outstanding, max_running) requests at
+    each moment, each getting a token per step, so a step took the integral of that over time /
+    tokens; the batch is its mean over the time the server was busy."""
     per_step: list[tuple[float, float]] = []
     by_key: dict[tuple[int, str], list[tuple[float, float, int]]] = {}
     for e in completed:
@@ -165,11 +175,23 @@ def _decode_step(completed: list[dict[str, Any]]) -> tuple[float, float]:
             by_key.setdefault((e["step"], server), []).append((a, b, n))
     for intervals in by_key.values():
         tokens = sum(n for _, _, n in intervals)
-        total = sum(b - a for a, b, _ in intervals)
-        busy = union_length([(a, b) for a, b, _ in intervals])
+        running, busy = _running_integral([(a, b) for a, b, _ in intervals], max_running or math.inf)
         if tokens and busy > 0:
-            per_step.append((total / tokens, total / busy))
+            per_step.append((running / tokens, running / busy))
     return statistics.median(s for s, _ in per_step), statistics.median(c for _, c in per_step)
+
+
+def _running_integral(spans: list[tuple[float, float]], cap: float) -> tuple[float, float]:
+    """(integral over time of min(requests outstanding, cap), time with any outstanding)."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    area = busy = 0.0
+    outstanding, last = 0, edges[0][0] if edges else 0.0
+    for t, step in edges:
+        if outstanding:
+            area += min(outstanding, cap) * (t - last)
+            busy += t - last
+        outstanding, last = outstanding + step, t
+    return area, busy
 
 
 def model_parameters(model_dir: str) -> int:

@@ -62,7 +62,7 @@ HARDWARE: dict[GpuKind, Hardware] = {
 
 # Shape assumed when only the parameter count is known (see ModelShape.kv_bytes_per_token).
 _HIDDEN_PER_LAYER = 128
-_DEFAULT_KV_DIM = 1024
+DEFAULT_KV_DIM = 1024
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class ModelShape:
         320 KiB); models with fewer KV heads (Qwen2.5-7B: 56 KiB) need the fields.
         """
         layers = self.layers or (self.params / (12 * _HIDDEN_PER_LAYER**2)) ** (1 / 3)
-        kv_dim = self.kv_dim or _DEFAULT_KV_DIM
+        kv_dim = self.kv_dim or DEFAULT_KV_DIM
         return 2 * layers * kv_dim * self.bytes_per_param
 
 
