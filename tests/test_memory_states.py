@@ -139,8 +139,9 @@ def test_release_all_then_resume_all_gives_the_same_model_back(serve, tiny_model
                 await c.weight_checksums()
             with pytest.raises(RunError, match="update_weights_from_tensor.*memory is released"):
                 await sender.send(weights, "1")  # refused before any tensor is opened
-            await c.end_weight_update()  # what the refused sync left open: its session, and the pause
-            await c.continue_generation()
+            with pytest.raises(RunError, match="no weight-update session is open"):
+                await c.end_weight_update()  # the refused sync closed the session it had opened
+            await c.continue_generation()  # and left the server paused, as a failed sync does
             await c.resume_memory_occupation()
             assert offloaded(tmp_path / "off") == {}
             after = await c.generate(PROMPT, GREEDY, "after")

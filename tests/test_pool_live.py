@@ -100,7 +100,8 @@ def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
     assert moves and all(e["ok"] for e in moves)  # the cap was felt: models left and came back
     assert {e["job"] for e in moves} == {a.id, b.id}
     assert {"offloaded", "weights"} & {e["to"] for e in moves}
-    slices = [e for e in events if e["event"] == "slice"]
+    # A call beside the slices (its models stay put, it holds no device) may overlap another's.
+    slices = [e for e in events if e["event"] == "slice" and not e.get("beside")]
     for d in (0, 1):  # never two runs on one device at once
         spans = sorted((e["start"], e["start"] + e["seconds"], e["job"]) for e in slices if e["device"] == d)
         for (s1, e1, j1), (s2, _, j2) in zip(spans, spans[1:]):
