@@ -1,8 +1,7 @@
-"""Model processes give their memory back and take it again (rlctl/engines/memory.py), over real
-HTTP: the built-in rollout server through SGLang's /release_memory_occupation and
-/resume_memory_occupation (its routes, bodies, replies and idle rule held to each supported
-release's source), and the trainer service through its own routes, on one rank and two. After a
-resume everything is bit for bit what it was: checksums, greedy generations, train steps."""
+"""Model processes give their memory back and take it again (rlctl/engines/memory.py), over real HTTP: the built-in
+rollout server through SGLang's /release_memory_occupation and /resume_memory_occupation (its routes, bodies, replies
+and idle rule held to each supported release's source), and the trainer service through its own routes, on one rank
+and two. After a resume everything is bit for bit what it was: checksums, greedy generations, train steps."""
 
 from __future__ import annotations
 
@@ -140,8 +139,8 @@ def test_release_all_then_resume_all_gives_the_same_model_back(serve, tiny_model
             with pytest.raises(RunError, match="update_weights_from_tensor.*memory is released"):
                 await sender.send(weights, "1")  # refused before any tensor is opened
             with pytest.raises(RunError, match="no weight-update session is open"):
-                await c.end_weight_update()  # the refused sync closed the session it had opened
-            await c.continue_generation()  # and left the server paused, as a failed sync does
+                await c.end_weight_update()  # the refused sync closed its session, but left the pause
+            await c.continue_generation()
             await c.resume_memory_occupation()
             assert offloaded(tmp_path / "off") == {}
             after = await c.generate(PROMPT, GREEDY, "after")
