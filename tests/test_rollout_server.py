@@ -91,17 +91,23 @@ def test_abort_and_pause(start_server):
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "per_tensor"])
-def test_weight_broadcast_to_two_servers_is_bit_exact(start_server, tiny_model_dir, flattened):
+def unseen_weights(model_dir) -> tuple[list, dict[str, str]]:
+    """The model's weights moved by a little noise (weights the servers have never seen), and
+    each tensor's hash."""
     from transformers import AutoModelForCausalLM
 
-    urls = [start_server(seed=0), start_server(seed=1)]
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)  # weights the servers have never seen
-    weights = [(n, p.detach()) for n, p in model.named_parameters()]
-    expected = {n: tensor_sha256(t) for n, t in model.state_dict().items()}
+            p.add_(torch.randn_like(p) * 0.01)
+    return [(n, p.detach()) for n, p in model.named_parameters()], {
+        n: tensor_sha256(t) for n, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "per_tensor"])
+def test_weight_broadcast_to_two_servers_is_bit_exact(start_server, tiny_model_dir, flattened):
+    urls = [start_server(seed=0), start_server(seed=1)]
+    weights, expected = unseen_weights(tiny_model_dir)
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
@@ -131,15 +137,8 @@ def test_a_sync_cut_by_a_dead_server_leaves_the_others_ready_for_the_next(start_
     failed sync closes them, so the sync done again without the dead server is not refused
     ("a weight-update session is already open", as SGLang says) and gives the living one every
     weight. The failover path (rlctl/failover.py) does exactly this."""
-    from transformers import AutoModelForCausalLM
-
     urls = [start_server(seed=0), start_server(seed=1)]
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    weights = [(n, p.detach()) for n, p in model.named_parameters()]
-    expected = {n: tensor_sha256(t) for n, t in model.state_dict().items()}
+    weights, expected = unseen_weights(tiny_model_dir)
 
     def killing_on_read(k: int):
         """The weights, read lazily; reading the k-th kills the second server (the first buckets,

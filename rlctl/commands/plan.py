@@ -22,6 +22,8 @@ from rlctl.recipe import GpuKind
 
 
 def _table(rows: list[Any], simulated: dict[int, float]) -> str:
+    from rlctl.planner.memory import GIB
+
     head = (f"{'#':>2} {'mode':<12}{'GPUs r+t':>10} {'servers':<10}{'trainer':<16}{'mb':>4}"
             f"{'step s':>8}{'s/1k':>7}{'GPU-s/1k':>9}{'GiB t/s':>10}  bound")
     if simulated:
@@ -32,7 +34,7 @@ def _table(rows: list[Any], simulated: dict[int, float]) -> str:
         mode = f"{p.mode}{' coloc' if p.colocated else ''}"
         where = str(p.rollout_gpus) if p.colocated else f"{p.rollout_gpus}+{p.trainer_gpus}"
         mb = f"{p.micro_batch_tokens // 1024}k" if p.micro_batch_tokens >= 1024 else str(p.micro_batch_tokens)
-        mem = f"{e.trainer.total / 1024**3:.0f}/{e.server.total / 1024**3:.0f}"
+        mem = f"{e.trainer.total / GIB:.0f}/{e.server.total / GIB:.0f}"
         line = (f"{i + 1:>2} {mode:<12}{where:>10} {f'tp{p.rollout_tp} x{p.servers}':<10}"
                 f"{f'tp{p.train_tp} pp{p.train_pp} dp{p.train_dp}':<16}{mb:>4}{e.step_s:>8.3g}"
                 f"{e.step_s / e.samples * 1000:>7.3g}{e.gpu_s_per_1k:>9.4g}{mem:>10}  {e.bound:<12}")
@@ -87,6 +89,7 @@ def plan(
     """Rank every placement of a recipe on N GPUs: the rollout/train split or colocation, server
     and trainer parallelism, micro-batch and pipeline mode, each with its predicted step time,
     GPU-seconds per 1k samples, memory per GPU and the stage that bounds it."""
+    from rlctl.commands.simulate import has_sim_section
     from rlctl.planner.costs import cost_model
     from rlctl.planner.search import explain
     from rlctl.planner.search import plan as search
@@ -113,21 +116,12 @@ def plan(
                                      for i, e in enumerate(shown)]}, indent=1))
         return
     where = f"calibrated on {calibrate_from}" if calibrate_from else (
-        f"the sim: section of {recipe}" if _has_sim_section(recipe) else "the sim: defaults (the recipe has no sim:)")
+        f"the sim: section of {recipe}" if has_sim_section(recipe) else "the sim: defaults (the recipe has no sim:)")
     print("\n".join(_describe(r, cost, gpus, min(per_node, gpus), result, where)))
     print(_table(shown, simulated))
     if len(result.ranked) > 1:
         print(f"#1 against #2: {explain(result.ranked[0], result.ranked[1])}")
     print("simulate #1: rlctl simulate " + " ".join([str(recipe), *given, *shown[0].placement.overrides(shown[0].running)]))
-
-
-def _has_sim_section(recipe: Path) -> bool:
-    import yaml
-
-    try:
-        return isinstance((yaml.safe_load(recipe.read_text()[:1 << 20]) or {}).get("sim"), dict)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
-        return False
 
 
 def _calibration(run: str | None, runs_dir: Path, quiet: bool) -> list[str]:

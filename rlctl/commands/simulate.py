@@ -65,18 +65,24 @@ def _is_pool_file(path: Path) -> bool:
     return isinstance(data, dict) and "jobs" in data
 
 
-def _sim_source(recipe: Path, overrides: list[str], fitted: list[str], defaults_ok: bool) -> str:
-    """Where the cost model's numbers come from; a UsageError when the recipe says nothing of
-    the cluster it would be priced on and --sim-defaults was not given."""
+def has_sim_section(recipe: Path) -> bool:
+    """Whether the recipe file has a sim: section (False when it cannot be read: the recipe
+    loader says what is wrong with it)."""
     import yaml
-
-    from rlctl.errors import UsageError
 
     try:
         data = yaml.safe_load(recipe.read_text()[:1 << 20])
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        data = None  # the recipe loader says what is wrong with it
-    has_section = isinstance(data, dict) and isinstance(data.get("sim"), dict)
+        return False
+    return isinstance(data, dict) and isinstance(data.get("sim"), dict)
+
+
+def _sim_source(recipe: Path, overrides: list[str], fitted: list[str], defaults_ok: bool) -> str:
+    """Where the cost model's numbers come from; a UsageError when the recipe says nothing of
+    the cluster it would be priced on and --sim-defaults was not given."""
+    from rlctl.errors import UsageError
+
+    has_section = has_sim_section(recipe)
     overridden = [o.split("=")[0] for o in overrides if o.startswith("sim.")]
     if not (has_section or overridden or fitted or defaults_ok):
         raise UsageError(f"{recipe}: no sim: section, so nothing says what cluster and model to price; add one "

@@ -35,6 +35,7 @@ from typing import Any
 
 from rlctl.planner.lengths import Lengths
 from rlctl.planner.memory import (
+    GIB,
     TRAINER_HEADROOM,
     Breakdown,
     TrainLayout,
@@ -122,7 +123,7 @@ class Estimate:
     def peak_gib(self) -> float:
         both = self.trainer.total + self.server.total if self.placement.colocated else max(self.trainer.total,
                                                                                             self.server.total)
-        return both / 1024**3
+        return both / GIB
 
     def to_json(self) -> dict[str, Any]:
         p = self.placement
@@ -160,12 +161,12 @@ def estimate(recipe: Recipe, base: CostModel, p: Placement, lengths: Lengths | N
         out.server = server_memory(cost, out.running, builtin)
         peak = out.trainer.total + out.server.parts["weights"]  # the KV cache is freed to train
         if peak > hbm * TRAINER_HEADROOM:
-            out.unfit = f"training beside the servers' weights needs {peak / 1024**3:.0f} GiB per GPU"
+            out.unfit = f"training beside the servers' weights needs {peak / GIB:.0f} GiB per GPU"
     else:
         out.running = running_batch(cost, ro.max_running_requests)
         out.server = server_memory(cost, out.running, builtin)
         if out.trainer.total > hbm * TRAINER_HEADROOM:
-            out.unfit = f"the trainer needs {out.trainer.total / 1024**3:.0f} GiB per GPU ({out.trainer.largest()} most)"
+            out.unfit = f"the trainer needs {out.trainer.total / GIB:.0f} GiB per GPU ({out.trainer.largest()} most)"
     if out.running < 1:
         out.unfit = out.unfit or "a server's weights leave no room for one request's KV cache"
     if out.unfit:

@@ -47,9 +47,6 @@ class Breakdown:
     def largest(self) -> str:
         return max(self.parts, key=lambda k: self.parts[k]) if self.parts else ""
 
-    def describe(self) -> str:
-        return ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.parts.items() if v > 0) + " GiB"
-
 
 @dataclass(frozen=True)
 class TrainLayout:
