@@ -142,10 +142,12 @@ def test_a_killed_server_comes_back_and_a_killed_trainer_fails_only_its_run(pool
     os.kill(a.read()["processes"]["trainer-0"]["pid"], signal.SIGKILL)
     info = wait_for(lambda: ended(a), 120, "a to end")
     assert info["state"] == "failed" and "trainer-0 exited with code -9" in info["exit_reason"]
+    # Its run said so only after the pool had let it go and stopped its other engines.
+    assert a.id in {e["job"] for e in read_jsonl(pool / "events.jsonl") if e["event"] == "job_detached"}
+    for role, proc in a.read()["processes"].items():
+        assert role == "supervisor" or not pid_alive(proc["pid"]), role
     info = wait_for(lambda: ended(b), 600, "b to end")
     assert info["state"] == "completed", info["exit_reason"]
-    for role, proc in a.read()["processes"].items():  # the pool stopped a's other engines
-        assert role == "supervisor" or not pid_alive(proc["pid"]), role
 
 
 def parent(pid: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +111,13 @@ class Mover(Protocol):
 
 class Clock(Protocol):
     def now(self) -> float: ...
+
+
+class MonotonicClock:
+    """A live pool's clock (the simulator passes its virtual one)."""
+
+    def now(self) -> float:
+        return time.monotonic()
 
 
 Emit = Callable[..., None]

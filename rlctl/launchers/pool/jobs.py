@@ -96,6 +96,8 @@ class PoolJob:
     attached_at: float = field(default_factory=time.monotonic)
     ended: str | None = None
     """Why it left the pool (detached, a process died), once it has."""
+    left: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once it has left: its engines stopped, its ports given back, its usage written."""
 
     @classmethod
     def from_run_dir(cls, run_dir: Path) -> PoolJob:

@@ -37,17 +37,12 @@ from rlctl.launchers.pool.slurm import PortBook, job_nodes
 from rlctl.launchers.pool.warm import Forker
 from rlctl.plex.placement import Layout
 from rlctl.plex.scheduler import SliceScheduler, State
-from rlctl.plex.state import snapshot
+from rlctl.plex.state import MonotonicClock, snapshot
 from rlctl.recipe import Device, Launcher, TrainEngine
 from rlctl.recipe.load import load_pool_file
 
 log = logging.getLogger("rlctl.pool")
 USAGE_EVERY_S = 2.0
-
-
-class MonotonicClock:
-    def now(self) -> float:
-        return time.monotonic()
 
 
 class PoolService:
@@ -207,19 +202,26 @@ class PoolService:
         return web.json_response({"job": job.name, "usage": usage})
 
     async def _detach(self, job: PoolJob, reason: str) -> dict[str, Any]:
+        """Let the job go: its calls cancelled, its engines stopped, its ports given back. A second
+        caller (the run's own detach while the watch loop lets it go) waits for the first, so a
+        run says it has ended only once the pool has let it go."""
         if job.ended is None:
             job.ended = reason
-            for call_id, (owner, _, task) in list(self.calls.items()):
-                if owner == job.name:
-                    task.cancel()
-                    self.calls.pop(call_id, None)
-            usage = self._usage(job)
-            self.sched.remove_job(job.name)
-            self.layout.forget(job.name)
-            await asyncio.to_thread(job.stop)
-            self.ports.give_back(job.name)
-            job.rd.update(lambda r: r.setdefault("pool", {}).update(usage=usage, detached=reason))
-            self.emit("job_detached", time.monotonic(), job=job.name, reason=reason, **usage)
+            try:
+                for call_id, (owner, _, task) in list(self.calls.items()):
+                    if owner == job.name:
+                        task.cancel()
+                        self.calls.pop(call_id, None)
+                usage = self._usage(job)
+                self.sched.remove_job(job.name)
+                self.layout.forget(job.name)
+                await asyncio.to_thread(job.stop)
+                self.ports.give_back(job.name)
+                job.rd.update(lambda r: r.setdefault("pool", {}).update(usage=usage, detached=reason))
+                self.emit("job_detached", time.monotonic(), job=job.name, reason=reason, **usage)
+            finally:
+                job.left.set()
+        await job.left.wait()
         self.jobs.pop(job.name, None)
         self.gone[job.name] = job.ended
         return job.rd.read().get("pool", {}).get("usage", {})
@@ -296,8 +298,7 @@ class PoolService:
         from aiohttp import web
 
         snap = snapshot(self.sched)
-        elapsed = time.monotonic() - self.t0
-        return web.json_response({"name": self.pd.name, "uptime_s": elapsed, "devices": snap["devices"],
+        return web.json_response({"name": self.pd.name, "uptime_s": time.monotonic() - self.t0, "devices": snap["devices"],
                                   "models": snap["models"], "jobs": {n: self._usage(j) for n, j in self.jobs.items()}})
 
     async def shutdown(self, request):
