@@ -14,6 +14,7 @@ import torch
 from conftest import REPO, rlctl
 from rlctl.planner.costs import cost_model
 from rlctl.planner.estimate import Placement, estimate
+from rlctl.planner.launch import NotLaunchable, launch_overrides
 from rlctl.planner.lengths import Lengths
 from rlctl.planner.memory import TrainLayout, trainer_memory
 from rlctl.planner.search import placements, plan
@@ -189,3 +190,37 @@ def test_colocated_needs_one_set_of_gpus_and_sync(tmp_path):
                         "pipeline.mode=sync")]:
         res = rlctl("simulate", str(SIM), *args, "--no-save", cwd=tmp_path)
         assert res.returncode == 2 and said in res.stderr, res.stderr
+
+
+def test_a_planned_placement_launches_as_the_slurm_job_it_names(tmp_path):
+    """`rlctl plan` says how to launch each placement rlctl can run, and why not the others; the
+    keys it gives render the batch script of that placement (a dry run of the real launcher)."""
+    r = recipe(QWEN)
+    for e in plan(r, cost_model(r), 64, 8, pp=True).ranked:
+        p = e.placement
+        try:
+            launch_overrides(r, p, e.running, 8)
+            assert not p.colocated and p.train_pp == 1, p
+        except NotLaunchable as why:
+            assert str(why).startswith("colocated" if p.colocated else "pipeline-parallel") and (
+                p.colocated or p.train_pp > 1), (p, why)
+    res = rlctl("plan", str(QWEN), "--gpus", "64", "--top", "60", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    ranked = json.loads(res.stdout)["ranked"]
+    assert all((e["launch"] is None) == bool(e["not_launchable"]) == e["placement"]["colocated"] for e in ranked)
+    e = next(e for e in ranked if e["launch"] and e["placement"]["rollout_tp"] > 1 and e["placement"]["train_tp"] > 1)
+    p = e["placement"]
+    res = rlctl("launch", str(QWEN), "--dry-run", f"run.output_dir={tmp_path / 'runs'}", *e["launch"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    trainer, rollout = res.stdout.split("#SBATCH hetjob")
+    t_nodes, r_nodes = -(-p["trainer_gpus"] // 8), -(-p["rollout_gpus"] // 8)
+    assert f"--nodes={t_nodes}\n" in trainer and f"--ntasks-per-node={p['trainer_gpus'] // t_nodes}\n" in trainer
+    assert f"--nodes={r_nodes}\n" in rollout and f"--ntasks-per-node={p['servers'] // r_nodes}\n" in rollout
+    assert f"rlctl_own_gpus {p['rollout_tp']}" in rollout
+    (run,) = (tmp_path / "runs").iterdir()
+    written = load_recipe(run / "recipe.yaml", check_paths=False)
+    assert (written.train.megatron.tp, written.rollout.sglang.tp_size, str(written.pipeline.mode)) == (
+        p["train_tp"], p["rollout_tp"], p["mode"])
+    assert written.train.micro_batch_tokens == p["micro_batch_tokens"]
+    res = rlctl("plan", str(QWEN), "--gpus", "64", "--top", "1", cwd=tmp_path)
+    assert res.returncode == 0 and "launch #1: " in res.stdout and "rlctl launch " in res.stdout, res.stdout

@@ -112,7 +112,9 @@ def plan(
     if as_json:
         print(json.dumps({"recipe": str(recipe), "gpus": gpus, "gpu": str(r.sim.gpu), "considered": result.considered,
                           "unfit": len(result.unfit), "seconds": result.seconds,
-                          "ranked": [{**e.to_json(), **({"simulated_step_s": simulated[i]} if i in simulated else {})}
+                          "ranked": [{**e.to_json(), **({"simulated_step_s": simulated[i]} if i in simulated else {}),
+                                      **dict(zip(("launch", "not_launchable"), _launch(r, e, min(per_node, gpus)),
+                                                 strict=True))}
                                      for i, e in enumerate(shown)]}, indent=1))
         return
     where = f"calibrated on {calibrate_from}" if calibrate_from else (
@@ -122,6 +124,31 @@ def plan(
     if len(result.ranked) > 1:
         print(f"#1 against #2: {explain(result.ranked[0], result.ranked[1])}")
     print("simulate #1: rlctl simulate " + " ".join([str(recipe), *given, *shown[0].placement.overrides(shown[0].running)]))
+    print(_launch_line(recipe, [*(overrides or []), *([f"sim.gpu={gpu}"] if gpu else [])], r, result.ranked,
+                       min(per_node, gpus)))
+
+
+def _launch(r: Any, e: Any, per_node: int) -> tuple[list[str] | None, str]:
+    """The overrides that launch estimate e's placement, or None and why not."""
+    from rlctl.planner.launch import NotLaunchable, launch_overrides
+
+    try:
+        return launch_overrides(r, e.placement, e.running, per_node), ""
+    except NotLaunchable as why:
+        return None, str(why)
+
+
+def _launch_line(recipe: Path, given: list[str], r: Any, ranked: list[Any], per_node: int) -> str:
+    """How to launch #1, or, when rlctl cannot launch it yet, why and the best one it can."""
+    keys, why = _launch(r, ranked[0], per_node)
+    if keys is not None:
+        return "launch #1: rlctl launch " + " ".join([str(recipe), *given, *keys])
+    for i, e in enumerate(ranked[1:], start=2):
+        keys, _ = _launch(r, e, per_node)
+        if keys is not None:
+            return (f"launch #1: not yet ({why}); the first rlctl can launch is #{i} ({e.placement.label()}, "
+                    f"{e.step_s:.3g} s a step): rlctl launch " + " ".join([str(recipe), *given, *keys]))
+    return f"launch #1: not yet ({why}); no ranked placement can be launched by rlctl yet"
 
 
 def _calibration(run: str | None, runs_dir: Path, quiet: bool) -> list[str]:

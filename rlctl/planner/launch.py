@@ -1,0 +1,56 @@
+"""The recipe keys that launch a planned placement: one heterogeneous Slurm job (launcher=slurm),
+trainers in component 0 and rollout servers in component 1, each on whole nodes of
+`per_node` GPUs (or part of one node when the side needs fewer).
+
+Two kinds of placement are a plan only, and say so instead of keys: colocated ones (rlctl runs
+rollout servers and trainers on GPUs of their own) and pipeline-parallel trainers (the Megatron
+trainer runs pp=1; rlctl/recipe/train.py).
+"""
+
+from __future__ import annotations
+
+from rlctl.planner.estimate import Placement
+from rlctl.recipe import Recipe, RolloutEngine, SyncBackend, TrainEngine
+
+
+class NotLaunchable(Exception):
+    """A placement rlctl can plan but not launch yet: why."""
+
+
+def _side(gpus: int, per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) for a side of the job: whole nodes, or part of one."""
+    if gpus <= per_node:
+        return 1, gpus
+    if gpus % per_node:
+        raise NotLaunchable(f"{gpus} GPUs are not whole nodes of {per_node}")
+    return gpus // per_node, per_node
+
+
+def launch_overrides(recipe: Recipe, p: Placement, running: int, per_node: int) -> list[str]:
+    """KEY=VALUE overrides that make `rlctl launch RECIPE ...` run placement `p` on Slurm."""
+    if p.colocated:
+        raise NotLaunchable("colocated placements are a plan: rlctl runs servers and trainers on GPUs of their own")
+    if p.train_pp > 1:
+        raise NotLaunchable("pipeline-parallel trainers are a plan: the Megatron trainer runs train.megatron.pp=1")
+    if p.train_tp > 1 and recipe.train.engine is not TrainEngine.MEGATRON:
+        raise NotLaunchable("tensor-parallel training needs train.engine=megatron")
+    ro, tr = recipe.rollout, recipe.train
+    if ro.engine is RolloutEngine.BUILTIN and p.rollout_tp > 1:
+        raise NotLaunchable("the built-in server runs on one GPU (rollout.engine=sglang or vllm for tp > 1)")
+    t_nodes, t_gpus = _side(p.trainer_gpus, per_node)
+    r_nodes, r_gpus = _side(p.rollout_gpus, per_node)
+    keys = ["launcher=slurm", f"pipeline.mode={p.mode}", "train.device=cuda", "rollout.device=cuda",
+            f"train.ranks={p.trainer_gpus}", f"train.micro_batch_tokens={p.micro_batch_tokens}",
+            f"rollout.servers={p.servers}", f"rollout.max_running_requests={running}",
+            f"slurm.trainer.nodes={t_nodes}", f"slurm.trainer.gpus_per_node={t_gpus}",
+            f"slurm.rollout.nodes={r_nodes}", f"slurm.rollout.gpus_per_node={r_gpus}",
+            f"slurm.rollout.servers_per_node={r_gpus // p.rollout_tp}"]
+    if tr.engine is TrainEngine.MEGATRON:
+        keys.append(f"train.megatron.tp={p.train_tp}")
+    if ro.engine is not RolloutEngine.BUILTIN:
+        keys.append(f"rollout.{ro.engine}.tp_size={p.rollout_tp}")
+    if tr.sync_backend is SyncBackend.IPC:  # within one host only; the job spans nodes
+        keys.append("train.sync_backend=nccl")
+    keys += [f"{key}=[]" for key, given in (("train.cpus", tr.cpus), ("train.gpus", tr.gpus),
+                                           ("rollout.cpus", ro.cpus), ("rollout.gpus", ro.gpus)) if given]
+    return keys
