@@ -98,11 +98,12 @@ def plan(
     if gpus < 1 or per_node < 1 or top < 1 or simulate_k < 0 or sim_steps < 2:
         raise UsageError("--gpus, --gpus-per-node and --top must be at least 1, --simulate at least 0, "
                          "--sim-steps at least 2")
-    fitted = _calibration(calibrate_from, runs_dir, as_json)
-    given = [*fitted, *(overrides or []), *([f"sim.gpu={gpu}"] if gpu else [])]
+    asked = [*(overrides or []), *([f"sim.gpu={gpu}"] if gpu else [])]
+    given = [*_calibration(calibrate_from, runs_dir, as_json), *asked]
     r = load_recipe(recipe, given, check_paths=False)
     cost = cost_model(r)
-    result = search(r, cost, gpus, min(per_node, gpus), pp=pp)
+    per_node = min(per_node, gpus)
+    result = search(r, cost, gpus, per_node, pp=pp)
     if not result.ranked:
         worst = result.unfit[0] if result.unfit else None
         raise RunError(f"no placement of {recipe} fits on {gpus} {r.sim.gpu} GPUs"
@@ -113,19 +114,18 @@ def plan(
         print(json.dumps({"recipe": str(recipe), "gpus": gpus, "gpu": str(r.sim.gpu), "considered": result.considered,
                           "unfit": len(result.unfit), "seconds": result.seconds,
                           "ranked": [{**e.to_json(), **({"simulated_step_s": simulated[i]} if i in simulated else {}),
-                                      **dict(zip(("launch", "not_launchable"), _launch(r, e, min(per_node, gpus)),
+                                      **dict(zip(("launch", "not_launchable"), _launch(r, e, per_node),
                                                  strict=True))}
                                      for i, e in enumerate(shown)]}, indent=1))
         return
     where = f"calibrated on {calibrate_from}" if calibrate_from else (
         f"the sim: section of {recipe}" if has_sim_section(recipe) else "the sim: defaults (the recipe has no sim:)")
-    print("\n".join(_describe(r, cost, gpus, min(per_node, gpus), result, where)))
+    print("\n".join(_describe(r, cost, gpus, per_node, result, where)))
     print(_table(shown, simulated))
     if len(result.ranked) > 1:
         print(f"#1 against #2: {explain(result.ranked[0], result.ranked[1])}")
     print("simulate #1: rlctl simulate " + " ".join([str(recipe), *given, *shown[0].placement.overrides(shown[0].running)]))
-    print(_launch_line(recipe, [*(overrides or []), *([f"sim.gpu={gpu}"] if gpu else [])], r, result.ranked,
-                       min(per_node, gpus)))
+    print(_launch_line(recipe, asked, r, result.ranked, per_node))
 
 
 def _launch(r: Any, e: Any, per_node: int) -> tuple[list[str] | None, str]:

@@ -32,8 +32,6 @@ def launch_overrides(recipe: Recipe, p: Placement, running: int, per_node: int) 
         raise NotLaunchable("colocated placements are a plan: rlctl runs servers and trainers on GPUs of their own")
     if p.train_pp > 1:
         raise NotLaunchable("pipeline-parallel trainers are a plan: the Megatron trainer runs train.megatron.pp=1")
-    if p.train_tp > 1 and recipe.train.engine is not TrainEngine.MEGATRON:
-        raise NotLaunchable("tensor-parallel training needs train.engine=megatron")
     ro, tr = recipe.rollout, recipe.train
     if ro.engine is RolloutEngine.BUILTIN and p.rollout_tp > 1:
         raise NotLaunchable("the built-in server runs on one GPU (rollout.engine=sglang or vllm for tp > 1)")
