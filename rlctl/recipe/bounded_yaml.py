@@ -53,18 +53,14 @@ def parse_bounded(text: str, loader: Any = SAFE_LOADER, max_bytes: int = MAX_REC
     size = len(text.encode(errors="replace")) if len(text) <= max_bytes else len(text)
     if size > max_bytes:
         raise YamlLimit(f"{_size(size)}, more than the {_size(max_bytes)} allowed")
-    depth = values = 0
-    for event in yaml.parse(text, Loader=loader):
-        if isinstance(event, yaml.NodeEvent):  # a scalar, an alias, or the start of a collection
-            values += 1
-            if values > MAX_NODES:
-                raise YamlLimit(f"more than {MAX_NODES:,} values", event.start_mark)
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise YamlLimit(f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
+    try:
+        _check_as_written(text, loader)
+    except yaml.MarkedYAMLError as e:
+        # PyYAML 6.0.4 (its libyaml) stops a nesting 1,000 deep itself, while it scans ahead and
+        # before the events reach the count below: the same bound, said as rlctl says it.
+        if "nesting depth" not in str(e.problem):
+            raise
+        raise YamlLimit(f"nested more than {MAX_DEPTH} levels deep", e.problem_mark) from None
     parser = loader(text)
     try:
         node = parser.get_single_node()
@@ -80,6 +76,23 @@ def parse_bounded(text: str, loader: Any = SAFE_LOADER, max_bytes: int = MAX_REC
             raise YamlLimit(f"a value cannot be read ({str(e)[:60]}...)", node.start_mark) from None
     finally:
         parser.dispose()
+
+
+def _check_as_written(text: str, loader: Any) -> None:
+    """YamlLimit at the first collection deeper than MAX_DEPTH or the first value past MAX_NODES,
+    as written (aliases not expanded), from the parser's event stream."""
+    depth = values = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.NodeEvent):  # a scalar, an alias, or the start of a collection
+            values += 1
+            if values > MAX_NODES:
+                raise YamlLimit(f"more than {MAX_NODES:,} values", event.start_mark)
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise YamlLimit(f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _size(n: int) -> str:
