@@ -87,6 +87,7 @@ class SlurmTrainerConfig(Section):
     """Heterogeneous-job component 0: the trainer ranks (and the controller, on the first node)."""
 
     nodes: int = 1
+    """Nodes of this component; train.ranks are spread evenly over them."""
     gpus_per_node: int = 0
     """GPUs to request per node (--gpus-per-node); 0 = none. Every rank sees all of its node's
     GPUs and takes the one its rank points at (rank r on GPU r mod the node's GPU count)."""
@@ -141,8 +142,11 @@ class SlurmConfig(Section):
     rollout and train sections is checked only for launcher=slurm (rlctl/recipe/schema.py)."""
 
     partition: str = ""
+    """sbatch --partition; empty = the cluster's default."""
     account: str = ""
+    """sbatch --account; empty = the user's default."""
     qos: str = ""
+    """sbatch --qos; empty = the cluster's default."""
     time: str = "01:00:00"
     """Time limit, in any of Slurm's forms (MM, HH:MM:SS, D-HH:MM ...)."""
     trainer: SlurmTrainerConfig = field(default_factory=SlurmTrainerConfig)
@@ -208,7 +212,9 @@ class SimConfig(Section):
     """Model size in billions of parameters (bf16); 0 = the recipe's own model (model.init, or the
     config.json at model.path), or 1.7 when neither is there."""
     rollout_gpus: int = 8
+    """GPUs of the simulated rollout servers."""
     trainer_gpus: int = 8
+    """GPUs of the simulated trainer."""
     tp: int = 1
     """GPUs per rollout server; the simulation has rollout_gpus / tp servers."""
     train_tp: int = 1
@@ -218,6 +224,7 @@ class SimConfig(Section):
     colocated: bool = False
     """Rollout and training time-share the same GPUs (rollout_gpus = trainer_gpus; sync mode)."""
     prompt_tokens: int = 256
+    """Tokens of each prompt (prefill work, and the start of each request's KV cache)."""
     context_tokens: int = 0
     """Mean tokens of context a decoding request holds (its KV cache read per step); 0 = the
     prompt plus a running response's mean length so far, from rollout.sampling's lengths."""
@@ -232,10 +239,17 @@ class SimConfig(Section):
     reward_rate: float = 0.5
     """Chance that a simulated sample is right (drives dynamic sampling's drop rate)."""
     mfu_train: float = 0.4
+    """Share of the GPU's peak bf16 FLOP/s that training reaches."""
     mfu_prefill: float = 0.5
+    """Share of the GPU's peak bf16 FLOP/s that prefill reaches."""
     decode_bw_efficiency: float = 0.7
+    """Share of the GPU's peak memory bandwidth that a decode step reaches."""
     decode_step_overhead_s: float = 0.0
+    """Fixed seconds per decode step that the roofline misses (scheduler, kernel launches); calibration sets
+    it."""
     train_step_overhead_s: float = 0.0
+    """Fixed seconds per optimizer step that the roofline misses (optimizer, gradient all-reduce latency);
+    calibration sets it."""
     layer_launch_s: float = 2e-4
     """Fixed seconds per layer and training micro-batch: some 40 kernel launches forward and
     backward at ~5 us each; calibration sets it."""
@@ -265,9 +279,13 @@ class WandbConfig(Section):
     mode: WandbMode = WandbMode.DISABLED
     """disabled | offline | online"""
     project: str = "rlctl"
+    """The wandb project."""
     entity: str = ""
+    """The wandb team or user; empty = wandb's default for the logged-in user."""
     group: str = ""
+    """The wandb group the run is shown in; empty = none."""
     tags: list[str] = field(default_factory=list)
+    """wandb tags of the run."""
 
     def check(self) -> None:
         if self.mode is not WandbMode.DISABLED and importlib.util.find_spec("wandb") is None:

@@ -68,12 +68,19 @@ class ModelInit(Section):
     """
 
     hidden_size: int = 128
+    """Hidden size of the tiny model."""
     num_layers: int = 2
+    """Transformer layers."""
     num_heads: int = 4
+    """Attention (query) heads."""
     num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
     head_dim: int = 32
+    """Size of each attention head."""
     intermediate_size: int = 256
+    """Width of each layer's MLP."""
     max_position_embeddings: int = 64
+    """Longest prompt + response the model takes, in tokens (characters)."""
     seed: int = 0
     """Seeds the weights and the warm-up data; the model is cached by its init block."""
     warmup_steps: int = 25
@@ -81,7 +88,9 @@ class ModelInit(Section):
     warmup_correct_prob: float = 1.0
     """Fraction of warm-up answers that are correct; the rest are random answers of the right form."""
     warmup_lr: float = 3e-3
+    """AdamW learning rate of the supervised warm-up."""
     warmup_batch_size: int = 64
+    """Samples per warm-up step."""
 
     def check(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -123,7 +132,9 @@ class DataConfig(Section):
     path: str | None = None
     """JSONL file for source=jsonl."""
     prompt_key: str = "prompt"
+    """source=jsonl: the field of each row that holds the prompt."""
     answer_key: str = "answer"
+    """source=jsonl: the field of each row that holds the answer the verifier checks against."""
 
     def check(self) -> None:
         if self.source is DataSource.JSONL and not self.path:

@@ -25,6 +25,7 @@ class PoolDevices(Section):
     kind: Device = Device.CPU
     """cpu: each device is a set of cores; cuda: each device is one GPU."""
     count: int = 2
+    """How many devices the pool has."""
     cpus_per_device: int = 1
     """cpu: device i is cores [i * cpus_per_device, (i + 1) * cpus_per_device)."""
     gpus: list[int] = field(default_factory=list)
@@ -53,11 +54,15 @@ class PoolSlurm(Section):
     on. The devices are spread evenly: device i is on node i // (count / nodes)."""
 
     nodes: int = 1
+    """Nodes of the pool's job; the devices are spread evenly over them."""
     time: str = "1-00:00:00"
     """The pool's time limit, in any of Slurm's forms: the runs in it end with it."""
     partition: str = ""
+    """sbatch --partition; empty = the cluster's default."""
     account: str = ""
+    """sbatch --account; empty = the user's default."""
     qos: str = ""
+    """sbatch --qos; empty = the cluster's default."""
     gpus_per_node: int = 0
     """--gpus-per-node (kind cuda: 0 asks for the pool's devices per node)."""
     sbatch_args: list[str] = field(default_factory=list)
@@ -86,7 +91,9 @@ class PoolSimConfig(Section):
     """`rlctl simulate` of a pool: the GPUs, and what moving a model costs."""
 
     gpu: GpuKind = GpuKind.H200
+    """The GPU kind the cost model prices (h200, h100, a100, cpu)."""
     gpus: int = 64
+    """GPUs of the simulated pool."""
     host_bytes_per_s: float = 25e9
     """Device <-> host copy rate per GPU when a model is offloaded or restored (PCIe Gen5 x16 is
     64 GB/s; eight GPUs of a node share the host's links, so a sustained 25 GB/s each)."""
@@ -105,6 +112,7 @@ class PoolSimConfig(Section):
 @dataclass(kw_only=True)
 class PoolSpec(Section):
     name: str = "pool"
+    """The pool's name: runs attach with pool.name=NAME, and its directory is output_dir/NAME."""
     output_dir: str = "pools"
     """Where the pool's directory (state, events, logs, token) is made: on a Slurm pool, a
     filesystem the nodes share."""
@@ -153,7 +161,9 @@ class PoolJob(Section):
     recipe: str = ""
     """A recipe file, relative to the pool file."""
     overrides: list[str] = field(default_factory=list)
+    """key=value overrides of the recipe, as on `rlctl launch`'s command line."""
     share: float = 1.0
+    """Its share of contended devices, as a run's pool.share."""
     name: str = ""
     """Its name in tables (default: the recipe's run.name and its index)."""
 
@@ -176,6 +186,7 @@ class PoolConfig(Section):
     """A run's `pool:` section: with `launcher: pool`, the pool it attaches to."""
 
     name: str = ""
+    """The pool to attach to, as `rlctl pool up` named it; required with launcher=pool."""
     dir: str = "pools"
     """Where pools' directories are (a pool is `DIR/NAME`)."""
     share: float = 1.0

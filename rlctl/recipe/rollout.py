@@ -53,6 +53,8 @@ class LongTailConfig(Section):
     """
 
     enabled: bool = False
+    """Draw each request's max_new_tokens from this distribution and set ignore_eos; false: every request may
+    generate up to rollout.sampling.max_new_tokens and stops at its end of sequence."""
     median_fraction: float = 0.095
     """Median of the lognormal body as a fraction of max_new_tokens."""
     sigma: float = 0.5
@@ -60,6 +62,7 @@ class LongTailConfig(Section):
     truncated_fraction: float = 0.05
     """Share of requests that run to max_new_tokens (the runs that hit the length cap)."""
     min_tokens: int = 1
+    """The shortest length drawn."""
 
     def check(self) -> None:
         if not self.enabled:
@@ -73,10 +76,15 @@ class LongTailConfig(Section):
 @dataclass(kw_only=True)
 class SamplingConfig(Section):
     temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
     top_p: float = 1.0
+    """Nucleus sampling: sample among the most likely tokens whose probabilities add up to this (1.0 = all)."""
     top_k: int = -1
+    """Sample among the k most likely tokens (-1 = all)."""
     max_new_tokens: int = 8
+    """Most tokens a response may have; at most MAX_NEW_TOKENS (2^20)."""
     stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response, besides the model's end-of-sequence tokens."""
     long_tail: LongTailConfig = field(default_factory=LongTailConfig)
 
     def check(self) -> None:
@@ -155,7 +163,9 @@ class SGLangConfig(Section):
     tp_size: int = 1
     """GPUs per server (tensor parallel); data parallel = rollout.servers."""
     mem_fraction_static: float = 0.85
+    """Share of each GPU SGLang takes for weights and KV cache (--mem-fraction-static)."""
     dtype: SGLangDtype = SGLangDtype.BFLOAT16
+    """Dtype of the server's weights and activations (--dtype); auto = the model's own."""
     skip_tokenizer_init: bool = True
     """rlctl sends token ids and reads output_ids, so the server needs no tokenizer."""
     extra_args: list[str] = field(default_factory=list)
@@ -181,6 +191,7 @@ class VllmConfig(Section):
     max_model_len: int = 0
     """Longest prompt + response a request may have; 0 = the model's own context length."""
     dtype: SGLangDtype = SGLangDtype.BFLOAT16
+    """Dtype of the server's weights and activations (--dtype); auto = the model's own."""
     extra_args: list[str] = field(default_factory=list)
     """Passed through to `vllm serve`, e.g. ["--enforce-eager"]."""
 

@@ -35,6 +35,9 @@ class Recipe(Section):
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     launcher: Launcher = Launcher.LOCAL
+    """Where the run's processes go: local (this host, every role its own process), slurm (one heterogeneous
+    Slurm job: trainer nodes and rollout nodes) or pool (the devices of a shared pool, `rlctl pool up`; see
+    the pool section)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sim: SimConfig = field(default_factory=SimConfig)

@@ -55,10 +55,13 @@ class TrainConfig(Section):
     """Local launcher, device cuda: the GPUs the ranks use (rank r on gpus[r % len]); empty = cuda:r.
     Give trainers and servers different GPUs for a disaggregated run on one multi-GPU host."""
     lr: float = 1e-3
+    """AdamW learning rate of the policy."""
     weight_decay: float = 0.0
+    """AdamW weight decay of the policy."""
     groups_per_batch: int = 8
     """Groups per train batch (one optimizer step); must divide rollout.batch_size."""
     grad_clip: float = 1.0
+    """The gradient's L2 norm is clipped to this before each optimizer step."""
     micro_batch_tokens: int = 8192
     """Most padded tokens per forward/backward; a train batch is split by length to fit."""
     sync_bucket_mb: float = 512.0
