@@ -9,16 +9,21 @@ commit, a date, a machine and a command, and goes visibly stale when the code mo
      "command": "python scripts/bench_cli.py --runs 2000", "figures": {...}}
 
 `results/NAME.json` holds the latest run of NAME; a script measured on two kinds of machine
-names them apart (e.g. `bench_weightsync-h200`). Nothing here imports rlctl or torch up front: a benchmark of the CLI's start
-must not pay for them.
+names them apart (e.g. `bench_weightsync-ipc-cuda`). The folder is results/ unless the
+RLCTL_RESULTS environment variable names another (a GPU machine that returns only one folder,
+or a trial run that must not replace the cited figures). A float that is not finite (NaN, inf)
+is written as null: the files are plain JSON. Nothing here imports rlctl or torch up front: a
+benchmark of the CLI's start must not pay for them.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -27,6 +32,34 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
+RESULTS_ENV = "RLCTL_RESULTS"
+
+
+def slug(text: str) -> str:
+    """A piece of an artifact's name: lower case, letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def repo_path(path: str | Path) -> str:
+    """A path as the figures record it: relative to the repository when inside it."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
+def results_folder() -> Path:
+    """results/, or the folder RLCTL_RESULTS names."""
+    return Path(os.environ[RESULTS_ENV]) if os.environ.get(RESULTS_ENV) else RESULTS
+
+
+def _plain(value: Any) -> Any:
+    """JSON data with every non-finite float as None (json.dumps would write NaN, which is not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _git(*args: str) -> str:
@@ -36,6 +69,11 @@ def _git(*args: str) -> str:
         return ""
 
 
+def git_state() -> dict[str, Any]:
+    """The checkout's commit, and whether tracked files differ from it (`dirty`)."""
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -43,7 +81,7 @@ def _cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return platform.machine()
 
 
 def _memory_gib() -> float | None:
@@ -59,6 +97,7 @@ def _memory_gib() -> float | None:
 def machine() -> dict[str, Any]:
     """What the figures were measured on. torch is described only if the benchmark imported it."""
     torch = sys.modules.get("torch")
+    system = os.uname()  # not platform.platform(): on Linux it runs `uname -p` in a subprocess
     gpu = None
     if torch is not None and torch.cuda.is_available():
         gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
@@ -69,13 +108,17 @@ def machine() -> dict[str, Any]:
         "gpu": gpu,
         "python": platform.python_version(),
         "torch": getattr(torch, "__version__", None),
-        "platform": platform.platform(),
+        "platform": f"{system.sysname} {system.release} {system.machine}",
+        # What else was running: the 1, 5 and 15 minute load averages as the figures are written.
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
 
 
 def write_artifact(name: str, figures: dict[str, Any], argv: list[str] | None = None,
-                   results: Path | None = None) -> Path:
-    """Write results/NAME.json (atomically) and return its path; `figures` must be JSON data."""
+                   results: Path | None = None, git: dict[str, Any] | None = None) -> Path:
+    """Write NAME.json into `results` (default: results_folder()) atomically and return its path;
+    `figures` must be JSON data (anything else is written as its str()). `argv` is the command
+    (default sys.argv), `git` the commit and dirty flag (default git_state())."""
     argv = sys.argv if argv is None else argv
     script = Path(argv[0])
     try:
@@ -84,18 +127,17 @@ def write_artifact(name: str, figures: dict[str, Any], argv: list[str] | None = 
         pass
     record = {
         "name": name,
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **(git or git_state()),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "command": shlex.join(["python", str(script), *argv[1:]]),
-        "figures": figures,
+        "figures": _plain(figures),
     }
-    folder = results or RESULTS
+    folder = results or results_folder()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    tmp = folder / f".{name}.json.{os.getpid()}.tmp"  # written whole, then renamed over the old file
+    tmp.write_text(json.dumps(record, indent=1, default=str, allow_nan=False) + "\n")
     tmp.replace(path)
     print(f"figures written to {path.relative_to(REPO) if path.is_relative_to(REPO) else path}", file=sys.stderr)
     return path

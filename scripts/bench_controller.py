@@ -10,7 +10,8 @@ Prints CPU seconds per step (time.process_time) and memory (VmRSS; tracemalloc's
 with --tracemalloc, which slows the run down several times) over the first and the last
 `--window` steps, with their ratios: the target is within 10% (flat). `--old-steps N` also runs
 N steps the old way, every event kept in memory and each step's metrics recomputed from the
-whole log, and prints how the cost of that recomputation grows.
+whole log, and prints how the cost of that recomputation grows. Writes
+results/bench_controller.json.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
+
+from artifact import write_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.10
@@ -60,13 +63,15 @@ class Probe:
                   flush=True)
 
 
-def row(label: str, values: list[float], window: int, fmt: str) -> tuple[str, float]:
+def row(label: str, values: list[float], window: int, fmt: str) -> tuple[str, dict[str, float]]:
     first, last = statistics.fmean(values[:window]), statistics.fmean(values[-window:])
     ratio = last / first if first else float("nan")
-    return f"{label:28} {fmt.format(first):>14} {fmt.format(last):>14} {ratio:8.3f}", ratio
+    return (f"{label:28} {fmt.format(first):>14} {fmt.format(last):>14} {ratio:8.3f}",
+            {"first": first, "last": last, "ratio": ratio})
 
 
-def run_new(recipe_overrides: list[str], steps: int, window: int, traced: bool) -> bool:
+def run_new(recipe_overrides: list[str], steps: int, window: int, traced: bool) -> dict[str, Any]:
+    """The Recorder over a simulated run of `steps` steps; its figures (`flat`: every ratio within TARGET)."""
     from rlctl.recipe import load_recipe
     from rlctl.rundir import create_run_dir
     from rlctl.sim.run import simulate_run
@@ -87,17 +92,19 @@ def run_new(recipe_overrides: list[str], steps: int, window: int, traced: bool) 
     print(f"{steps} steps of {recipe.pipeline.mode}, {samples} samples per step; wall {wall:.0f} s; "
           f"events.jsonl {size:.0f} MiB; simulated step {simulated:.1f} s")
     print(f"{'':28} {f'first {window}':>14} {f'last {window}':>14} {'ratio':>8}")
-    lines = [row("CPU s per step", probe.cpu, window, "{:.4f}"), row("VmRSS MiB", probe.rss, window, "{:.1f}")]
+    lines = {"cpu_s_per_step": row("CPU s per step", probe.cpu, window, "{:.4f}"),
+             "vmrss_mib": row("VmRSS MiB", probe.rss, window, "{:.1f}")}
     if traced:
-        lines.append(row("tracemalloc MiB", probe.heap, window, "{:.1f}"))
-    for text, _ in lines:
+        lines["tracemalloc_mib"] = row("tracemalloc MiB", probe.heap, window, "{:.1f}")
+    for text, _ in lines.values():
         print(text)
-    flat = all(ratio <= TARGET for _, ratio in lines)
+    flat = all(r["ratio"] <= TARGET for _, r in lines.values())
     print(f"flat (last/first <= {TARGET:.2f}): {'yes' if flat else 'NO'}")
-    return flat
+    return {"mode": str(recipe.pipeline.mode), "samples_per_step": samples, "wall_s": wall, "events_mib": size,
+            "simulated_step_s": simulated, **{k: r for k, (_, r) in lines.items()}, "flat": flat}
 
 
-def run_old(recipe_overrides: list[str], steps: int) -> None:
+def run_old(recipe_overrides: list[str], steps: int) -> dict[str, Any]:
     """Every event in memory, each step's metrics from the whole log so far: what the controller
     used to do. Only a few steps' recomputations are timed, at the start and at the end, with the
     cyclic collector off (with every event in memory, its passes would cost more on top)."""
@@ -125,6 +132,8 @@ def run_old(recipe_overrides: list[str], steps: int) -> None:
           f"the start, {late:.4f} at step {steps} ({late / early:.0f}x, growing linearly: about "
           f"{late * 1000 / steps:.1f} s per step at step 1000); the {len(events)} events held "
           f"{held:.0f} MiB more VmRSS")
+    return {"steps": steps, "recompute_cpu_s_first_5": early, "recompute_cpu_s_last_5": late, "events": len(events),
+            "events_held_mib": held}
 
 
 def main() -> None:
@@ -137,10 +146,11 @@ def main() -> None:
     a = p.parse_args()
     sys.path.insert(0, str(REPO))
     window = min(a.window, max(1, a.steps // 2))
-    flat = run_new(a.overrides, a.steps, window, a.tracemalloc)
-    if a.old_steps >= 10:
-        run_old(a.overrides, a.old_steps)
-    sys.exit(0 if flat else 1)
+    new = run_new(a.overrides, a.steps, window, a.tracemalloc)
+    old = run_old(a.overrides, a.old_steps) if a.old_steps >= 10 else None
+    write_artifact("bench_controller", {"workload": WORKLOAD, "overrides": a.overrides, "steps": a.steps,
+                                        "window": window, "target_ratio": TARGET, "recorder": new, "old_way": old})
+    sys.exit(0 if new["flat"] else 1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ trainer GPUs, 4 + 2 and 2 + 1; see SPLITS) and prints each setting's train/rollo
 reductions.
 --sweep --real runs 12 smaller settings for real on this machine (bench-longtail.yaml, 3 steps each).
 
+Writes results/bench_pipelines.json (real runs), bench_pipelines-sweep.json or
+bench_pipelines-sweep-real.json; with another --recipe its name follows (e.g.
+bench_pipelines-bench-longtail-gpu.json); --artifact NAME names it instead.
+
 Each round runs every mode once with the same recipe and seed (rounds use seeds 0, 1, ...), so
 slow drift of the machine hits all modes alike. Per run, the medians over steps (the first step
 left out: it includes start-up effects) are taken; the table shows the median over rounds.
@@ -30,7 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from artifact import repo_path, slug, write_artifact
+
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPE = REPO / "recipes" / "bench-longtail.yaml"
 
 MODES = [
     ("sync", ["pipeline.mode=sync", "pipeline.admission=fifo"]),
@@ -77,32 +84,37 @@ SWEEP_KEYS = ("rollout_to_train_end", "trainer_wait_ratio", "train_time", "rollo
 PAIR = (("sync", MODES[0][1]), ("pipe", MODES[1][1]))  # sync vs rolloutpipe (frontier)
 
 
-def print_sweep(settings, measure) -> list[tuple[float, float]]:
+def print_sweep(settings, measure) -> list[dict]:
     """One row per (G, B, cap): train/rollout time ratio and rolloutpipe's change of
     rollout-to-train-end and waiting ratio against sync; then the ranges. `measure(g, b, cap,
-    mode_overrides)` returns that mode's per-step metrics. Returns the (r2t, wait) changes."""
+    mode_overrides)` returns that mode's per-step metrics. Returns the rows' figures."""
     print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/rollout':>14} {'r2t sync s':>11} {'r2t pipe s':>11} "
           f"{'r2t change':>11} {'wait sync':>10} {'wait pipe':>10} {'wait change':>12} {'wall s':>7}", flush=True)
-    changes = []
+    rows = []
     for g, b, cap in settings:
         start = time.monotonic()
-        rows = {mode: {k: statistics.median(m[k] for m in measure(g, b, cap, extra)) for k in SWEEP_KEYS}
-                for mode, extra in PAIR}
-        s, p = rows["sync"], rows["pipe"]
+        medians = {mode: {k: statistics.median(m[k] for m in measure(g, b, cap, extra)) for k in SWEEP_KEYS}
+                   for mode, extra in PAIR}
+        s, p = medians["sync"], medians["pipe"]
         r2t = p["rollout_to_train_end"] / s["rollout_to_train_end"] - 1
         wait = p["trainer_wait_ratio"] / s["trainer_wait_ratio"] - 1 if s["trainer_wait_ratio"] else float("nan")
-        changes.append((r2t, wait))
+        rows.append({"group_size": g, "batch_size": b, "max_new_tokens": cap, **medians,
+                     "train_over_rollout": s["train_time"] / s["rollout_time"], "r2t_change": r2t, "wait_change": wait,
+                     "wall_s": time.monotonic() - start})
         print(f"{g:3d} {b:5d} {cap:6d} {s['train_time'] / s['rollout_time']:14.2f} {s['rollout_to_train_end']:11.2f} "
               f"{p['rollout_to_train_end']:11.2f} {r2t:11.1%} {s['trainer_wait_ratio']:10.2f} "
-              f"{p['trainer_wait_ratio']:10.2f} {wait:12.1%} {time.monotonic() - start:7.2f}", flush=True)
-    print_range(changes)
-    return changes
+              f"{p['trainer_wait_ratio']:10.2f} {wait:12.1%} {rows[-1]['wall_s']:7.2f}", flush=True)
+    print_range(rows)
+    return rows
 
 
-def print_range(changes: list[tuple[float, float]], label: str = "range") -> None:
-    print(f"{label}: rollout-to-train-end {min(c[0] for c in changes):.1%} .. {max(c[0] for c in changes):.1%}, "
-          f"trainer waiting ratio {min(c[1] for c in changes):.1%} .. {max(c[1] for c in changes):.1%} "
+def print_range(rows: list[dict], label: str = "range") -> dict[str, list[float]]:
+    """Prints and returns the range of rolloutpipe's changes against sync over the rows."""
+    span = {k: [min(r[k] for r in rows), max(r[k] for r in rows)] for k in ("r2t_change", "wait_change")}
+    print(f"{label}: rollout-to-train-end {span['r2t_change'][0]:.1%} .. {span['r2t_change'][1]:.1%}, "
+          f"trainer waiting ratio {span['wait_change'][0]:.1%} .. {span['wait_change'][1]:.1%} "
           "(RolloutPipe paper, against Slime: -30.7..-42.3% and -37..-76%)", flush=True)
+    return span
 
 
 # Cluster splits (rollout GPUs, trainer GPUs) the simulated sweep runs. How much pipelining
@@ -113,12 +125,13 @@ def print_range(changes: list[tuple[float, float]], label: str = "range") -> Non
 SPLITS = [(64, 16), (4, 2), (2, 1)]
 
 
-def sweep(overrides: list[str]) -> None:
+def sweep(overrides: list[str]) -> dict:
+    """The simulated sweep on every split; its figures."""
     sys.path.insert(0, str(REPO))
     from rlctl.sim.run import simulate_run
     from rlctl.recipe import load_recipe
 
-    every = []
+    every, splits = [], []
     for rollout_gpus, trainer_gpus in SPLITS:
         base = ["run.steps=2", f"sim.rollout_gpus={rollout_gpus}", f"sim.trainer_gpus={trainer_gpus}", *overrides]
         print(f"\n{rollout_gpus} rollout + {trainer_gpus} trainer GPUs ({' '.join(base)})", flush=True)
@@ -130,40 +143,60 @@ def sweep(overrides: list[str]) -> None:
                                  check_paths=False)
             return simulate_run(recipe).metrics
 
-        every += print_sweep(SWEEP, measure)
-    print_range(every, "\nrange over all splits")
+        rows = print_sweep(SWEEP, measure)
+        splits.append({"rollout_gpus": rollout_gpus, "trainer_gpus": trainer_gpus, "rows": rows})
+        every += rows
+    return {"recipe": "recipes/sim-1024gpu.yaml", "overrides": overrides, "steps": 2, "splits": splits,
+            "range": print_range(every, "\nrange over all splits")}
 
 
 REAL_SWEEP = [(g, b, cap) for g in (4, 8) for b in (16, 32) for cap in (64, 128, 256)]
 
 
-def sweep_real(recipe: Path, overrides: list[str]) -> None:
-    """The sweep for real on CPU: same table, smaller settings (G x B groups x length cap)."""
+def sweep_real(recipe: Path, overrides: list[str]) -> dict:
+    """The sweep for real on CPU: same table, smaller settings (G x B groups x length cap); its figures."""
     with tempfile.TemporaryDirectory() as tmp:
         def measure(g, b, cap, mode_overrides):
             setting = ["run.steps=3", f"rollout.group_size={g}", f"rollout.batch_size={b}",
                        f"train.groups_per_batch={b // 8}", f"rollout.sampling.max_new_tokens={cap}", *overrides]
             return run_mode(recipe, [*setting, *mode_overrides], Path(tmp) / "runs")[1:]  # step 0 has start-up
 
-        print_sweep(REAL_SWEEP, measure)
+        rows = print_sweep(REAL_SWEEP, measure)
+    return {"recipe": repo_path(recipe), "overrides": overrides, "steps": 3, "rows": rows, "range": print_range(rows)}
+
+
+def artifact_name(a: argparse.Namespace) -> str:
+    """bench_pipelines[-sweep[-real]], then the recipe's name unless it is the default."""
+    name = "bench_pipelines" + ("-sweep" if a.sweep else "") + ("-real" if a.sweep and a.real else "")
+    if a.recipe.resolve() != DEFAULT_RECIPE and not (a.sweep and not a.real):  # the simulated sweep has its own recipe
+        name += "-" + slug(a.recipe.stem)
+    return a.artifact or name
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", type=Path, default=REPO / "recipes" / "bench-longtail.yaml")
+    p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--modes", default=",".join(name for name, _ in MODES))
     p.add_argument("--json", type=Path, help="also write the per-run summaries here")
     p.add_argument("--runs-dir", type=Path, help="keep the run directories here (for rlctl status/trace/compare)")
     p.add_argument("--sweep", action="store_true", help="12 simulated settings instead of real runs")
     p.add_argument("--real", action="store_true", help="with --sweep: 12 smaller settings run for real")
+    p.add_argument("--artifact", help="the name of the results/ file (default: from the mode and the recipe)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     if a.sweep:
-        sweep_real(a.recipe, a.overrides) if a.real else sweep(a.overrides)
+        write_artifact(artifact_name(a), sweep_real(a.recipe, a.overrides) if a.real else sweep(a.overrides))
         return
-    chosen = [(n, o) for n, o in MODES if n in a.modes.split(",")]
+    figures = real_runs(a)
+    if a.json:
+        a.json.write_text(json.dumps({"table": figures["table"], "runs": figures["runs"]}, indent=2))
+    write_artifact(artifact_name(a), figures)
 
+
+def real_runs(a: argparse.Namespace) -> dict:
+    """Every chosen mode, --rounds times, for real; prints the table and returns its figures."""
+    chosen = [(n, o) for n, o in MODES if n in a.modes.split(",")]
     results: dict[str, list[dict[str, float]]] = {n: [] for n, _ in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         runs_dir = a.runs_dir or Path(tmp) / "runs"
@@ -181,24 +214,30 @@ def main() -> None:
     from rlctl.recipe import load_recipe
 
     r = load_recipe(a.recipe, a.overrides)
+    placement = {"cores": os.cpu_count(), "rollout_device": str(r.rollout.device), "rollout_cpus": r.rollout.cpus,
+                 "train_device": str(r.train.device), "train_cpus": r.train.cpus,
+                 "threads_per_process": r.run.threads_per_process}
     print(f"machine: {os.cpu_count()} cores; rollout servers on {r.rollout.device} cores {r.rollout.cpus or 'any'}, "
           f"trainer on {r.train.device} cores {r.train.cpus or 'any'}, {r.run.threads_per_process} torch thread(s) each")
-    header = f"{'mode':22}" + "".join(f"{label:>12}" for _, label in COLUMNS)
-    print(header)
+    print(f"{'mode':22}" + "".join(f"{label:>12}" for _, label in COLUMNS))
     for name, row in table.items():
         print(f"{name:22}" + "".join(f"{row[k]:12.3f}" for k, _ in COLUMNS))
-    if base:
+    ratios = {name: {k: row[k] / base[k] if base[k] else float("nan") for k, _ in COLUMNS}
+              for name, row in table.items()} if base else {}
+    if ratios:
         print(f"{'ratio to sync':22}")
-        for name, row in table.items():
-            cells = "".join(f"{(row[k] / base[k] if base[k] else float('nan')):12.2f}" for k, _ in COLUMNS)
-            print(f"{'  ' + name:22}{cells}")
+        for name, row in ratios.items():
+            print(f"{'  ' + name:22}" + "".join(f"{row[k]:12.2f}" for k, _ in COLUMNS))
     print("final reward (mean of the last 5 steps), over rounds:")
+    finals = {}
     for name, runs in results.items():
-        finals = [r["final_reward"] for r in runs]
-        spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
-        print(f"  {name:22} {statistics.fmean(finals):.3f} +- {spread:.3f}  ({', '.join(f'{x:.3f}' for x in finals)})")
-    if a.json:
-        a.json.write_text(json.dumps({"table": table, "runs": results}, indent=2))
+        rewards = [r["final_reward"] for r in runs]
+        finals[name] = {"mean": statistics.fmean(rewards), "stdev": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
+                        "rounds": rewards}
+        print(f"  {name:22} {finals[name]['mean']:.3f} +- {finals[name]['stdev']:.3f}  "
+              f"({', '.join(f'{x:.3f}' for x in rewards)})")
+    return {"recipe": repo_path(a.recipe), "overrides": a.overrides, "rounds": a.rounds, "placement": placement,
+            "table": table, "ratio_to_sync": ratios, "final_reward": finals, "runs": results}
 
 
 if __name__ == "__main__":

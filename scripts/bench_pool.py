@@ -17,6 +17,8 @@ last 20 steps (FINAL_STEPS: one step's reward is a mean over 256 samples, and ru
 differ by more than a few steps' mean shows); the spread of each dedicated run is taken over
 --seeds seeds. One job runs with
 share 2 in the pool; --share-check runs two identical runs with shares 1 and 2.
+Each part writes its figures: results/bench_pool-sim.json (another --pool-file: bench_pool-sim-FILE),
+bench_pool-cpu.json, bench_pool-share.json, bench_pool-gpu.json (after each GPU phase).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from artifact import repo_path, slug, write_artifact
+
 ROOT = Path(__file__).resolve().parent.parent
+SIM_POOL = ROOT / "recipes" / "pool" / "sim-64gpu.yaml"
 FINAL_STEPS = 20
 """A run's final reward: the mean over its last this many steps."""
 JOBS = [("sync", "pipeline.mode=sync", 0, 1.0), ("pipe", "pipeline.mode=rolloutpipe", 1, 1.0),
@@ -103,7 +108,9 @@ def cpu_bench(steps: int, seeds: int, recipe: str, extra: list[str], placement: 
             usage = infos[rid]["pool"]["usage"]
             rows[name].update(pool_s=wall_s(cwd, rid), pool_reward=final_reward(cwd, rid), pool_start=started_s(cwd, rid),
                               used=usage["used_device_s"], moved=usage["moved_device_s"], share=usage["share"])
-        print_cpu(rows, cores, naive_makespan, pool_makespan)
+        totals = print_cpu(rows, cores, naive_makespan, pool_makespan)
+    write_artifact("bench_pool-cpu", {"recipe": repo_path(recipe), "steps": steps, "seeds": seeds, "overrides": extra,
+                                      "placement": placement, "pool_overrides": pool, "cores": cores, "jobs": rows, **totals})
 
 
 def baselines(recipe: str, common: list[str], placement: list[str], seeds: int, cwd: Path) -> None:
@@ -173,14 +180,19 @@ def share_bench(steps: int, recipe: str, extra: list[str], keep: Path | None) ->
         ids, infos, makespan = pool_phase(recipe, [f"run.steps={steps}", *extra], cores, cwd, "share", jobs,
                                           ["pool.devices.count=1", f"pool.devices.cpus_per_device={cores}"])
         print(f"{'job':<8}{'share':>6}{'wall s':>8}{'used dev-s':>11}{'dev-s per s':>12}{'steps/s':>9}")
+        jobs_out = {}
         for name, rid in ids.items():
             usage, wall = infos[rid]["pool"]["usage"], wall_s(cwd, rid)
+            jobs_out[name] = {"share": usage["share"], "wall_s": wall, "used_device_s": usage["used_device_s"],
+                              "attached_s": usage["wall_s"], "steps_per_s": steps / wall}
             print(f"{name:<8}{usage['share']:>6g}{wall:>8.1f}{usage['used_device_s']:>11.1f}"
                   f"{usage['used_device_s'] / usage['wall_s']:>12.2f}{steps / wall:>9.2f}")
         print(f"makespan {makespan:.1f} s")
         split = contended_split(cwd / "pools" / "cpu" / "events.jsonl")
         print("the device while both ran (from both started to the first detached): "
               + ", ".join(f"{name} {split[rid]:.0%}" for name, rid in ids.items()))
+    write_artifact("bench_pool-share", {"recipe": repo_path(recipe), "steps": steps, "overrides": extra, "cores": cores, "jobs": jobs_out,
+                                        "makespan_s": makespan, "contended_split": {n: split[rid] for n, rid in ids.items()}})
 
 
 def contended_split(events_path: Path) -> dict[str, float]:
@@ -195,7 +207,8 @@ def contended_split(events_path: Path) -> dict[str, float]:
     return {j: v / sum(got.values()) for j, v in got.items()}
 
 
-def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_makespan: float) -> None:
+def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_makespan: float) -> dict:
+    """The table; returns its totals (device-seconds of each way, per share)."""
     print(f"{'job':<7}{'share':>6}{'alone s':>9}{'naive s':>9}{'pool s':>8}{'used dev-s':>11}"
           f"{'reward alone (seeds)':>26}{'naive':>7}{'pool':>7}")
     for name, r in rows.items():
@@ -214,6 +227,9 @@ def print_cpu(rows: dict[str, dict], cores: int, naive_makespan: float, pool_mak
     per_share = {n: r["used"] / r["pool_s"] / r["share"] for n, r in rows.items()}
     print("device time per second of wall, per unit of share, in the pool: "
           + ", ".join(f"{n} {v:.2f}" for n, v in per_share.items()))
+    return {"naive_makespan_s": naive_makespan, "pool_makespan_s": pool_makespan, "dedicated_device_s": dedicated,
+            "naive_device_s": naive, "pool_device_s": pooled, "used_in_pool_device_s": used,
+            "device_s_per_s_per_share": per_share}
 
 
 class GpuMemory:
@@ -243,7 +259,7 @@ time.sleep(3600)
 """
 
 
-def gpu_bench(phase: str, steps: int, work: Path) -> None:
+def gpu_bench(phase: str, steps: int, work: Path) -> dict:
     """One GPU, two GPU-bench runs (seeds 0 and 1). dedicated: each alone, its peak memory noted;
     naive/pool: a ballast fills the GPU down to 1.5x the larger peak (less than both runs need
     together), then both runs start together with no pool, or on a pool capped at that."""
@@ -302,7 +318,7 @@ def gpu_bench(phase: str, steps: int, work: Path) -> None:
             ballast.kill()
     mem.stop.set()
     (work / "gpu.json").write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
+    return results
 
 
 def gpu_table(work: Path) -> None:
@@ -333,14 +349,19 @@ def sim_bench(pool_file: Path) -> None:
     t = time.perf_counter()
     result = simulate_pool(load_pool_file(pool_file))
     print(render_pool(result))
-    print(f"(simulated in {time.perf_counter() - t:.1f} s of wall time)")
+    wall = time.perf_counter() - t
+    print(f"(simulated in {wall:.1f} s of wall time)")
+    jobs = [{**vars(j), "slowdown": j.slowdown, "dedicated_gpu_s": j.dedicated_gpu_s} for j in result.jobs]
+    name = "bench_pool-sim" + ("" if pool_file.resolve() == SIM_POOL else "-" + slug(pool_file.stem))
+    write_artifact(name, {"pool_file": repo_path(pool_file), **{k: v for k, v in vars(result).items() if k != "events"},
+                          "jobs": jobs, "dedicated_gpu_s": result.dedicated_gpu_s, "wall_s": wall})
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sim", action="store_true")
     p.add_argument("--cpu", action="store_true")
-    p.add_argument("--pool-file", type=Path, default=ROOT / "recipes" / "pool" / "sim-64gpu.yaml")
+    p.add_argument("--pool-file", type=Path, default=SIM_POOL)
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "quickstart.yaml"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
@@ -370,7 +391,9 @@ def main() -> None:
     if args.gpu == "table":
         gpu_table(args.gpu_dir)
     elif args.gpu:
-        gpu_bench(args.gpu, args.steps, args.gpu_dir)
+        phases = gpu_bench(args.gpu, args.steps, args.gpu_dir)
+        print(json.dumps(phases, indent=1))
+        write_artifact("bench_pool-gpu", {"steps": args.steps, "last_phase": args.gpu, "phases": phases})
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ the same bytes on that device (what a server reading the trainer's memory must d
 The table shows the medians over rounds, GB/s, and rlctl's time as a share of the plain one's
 (plain / rlctl: 1.0 = as fast as the collective alone). --run prints the median share of a step
 that a run's weight syncs took (metrics.jsonl's sync_time / step_time), for the bench recipes.
+Writes results/bench_weightsync-BACKEND-DEVICE.json (e.g. bench_weightsync-ipc-cuda), the shape,
+the servers and the bucket format added to the name when they are not the defaults.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from artifact import write_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -188,13 +192,40 @@ async def measure(a: argparse.Namespace, weights: list, ports: list[int]) -> dic
     return out
 
 
-def run_share(run: Path) -> str:
+def run_share(run: Path) -> dict | None:
+    """Prints and returns the median share of a step that the run's weight syncs took."""
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     shares = [m["sync_time"] / m["step_time"] for m in metrics[1:] if m.get("step_time")]
     if not shares:
-        return f"{run}: no steps to read"
-    return (f"{run.name}: weight sync is {statistics.median(shares):.1%} of a step (median over {len(shares)} steps; "
-            f"sync {statistics.median(m['sync_time'] for m in metrics[1:]):.3f} s)")
+        print(f"{run}: no steps to read")
+        return None
+    out = {"run": run.name, "steps": len(shares), "sync_share_of_step": statistics.median(shares),
+           "sync_s": statistics.median(m["sync_time"] for m in metrics[1:])}
+    print(f"{run.name}: weight sync is {out['sync_share_of_step']:.1%} of a step (median over {len(shares)} steps; "
+          f"sync {out['sync_s']:.3f} s)")
+    return out
+
+
+def artifact_name(a: argparse.Namespace) -> str:
+    name = f"bench_weightsync-{a.backend}-{a.device.split(':')[0]}"
+    name += "" if a.shape == "qwen3-0.6b" else f"-{a.shape}"
+    name += "" if a.servers == 1 else f"-{a.servers}servers"
+    return name + ("" if a.format == "flattened" else f"-{a.format}")
+
+
+def table(a: argparse.Namespace, out: dict[int, dict[str, list[float]]], nbytes: int, tensors: int) -> dict:
+    """Prints the medians per bucket size; returns them with every round's seconds."""
+    print(f"\n{a.shape} {a.dtype}: {nbytes / 1e9:.2f} GB in {tensors} tensors; {a.backend} on {a.device}, "
+          f"1 sender + {a.servers} receiver(s); rlctl's buckets {a.format}; medians over {a.rounds} round(s)")
+    print(f"{'bucket MiB':>10} {'plain s':>9} {'plain GB/s':>10} {'rlctl s':>9} {'rlctl GB/s':>10} {'rlctl/plain':>11}")
+    buckets = {}
+    for mb, t in out.items():
+        pl, rl = statistics.median(t["plain"]), statistics.median(t["rlctl"])
+        buckets[mb] = {"plain_s": t["plain"], "rlctl_s": t["rlctl"], "plain_median_s": pl, "rlctl_median_s": rl,
+                       "plain_gb_per_s": nbytes / pl / 1e9, "rlctl_gb_per_s": nbytes / rl / 1e9, "plain_over_rlctl": pl / rl}
+        print(f"{mb:>10} {pl:>9.3f} {nbytes / pl / 1e9:>10.2f} {rl:>9.3f} {nbytes / rl / 1e9:>10.2f} {pl / rl:>11.2f}")
+    return {"shape": a.shape, "dtype": a.dtype, "bytes": nbytes, "tensors": tensors, "backend": a.backend,
+            "device": a.device, "servers": a.servers, "format": a.format, "rounds": a.rounds, "buckets_mib": buckets}
 
 
 def main() -> None:
@@ -230,14 +261,9 @@ def main() -> None:
         for s in servers:
             s.kill()
             s.wait()
-    print(f"\n{a.shape} {a.dtype}: {nbytes / 1e9:.2f} GB in {len(weights)} tensors; {a.backend} on {a.device}, "
-          f"1 sender + {a.servers} receiver(s); rlctl's buckets {a.format}; medians over {a.rounds} round(s)")
-    print(f"{'bucket MiB':>10} {'plain s':>9} {'plain GB/s':>10} {'rlctl s':>9} {'rlctl GB/s':>10} {'rlctl/plain':>11}")
-    for mb, t in out.items():
-        pl, rl = statistics.median(t["plain"]), statistics.median(t["rlctl"])
-        print(f"{mb:>10} {pl:>9.3f} {nbytes / pl / 1e9:>10.2f} {rl:>9.3f} {nbytes / rl / 1e9:>10.2f} {pl / rl:>11.2f}")
-    if a.run:
-        print(run_share(a.run))
+    figures = table(a, out, nbytes, len(weights))
+    figures["run_share"] = run_share(a.run) if a.run else None
+    write_artifact(artifact_name(a), figures)
 
 
 if __name__ == "__main__":

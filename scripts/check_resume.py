@@ -12,6 +12,7 @@ first and last 5 steps; then whether each resumed run's final reward lies within
 the uninterrupted seeds, and the paired difference (resumed minus uninterrupted, same seed): what
 a resume promises is the same run statistically (the servers restart with their seeds, and which
 groups finish first depends on timing, so two runs of one seed are not bit for bit the same).
+Writes results/check_resume.json (another --recipe: check_resume-RECIPE).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from artifact import repo_path, slug, write_artifact
+
 REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
 def rlctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -79,7 +83,7 @@ def killed_run(a: argparse.Namespace, common: list[str], seed: int) -> tuple[Pat
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", default=str(REPO / "recipes" / "quickstart.yaml"))
+    p.add_argument("--recipe", default=str(QUICKSTART))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--kill-at", type=int, default=12)
     p.add_argument("--save-every", type=int, default=5)
@@ -116,19 +120,24 @@ def report(a: argparse.Namespace, rows: list, base: dict, killed: list) -> None:
     print(f"\nuninterrupted seeds' final reward (mean of the last 5 steps): {low:.3f} .. {high:.3f} "
           f"(spread {high - low:.3f})")
     ok = True
-    diffs = []
+    diffs, resumed = [], []
     for seed, r, noticed in killed:
         within = low <= r["last5"] <= high
         whole = r["state"] == "completed" and r["steps"] == a.steps and r["twice"] == 0 and r["in_order"]
         ok = ok and whole and within
         if seed in base:
             diffs.append(r["last5"] - base[seed]["last5"])
+        resumed.append({"seed": seed, "within_spread": within, "whole": whole, "failure_recorded_s": noticed})
         print(f"seed {seed} resumed: final {r['last5']:.3f}, {'within' if within else 'OUTSIDE'} the spread; "
               f"{r['steps']} steps, {r['twice']} twice; trainer death recorded {noticed:.1f} s after the kill")
     if diffs:
         mean = sum(diffs) / len(diffs)
         print(f"paired difference, resumed minus uninterrupted (same seed): {' '.join(f'{d:+.3f}' for d in diffs)}"
               f" (mean {mean:+.3f})")
+    name = "check_resume" + ("" if Path(a.recipe).resolve() == QUICKSTART else "-" + slug(Path(a.recipe).stem))
+    write_artifact(name, {"recipe": repo_path(a.recipe), "steps": a.steps, "kill_at": a.kill_at, "save_every": a.save_every,
+                          "overrides": a.overrides, "runs": {label: r for label, r in rows}, "final_spread": [low, high],
+                          "resumed": resumed, "paired_differences": diffs, "ok": ok})
     sys.exit(0 if ok else 1)
 
 

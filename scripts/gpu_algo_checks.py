@@ -15,7 +15,8 @@ weights stay finite and the weight version stays at 0. PPO on Megatron: a checkp
 step, loaded, takes the next step exactly as the saving engine; and a 10-step local PPO run
 (rolloutpipe, recomputed log-probs with truncated IS) completes with the critic's statistics.
 
-Prints one line per check and writes OUT_DIR/gpu_algo_checks.json; exit 1 if a check failed.
+Prints one line per check and writes OUT_DIR/gpu_algo_checks.json and results/gpu_algo_checks.json
+(with --only: gpu_algo_checks-ONLY); exit 1 if a check failed.
 """
 
 from __future__ import annotations

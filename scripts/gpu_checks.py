@@ -22,7 +22,7 @@
    the next step as close to the saving engine's as a rerun without a checkpoint is.
 9. Megatron memory release and resume (a pool's moves, bf16): both tags leave the GPU after a step
    and come back bit for bit; the next step is the one an engine that never released takes.
-One line per check; OUT_DIR/gpu_checks.json; exit 1 if a check failed (scripts/gpu_algo_checks.py: the algo knobs).
+One line per check; OUT_DIR/ and results/gpu_checks.json; exit 1 if a check failed (gpu_algo_checks.py: the algo knobs).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))
 from rlctl.engines.train.base import TrainSample  # noqa: E402
 from rlctl.plan import free_ports  # noqa: E402
 from rlctl.recipe import MegatronConfig, TrainConfig  # noqa: E402
+from artifact import slug, write_artifact  # noqa: E402
 
 RESULTS: dict[str, dict] = {}
 TWO_LAYERS = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8,
@@ -111,8 +113,7 @@ def torch_engine(model_dir: Path, lr: float = 1e-5, algo=None):
 
 def check_engines(work: Path) -> None:
     """Checks 1 to 4, on one small model whose norms are away from 1."""
-    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+    shape = {**TWO_LAYERS, "num_hidden_layers": 4}
     model_dir = build_model(work / "small", torch.float32, **shape)
     check_round_trip(model_dir)
     batch = check_against_torch(model_dir, samples(shape["vocab_size"]))
@@ -121,8 +122,7 @@ def check_engines(work: Path) -> None:
 
 def check_qwen2(work: Path) -> None:
     """6. Checks 1 to 3 on a Qwen2-architecture model (q/k/v biases, no qk-norm)."""
-    shape = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True)
+    shape = {**TWO_LAYERS, "num_hidden_layers": 4, "tie_word_embeddings": True}  # head_dim 32 as Qwen2 derives it
     model_dir = build_model(work / "small-qwen2", torch.float32, arch="qwen2", **shape)
     check_round_trip(model_dir, tag="Qwen2, ")
     check_against_torch(model_dir, samples(shape["vocab_size"], seed=1), tag="Qwen2, ")
@@ -366,18 +366,18 @@ def check_broadcast(work: Path) -> None:
         server.wait()
 
 
-def run_checks(steps: dict, names: list[str], out_file: Path) -> None:
-    """Run the named checks (a crash is reported as a failed check, not hiding the others),
-    write RESULTS to out_file, and exit 1 if any check failed."""
+def run_checks(steps: dict, names: list[str], out_file: Path, artifact: str | None = None) -> None:
+    """Run the named checks (a crash is a failed check that hides no other), write RESULTS to out_file and to
+    results/ (as `artifact`, else as out_file's name plus the checks' names unless all ran); exit 1 if one failed."""
     for name in names:
         try:
             steps[name]()
         except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
-            import traceback
-
             traceback.print_exc()
             report(f"{name} (crashed)", False, error=f"{type(e).__name__}: {e}"[:300])
     out_file.write_text(json.dumps(RESULTS, indent=2))
+    name = artifact or out_file.stem + ("" if set(names) == set(steps) else "-" + slug("-".join(names)))
+    write_artifact(name, {"only": names, "checks": RESULTS})
     sys.exit(0 if all(r["ok"] is not False for r in RESULTS.values()) else 1)
 
 

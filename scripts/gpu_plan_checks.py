@@ -14,7 +14,8 @@
    KV budget (32 running requests); micro-batches of 512 tokens. The planner, calibrated on the
    first run, predicts each one's step; the order of the predictions must be the order of the
    measured median steps.
-One line per check; OUT_DIR/gpu_plan_checks.json; exit 1 if a check failed.
+One line per check; OUT_DIR/gpu_plan_checks.json and results/gpu_plan_checks.json (with --only:
+gpu_plan_checks-ONLY); exit 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from rlctl.planner.costs import cost_model  # noqa: E402
 from rlctl.planner.memory import TrainLayout, server_memory, trainer_memory  # noqa: E402
 from rlctl.planner.shape import init_config, model_shape  # noqa: E402
 from rlctl.recipe import load_recipe  # noqa: E402
+from artifact import slug, write_artifact  # noqa: E402
 
 BENCH = REPO / "recipes" / "bench-longtail-gpu.yaml"
 RESULTS: dict[str, dict] = {}
@@ -148,7 +150,7 @@ def check_order(out: Path) -> None:
 
     variants = gpu_variants()
     common = ["run.steps=3", "rollout.batch_size=16", "train.groups_per_batch=4", "model.init.warmup_steps=0"]
-    ok = run_and_compare(BENCH, variants, common, out / "runs")
+    ok, _ = run_and_compare(BENCH, variants, common, out / "runs")
     report("predicted order of step times is the measured order", ok,
            **{v.name.replace(" ", "_"): f"measured {v.measured:.2f} s, predicted {v.predicted:.2f} s" for v in variants})
 
@@ -171,6 +173,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
                 report(name, False, error=f"{type(e).__name__}: {e}"[:300])
             (args.out / "gpu_plan_checks.json").write_text(json.dumps(RESULTS, indent=1))
+    every = only >= set(steps)
+    write_artifact("gpu_plan_checks" + ("" if every else "-" + slug(args.only)), {"only": sorted(only), "checks": RESULTS})
     sys.exit(0 if all(r["ok"] is not False for r in RESULTS.values()) else 1)
 
 

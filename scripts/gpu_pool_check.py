@@ -8,7 +8,8 @@ runs' (memory_gb): two quickstart runs with train.engine=megatron (one fp32, one
 built-in servers on the GPU, pipeline.check_weights=true (after every weight sync each server's
 tensors hash like the trainer's). The pool must move the trainers' memory out and back between
 their turns (release_memory / resume_memory, rlctl/engines/train/megatron_memory.py) for both
-runs to finish. Prints what each run did and the pool's moves; writes OUT_DIR/gpu_pool_check.json.
+runs to finish. Prints what each run did and the pool's moves; writes OUT_DIR/gpu_pool_check.json
+and results/gpu_pool_check.json.
 Exit 1 unless both runs completed with every sync checked and the pool moved a Megatron trainer.
 """
 
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from artifact import write_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,6 +72,7 @@ def main() -> None:
     result["ok"] = ok
     print(json.dumps(result, indent=2))
     (a.out / "gpu_pool_check.json").write_text(json.dumps(result, indent=2))
+    write_artifact("gpu_pool_check", {"steps": a.steps, "memory_gb": a.memory_gb, **result})
     sys.exit(0 if ok else 1)
 
 

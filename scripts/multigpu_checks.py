@@ -13,7 +13,9 @@
    the host has 2 GPUs), NCCL sync, pipeline.check_weights=true (each server's tensors hash like
    the trainer's after every sync).
 `--cpu` runs check 1 on CPU with gloo and a tiny model: a smoke test of this script.
-Prints one line per check and writes OUT_DIR/multigpu_checks.json.
+Prints one line per check and writes OUT_DIR/multigpu_checks.json and results/multigpu_checks.json
+(--cpu: multigpu_checks-cpu; --only: multigpu_checks-ONLY); check 2 also writes
+results/bench_pipelines-bench-longtail-gpu-NGPU.json (N: the GPUs of the host).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def check_pipelines(out: Path) -> None:
     servers = list(range(1, n))
     cmd = [sys.executable, str(REPO / "scripts" / "bench_pipelines.py"), "--recipe", str(REPO / "recipes" / "bench-longtail-gpu.yaml"),
            "--modes", "sync,rolloutpipe-frontier,rolloutpipe-fifo", "--json", str(out / "pipelines.json"),
+           "--artifact", f"bench_pipelines-bench-longtail-gpu-{n}gpu",
            "train.gpus=[0]", f"rollout.gpus={servers}", f"rollout.servers={len(servers)}", "train.sync_backend=nccl"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1500)
     print(res.stdout, flush=True)
@@ -179,7 +182,8 @@ def main() -> None:
         raise SystemExit(f"needs 2+ GPUs, this host has {torch.cuda.device_count()} (--cpu for a smoke test)")
     steps = {"broadcast": lambda: check_broadcast(work, a.cpu), "pipelines": lambda: check_pipelines(a.out),
              "megatron-tp2": lambda: check_megatron_tp2(a.out)}
-    run_checks(steps, ["broadcast"] if a.cpu else a.only.split(","), a.out / "multigpu_checks.json")
+    run_checks(steps, ["broadcast"] if a.cpu else a.only.split(","), a.out / "multigpu_checks.json",
+               "multigpu_checks-cpu" if a.cpu else None)
 
 
 if __name__ == "__main__":

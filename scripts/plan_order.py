@@ -14,6 +14,7 @@ On CPU (this project's 2-core machine), recipes/bench-longtail.yaml with every c
   colocated sync    two servers and two trainer ranks, none pinned: rollout and training take
                     turns on both cores
 scripts/gpu_plan_checks.py runs the same check on one GPU (check_order below).
+Writes results/plan_order.json.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from artifact import write_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -68,8 +71,9 @@ def launch(recipe: Path, runs: Path, name: str, overrides: list[str]) -> Path:
     return made.pop()
 
 
-def check_order(recipe: Path, variants: list[Variant], common: list[str], runs: Path) -> bool:
-    """Launch each variant, calibrate on the first, predict all; True when the orders agree."""
+def check_order(recipe: Path, variants: list[Variant], common: list[str], runs: Path) -> tuple[bool, list[str]]:
+    """Launch each variant, calibrate on the first, predict all (each variant's `measured` and
+    `predicted` filled in); whether the orders agree, and the calibrated overrides."""
     from rlctl.rundir import RunDir
     from rlctl.sim.calibrate import calibrate_run
 
@@ -94,7 +98,7 @@ def check_order(recipe: Path, variants: list[Variant], common: list[str], runs: 
     measured = [v.name for v in sorted(variants, key=lambda v: v.measured)]
     predicted = [v.name for v in sorted(variants, key=lambda v: v.predicted)]
     print(f"measured order:  {' < '.join(measured)}\npredicted order: {' < '.join(predicted)}")
-    return measured == predicted
+    return measured == predicted, fitted
 
 
 def main() -> None:
@@ -103,11 +107,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     runs = args.runs_dir or Path(tempfile.mkdtemp(prefix="plan-order-"))
+    variants, common = cpu_variants(), [f"run.steps={args.steps}"]
     try:
-        ok = check_order(REPO / "recipes" / "bench-longtail.yaml", cpu_variants(), [f"run.steps={args.steps}"], runs)
+        ok, fitted = check_order(REPO / "recipes" / "bench-longtail.yaml", variants, common, runs)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
     print("orders agree" if ok else "orders differ")
+    write_artifact("plan_order", {"recipe": "recipes/bench-longtail.yaml", "overrides": common, "calibrated": fitted,
+                                  "variants": [asdict(v) for v in variants],
+                                  "orders_agree": ok})
     sys.exit(0 if ok else 1)
 
 
