@@ -1,4 +1,4 @@
-"""The door: who may talk to a run's processes (README.md, "The door").
+"""The door: who may talk to a run's processes (docs/security.md).
 
 Every run has a token, random and its own, in the 0600 file `token` of its (0700) run directory,
 written when the directory is created. A process of the run finds it through the environment

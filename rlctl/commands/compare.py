@@ -239,7 +239,7 @@ def compare(
     comp = comparison(dirs, last=last, group_by=group_by, by=x_axis)
     hits = failing(comp, fail_if) if fail_if else []
     if as_json:
-        # every key the README lists is there: groups is null without --group-by
+        # every key docs/commands.md lists is there: groups is null without --group-by
         print(json.dumps({"groups": None, **comp, "fail_if": {"expr": fail_if, "hits": hits} if fail_if else None}, indent=2))
     else:
         Console().print(render(comp))
