@@ -228,7 +228,8 @@ class RolloutConfig(Section):
     """A server whose /health has not answered 200 for this long is lost: its requests go to the
     other servers, and a local one is killed and restarted (rlctl/failover.py)."""
     max_restarts: int = 3
-    """How often the local launcher restarts each lost server (0: the run goes on without it)."""
+    """How often each lost server is started again: locally by the supervisor, under Slurm as a new
+    step on its node, in a pool by the pool on its device (0: the run goes on without it)."""
     cpus: list[int] = field(default_factory=list)
     """Pin rollout servers to these CPU cores (empty = no pinning)."""
     device: Device = Device.CPU

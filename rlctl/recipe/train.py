@@ -29,7 +29,8 @@ class MegatronConfig(Section):
     """Tensor-parallel size; train.ranks = tp x data-parallel size."""
     pp: int = 1
     """Pipeline-parallel size; only 1: the trainer's forward-backward runs one model chunk per
-    rank, and the export and checkpoint paths gather TP shards only (README, "Megatron")."""
+    rank, and the export and checkpoint paths gather TP shards only (docs/engines.md, "The
+    Megatron trainer")."""
     dtype: MegatronDtype = MegatronDtype.BFLOAT16
     """Parameter dtype: bfloat16 (fp32 master weights in the optimizer) or float32."""
 
