@@ -6,11 +6,14 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from rlctl.errors import RunError
-from rlctl.rundir import RunDir, RunState, UnreadableRun, find_run, pid_alive
+
+if TYPE_CHECKING:
+    from rlctl.rundir import RunDir
 
 WAIT_S = 30.0
 
@@ -20,6 +23,8 @@ def cancel(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
     """Cancel a run: its supervisor (or Slurm: scancel) ends every process; waits until they are gone."""
+    from rlctl.rundir import RunState, UnreadableRun, find_run, pid_alive
+
     rd = find_run(run, runs_dir)
     try:
         info = rd.read()
@@ -56,6 +61,7 @@ def _cancel_slurm(rd: RunDir, info: dict) -> None:
     """scancel the run's job and wait until Slurm says it ended: then no process of the run is
     left on any node (Slurm kills every step of the job)."""
     from rlctl.launchers import slurm
+    from rlctl.rundir import RunState
 
     job_id = slurm.job_id_of(info)
     if job_id is None:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from rlctl.errors import RunError, UsageError
-from rlctl.rundir import RunDir, find_run
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -168,9 +167,8 @@ def plot(comp: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
-    from rlctl.compare import finite, metrics_by_step
-
-    from rlctl.compare import progress_x
+    from rlctl.compare import finite, metrics_by_step, progress_x
+    from rlctl.rundir import RunDir
 
     labels = [r["label"] for r in comp["runs"]]
     by, unit = comp["x"]["by"], comp["x"]["unit"]
@@ -218,7 +216,7 @@ def compare(
     from rich.console import Console
 
     from rlctl.compare import comparison, failing
-
+    from rlctl.rundir import find_run
     from rlctl.sweep import find_sweep
 
     if len(runs) < 2 and not (runs and find_sweep(runs[0], runs_dir)):

@@ -11,7 +11,6 @@ from pathlib import Path
 import typer
 
 from rlctl.errors import UsageError
-from rlctl.rundir import find_run
 
 
 def export(
@@ -22,6 +21,7 @@ def export(
 ) -> None:
     """Write a checkpoint's policy as a Hugging Face model directory."""
     from rlctl.checkpoint import find_checkpoint
+    from rlctl.rundir import find_run
 
     rd = find_run(run, runs_dir)
     ckpt = find_checkpoint(rd.path, step)

@@ -11,14 +11,20 @@ trains fewer samples than a step of sync), then GPU-seconds.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from rlctl.errors import RunError, UsageError
-from rlctl.recipe import GpuKind
+
+
+def _gpu_kinds(incomplete: str) -> list[str]:
+    """--gpu's choices for shell completion: sim.gpu's (the recipe schema is imported only here,
+    not by `rlctl --help`)."""
+    from rlctl.recipe import GpuKind
+
+    return [g.value for g in GpuKind if g.value.startswith(incomplete)]
 
 
 def _table(rows: list[Any], simulated: dict[int, float]) -> str:
@@ -47,6 +53,8 @@ def _table(rows: list[Any], simulated: dict[int, float]) -> str:
 def _simulated_step(recipe_file: Path, overrides: list[str], e: Any, steps: int) -> float:
     """The median step time `rlctl simulate` gives the placement (the first step left out: the
     pipelines start empty)."""
+    import statistics
+
     from rlctl.recipe import load_recipe
     from rlctl.sim.run import simulate_run
 
@@ -76,7 +84,8 @@ def plan(
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
     overrides: list[str] | None = typer.Argument(None, help="KEY=VALUE overrides, e.g. rollout.batch_size=512."),
     gpus: int = typer.Option(..., "--gpus", help="GPUs to place the run on."),
-    gpu: GpuKind | None = typer.Option(None, "--gpu", help="GPU kind (default: the recipe's sim.gpu)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU kind, one of sim.gpu's (default: the recipe's sim.gpu).",
+                                   autocompletion=_gpu_kinds),
     per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node: tensor parallelism stays within one."),
     top: int = typer.Option(5, "--top", help="How many placements to show."),
     as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
@@ -98,6 +107,8 @@ def plan(
     if gpus < 1 or per_node < 1 or top < 1 or simulate_k < 0 or sim_steps < 2:
         raise UsageError("--gpus, --gpus-per-node and --top must be at least 1, --simulate at least 0, "
                          "--sim-steps at least 2")
+    if gpu is not None and gpu not in _gpu_kinds(""):
+        raise UsageError(f"--gpu {gpu!r}: not a GPU kind the cost model knows; one of {', '.join(_gpu_kinds(''))}")
     asked = [*(overrides or []), *([f"sim.gpu={gpu}"] if gpu else [])]
     given = [*_calibration(calibrate_from, runs_dir, as_json), *asked]
     r = load_recipe(recipe, given, check_paths=False)

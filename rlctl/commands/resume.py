@@ -4,11 +4,14 @@ run (same id and directory, a new attempt in run.json)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from rlctl.errors import UsageError
-from rlctl.rundir import RunDir, RunState, find_run
+
+if TYPE_CHECKING:
+    from rlctl.rundir import RunDir, RunState
 
 
 def resume(
@@ -17,6 +20,8 @@ def resume(
     detach: bool = typer.Option(False, "--detach", "-d", help="Return at once; the run goes on in the background."),
 ) -> None:
     """Continue a failed or cancelled run at the step after its newest checkpoint."""
+    from rlctl.rundir import find_run
+
     raise typer.Exit(resume_run(find_run(run, runs_dir), detach))
 
 
@@ -46,6 +51,7 @@ def resume_run(rd: RunDir, detach: bool) -> int:
     from rlctl.commands.follow import follow
     from rlctl.launchers.local import start_supervisor
     from rlctl.launchers.pool.pooldir import PoolDir
+    from rlctl.rundir import RunState
 
     state, why, info = resumable(rd)
     if state is RunState.COMPLETED:
@@ -73,7 +79,7 @@ def resubmit(rd: RunDir, steps: int, detach: bool) -> int:
     from rlctl.checkpoint import SLURM_ATTEMPT_KEYS
     from rlctl.commands.follow import follow
     from rlctl.launchers import slurm
-    from rlctl.rundir import now_iso
+    from rlctl.rundir import RunState, now_iso
 
     script = rd.path / "job.sbatch"
     if not script.is_file():
@@ -103,7 +109,7 @@ def resume_recipe(r, recipe: Path, detach: bool) -> int | None:
     runs the recipe to its end, however often it is stopped."""
     from rlctl.checkpoint import list_checkpoints
     from rlctl.recipe import recipe_to_yaml
-    from rlctl.rundir import list_runs
+    from rlctl.rundir import RunState, list_runs
 
     runs = [rd for rd in list_runs(Path(r.run.output_dir)) if rd.id.rsplit("-", 3)[0] == r.run.name]
     if not runs:

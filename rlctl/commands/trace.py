@@ -8,8 +8,6 @@ from pathlib import Path
 import typer
 
 from rlctl.errors import UsageError
-from rlctl.metrics import chrome_trace
-from rlctl.rundir import find_run
 
 
 def trace(
@@ -18,6 +16,9 @@ def trace(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
     """Export a run's timeline: a track per rollout server and per trainer rank (open in Perfetto)."""
+    from rlctl.metrics import chrome_trace
+    from rlctl.rundir import find_run
+
     rd = find_run(run, runs_dir)
     info = rd.read()  # a run whose run.json cannot be read: one line, exit 1
     ranks = sum(1 for role in info.get("processes") or {} if role.startswith("trainer-")) or 1
