@@ -37,6 +37,8 @@ _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "a numbe
 
 def one_line(text: str, limit: int = 80) -> str:
     """`text` on one line (control characters escaped) and at most `limit` characters, cut with "..."."""
+    if len(text) <= limit and text.isprintable():
+        return text
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit * 4])
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

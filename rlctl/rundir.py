@@ -28,8 +28,6 @@ import fcntl
 import json
 import os
 import re
-import secrets
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +37,7 @@ from collections.abc import Callable, Iterator
 
 from rlctl.errors import RunError, UsageError
 from rlctl.runcheck import info_problem, one_line
-from rlctl.tail import describe_open_error, open_regular, read_capped, read_jsonl_counted
+from rlctl.tail import describe_open_error, read_jsonl_counted, read_regular
 
 SCHEMA_VERSION = 1
 
@@ -51,7 +49,7 @@ class RunState(enum.StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     DRY_RUN = "dry-run"
-    """launcher=slurm with --dry-run: the batch script was written, nothing submitted."""
+    """Left by an older `rlctl launch --dry-run` (nothing submitted); a dry run now writes nothing."""
 
     @property
     def finished(self) -> bool:
@@ -66,6 +64,8 @@ def now_iso() -> str:
 
 
 def new_run_id(name: str) -> str:
+    import secrets
+
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return f"{name}-{stamp}-{secrets.token_hex(2)}"
 
@@ -108,7 +108,7 @@ class RunClock:
 
 PROCESS_CLOCK = RunClock()
 """The clock of every event this process writes through RunDir.event."""
-HOST = socket.gethostname()
+HOST = os.uname().nodename  # what socket.gethostname() says, without importing socket
 
 
 class EventLog:
@@ -156,6 +156,9 @@ MAX_RUN_JSON = 16 << 20
 """A run.json larger than this (16 MiB; a real one is a few KiB) is not read."""
 RUN_ID = re.compile(r"^[^/]+-\d{8}-\d{6}-[0-9a-f]{4}$")
 """What new_run_id makes: `<name>-<date>-<time>-<suffix>`."""
+SIMULATION_PREFIX = "sim-"
+"""Before the name of a simulation's run (`rlctl simulate`): sim-quickstart-... is listed with the
+runs, but `rlctl status quickstart` (a name, or the start of an id) finds only the real runs."""
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -239,8 +242,7 @@ class RunDir:
         FIFO, a dangling symlink: refused at once, never waited on), larger than MAX_RUN_JSON,
         not UTF-8 JSON, or not what a run.json holds."""
         try:
-            with open_regular(self.run_json) as f:
-                raw = read_capped(f, MAX_RUN_JSON)
+            raw = read_regular(self.run_json, MAX_RUN_JSON)
         except OSError as e:
             raise UnreadableRun(self.id, describe_open_error("run.json", self.run_json, e)) from None
         if raw is None:
@@ -286,7 +288,7 @@ class RunDir:
         self.update(apply)
 
     def record_process(self, role: str, **info: Any) -> None:
-        info.setdefault("host", socket.gethostname())
+        info.setdefault("host", HOST)
 
         def apply(d: dict[str, Any]) -> None:
             d["processes"].setdefault(role, {}).update(info)
@@ -388,9 +390,11 @@ def find_run(ref: str, output_dir: Path) -> RunDir:
 
 
 def list_runs(output_dir: Path) -> list[RunDir]:
-    """Every run directory in output_dir (is_run_entry), readable or not, by id."""
+    """Every run directory in output_dir (is_run_entry, one stat fewer for a run id), readable or not, by id."""
     try:
-        entries = list(output_dir.iterdir())
+        with os.scandir(output_dir) as entries:
+            names = sorted(e.name for e in entries if not e.name.startswith("."))
     except OSError:  # missing, or not a directory
         return []
-    return sorted((RunDir(p) for p in entries if is_run_entry(p)), key=lambda r: r.id)
+    return [RunDir(output_dir / n) for n in names
+            if RUN_ID.fullmatch(n) is not None or os.path.lexists(os.path.join(output_dir, n, "run.json"))]

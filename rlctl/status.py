@@ -17,13 +17,15 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from rlctl.checkpoint import attempt_ending, list_checkpoints
 from rlctl.rundir import RunDir, RunState, UnreadableRun, find_run, list_runs, pid_alive
 from rlctl.runcheck import one_line
 from rlctl.tail import jsonl_tail
 
 STARTING_GRACE_S = 30.0
 """A local run with no supervisor pid yet is still starting for this long, then failed."""
+ROW_TAIL_BYTES = 8192
+"""How much of the end of metrics.jsonl a row reads for its last record at first (a record is
+about 1 KiB); jsonl_tail widens the window when no whole record fits in it."""
 
 
 def effective_state(rd: RunDir, info: dict[str, Any]) -> tuple[RunState, str | None]:
@@ -57,7 +59,7 @@ def summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """One row of `rlctl status`. `info`: run.json, when the caller has read it already."""
     info = info if info is not None else rd.read()
     state, reason = effective_state(rd, info)
-    records, problems = jsonl_tail(rd.metrics_path, 1)
+    records, problems = jsonl_tail(rd.metrics_path, 1, ROW_TAIL_BYTES)
     last = records[-1] if records else {}
     step = last.get("step")
     row = {
@@ -116,6 +118,8 @@ def detail(rd: RunDir) -> dict[str, Any]:
     `problems`: what is damaged in the run directory besides run.json (lines skipped, a file
     that is not a file). Raises UnreadableRun when run.json cannot be read."""
     info = rd.read()
+    from rlctl.checkpoint import list_checkpoints
+
     out = summary(rd, info)
     problems = out.pop("problems", [])
     procs = []
@@ -141,6 +145,8 @@ def detail(rd: RunDir) -> dict[str, Any]:
 def attempts(info: dict[str, Any]) -> list[dict[str, Any]]:
     """Every attempt of the run, the current one last: where it started (a checkpoint's step),
     when, how it ended and why (requeued, failed, cancelled), and its Slurm job."""
+    from rlctl.checkpoint import attempt_ending
+
     records = [dict(a) for a in (info.get("attempts") or []) if isinstance(a, dict)]
     if not records:
         records = [{"attempt": 1, "resumed_from": None, "started": info.get("created")}]
@@ -171,6 +177,30 @@ def _recipe_problems(rd: RunDir) -> list[str]:
         return [describe_open_error("recipe.yaml", rd.recipe_path, e)]
 
 
+def sweep_summaries(runs_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every sweep in runs_dir (rlctl/sweep.py): its id, recipe, grid keys, how many runs it has,
+    and how many are in each state, from `rows` (the runs' summaries: no run is read again). A
+    point not started yet counts as `not started`, a run gone from runs_dir as `missing`; a sweep
+    record that cannot be read is a row with `unreadable: why`."""
+    from rlctl.errors import UsageError
+    from rlctl.sweep import list_sweeps
+
+    state_of = {r["id"]: r["state"] for r in rows}
+    out = []
+    for sw in list_sweeps(runs_dir):
+        try:
+            data = sw.read()
+            runs = [p["run"] for p in data["points"]]
+            states = [state_of.get(r, "missing") if r else "not started" for r in runs]
+            out.append({"id": sw.id, "recipe": data["recipe"], "grid": list(data["grid"]), "points": len(runs),
+                        "states": {s: states.count(s) for s in sorted(set(states))}})
+        except UsageError as e:
+            out.append({"id": sw.id, "unreadable": one_line(str(e), 200)})
+        except (KeyError, TypeError, AttributeError) as e:
+            out.append({"id": sw.id, "unreadable": f"{e.__class__.__name__}: {one_line(str(e), 80)}"})
+    return out
+
+
 def _refresh_slurm(runs: list[RunDir], infos: dict[str, dict[str, Any]] | None = None) -> None:
     from rlctl.launchers.slurm import refresh
 
@@ -178,9 +208,15 @@ def _refresh_slurm(runs: list[RunDir], infos: dict[str, dict[str, Any]] | None =
 
 
 def run_detail(ref: str, runs_dir: Path) -> dict[str, Any]:
-    """One run (an id, name or directory) in detail, joined with Slurm's state first."""
+    """One run (an id, name or directory) in detail, joined with Slurm's state first (a run of
+    another launcher does not load the Slurm launcher, nor the recipe schema it renders from)."""
     rd = find_run(ref, runs_dir)
-    _refresh_slurm([rd])
+    try:
+        on_slurm = rd.read().get("launcher") == "slurm"
+    except UnreadableRun:
+        on_slurm = False  # detail() says why
+    if on_slurm:
+        _refresh_slurm([rd])
     return detail(rd)
 
 
@@ -194,8 +230,9 @@ def summaries(runs_dir: Path) -> list[dict[str, Any]]:
             infos[rd.id] = rd.read()
         except UnreadableRun as e:
             unreadable[rd.id] = e.why
-    _refresh_slurm([rd for rd in runs if rd.id in infos], infos)
     # A run Slurm was asked about may have just been updated: read those again, no others.
     stale = {rid for rid, info in infos.items() if info.get("launcher") == "slurm"}
+    if stale:
+        _refresh_slurm([rd for rd in runs if rd.id in stale], infos)
     return [unreadable_row(rd, unreadable[rd.id]) if rd.id in unreadable else
             safe_summary(rd, None if rd.id in stale else infos[rd.id]) for rd in runs]

@@ -4,8 +4,9 @@
 
 The grid is the product of every `key=a,b,c` given (commas inside [..] or {..} belong to the
 value) and, with --seeds N, run.seed = 0..N-1. Every point is checked as a recipe before any run
-starts. The sweep's record is OUTPUT_DIR/.sweeps/SWEEP_ID.json (hidden: `rlctl status` lists runs,
-not sweeps): the grid, and per point its overrides, its values and its run id once started.
+starts. The sweep's record is OUTPUT_DIR/.sweeps/SWEEP_ID.json (hidden, so that it is never taken
+for a run; `rlctl status` lists the sweeps under the runs): the grid, and per point its overrides,
+its values and its run id once started.
 
 Local runs start at most `parallel` at a time and the driver waits for each (each run is several
 processes; a 2-core machine takes one at a time). Under Slurm each point is its own heterogeneous
@@ -18,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import secrets
 import time
 from datetime import datetime
 from pathlib import Path
@@ -94,6 +94,8 @@ class Sweep:
     @classmethod
     def create(cls, output_dir: Path, name: str, recipe: Path, grid: list[tuple[str, list[str]]],
                fixed: list[str], launcher: str) -> Sweep:
+        import secrets
+
         sweep_id = f"sweep-{name}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
         sweep = cls(output_dir / SWEEPS / f"{sweep_id}.json")
         sweep.path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +141,16 @@ def find_sweep(ref: str, output_dir: Path) -> Sweep | None:
     if len(found) > 1:
         raise UsageError(f"'{ref}' matches {len(found)} sweeps in {folder}; give more of the id")
     return Sweep(found[0]) if found else None
+
+
+def list_sweeps(output_dir: Path) -> list[Sweep]:
+    """Every sweep recorded in output_dir, by id."""
+    try:
+        with os.scandir(output_dir / SWEEPS) as entries:
+            names = sorted(e.name for e in entries if e.name.startswith("sweep-") and e.name.endswith(".json"))
+    except OSError:  # no sweep yet
+        return []
+    return [Sweep(output_dir / SWEEPS / n) for n in names]
 
 
 def finished(rd: RunDir) -> bool:

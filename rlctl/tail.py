@@ -20,21 +20,42 @@ TAIL_CAP = 16 << 20
 """The widest window a JSONL tail grows to when the lines at the end are longer than asked for."""
 
 
+def _regular_fd(path: Path) -> tuple[int, os.stat_result]:
+    """open_regular's descriptor, and the file's stat."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                    "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+            raise OSError(0, f"is {kind}, not a file", str(path))
+        return fd, st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def open_regular(path: Path) -> BinaryIO:
     """`path` opened for reading, if it is a regular file (a symlink to one is followed). Raises
     OSError: FileNotFoundError if it is missing (or a dangling symlink), else one whose strerror
     says what it is instead ("a FIFO", "a directory"). A FIFO is opened without blocking."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    fd, _ = _regular_fd(path)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-                    "a socket" if stat.S_ISSOCK(mode) else "a device")
-            raise OSError(0, f"is {kind}, not a file", str(path))
         return os.fdopen(fd, "rb")  # O_NONBLOCK does nothing to a regular file's reads
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_regular(path: Path, cap: int) -> bytes | None:
+    """What a regular file holds (open_regular's checks and errors), or None if that is more
+    than `cap` bytes: one open, one stat, one read (`rlctl status` reads thousands of run.json)."""
+    fd, st = _regular_fd(path)
+    try:
+        data = os.pread(fd, min(st.st_size, cap) + 1, 0)
+    finally:
+        os.close(fd)
+    return data if len(data) <= cap else None
 
 
 def read_capped(f: BinaryIO, cap: int) -> bytes | None:
@@ -59,11 +80,12 @@ def describe_open_error(name: str, path: Path, e: OSError) -> str:
 
 def _tail_bytes(path: Path, max_bytes: int) -> tuple[bytes, bool]:
     """The last `max_bytes` of a file, and whether they start inside it (the first line may be cut)."""
-    with open_regular(path) as f:
-        f.seek(0, os.SEEK_END)
-        start = max(0, f.tell() - max_bytes)
-        f.seek(start)
-        return f.read(max_bytes), start > 0
+    fd, st = _regular_fd(path)
+    try:
+        start = max(0, st.st_size - max_bytes)
+        return os.pread(fd, st.st_size - start, start), start > 0
+    finally:
+        os.close(fd)
 
 
 def tail_lines(path: Path, max_bytes: int) -> list[str] | None:

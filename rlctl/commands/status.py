@@ -27,9 +27,16 @@ STATE_STYLE = {"running": "cyan", "starting": "cyan", "completed": "green", "fai
 
 
 def render_table(rows: list[dict[str, Any]]) -> Text:
-    """Aligned columns as one Text: far cheaper than a rich Table for hundreds of runs."""
-    from rich.text import Text
+    """Aligned columns as one Text: plain lines with a style span per state cell, far cheaper than
+    a rich Table (or a Text appended cell by cell) for thousands of runs."""
+    from rich.text import Span, Text
 
+    text, styles = table_text(rows)
+    return Text(text, spans=[Span(*s) for s in styles])
+
+
+def table_text(rows: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int, str]]]:
+    """The runs table as plain text, and its styles as (start, end, style)."""
     from rlctl.runcheck import one_line
 
     header: tuple[str, ...] = ("RUN", "MODE", "LAUNCHER", "STATE", "STEP", "REWARD", "ELAPSED")
@@ -48,23 +55,24 @@ def render_table(rows: list[dict[str, Any]]) -> Text:
         cells = [(*c, f"{r['slurm']['job_id']} {r['slurm'].get('state', 'SUBMITTED')}" if r.get("slurm") else "-")
                  for c, r in zip(cells, rows)]
     widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
+    state_at = sum(widths[:3]) + 3  # where the STATE column starts in a line
 
-    def line(row: tuple[str, ...], state_style: str = "") -> Text:
-        out = Text()
-        for i, (cell, width) in enumerate(zip(row, widths)):
-            if i:
-                out.append(" ")
-            padded = cell.rjust(width) if i in right else cell.ljust(width)
-            out.append(padded, style=state_style if i == 3 else "")
-        return out
+    def line(row: tuple[str, ...]) -> str:
+        return " ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
 
-    text = line(header)
-    text.stylize("bold")
+    lines = [line(header)]
+    styles = [(0, len(lines[0]), "bold")]
+    at = len(lines[0]) + 1
     for row, note in zip(cells, notes):
-        text.append("\n")
-        text.append_text(line(row, STATE_STYLE.get(row[3], "")))
-        text.append(note, style="red")
-    return text
+        body = line(row)
+        style = STATE_STYLE.get(row[3])
+        if style:
+            styles.append((at + state_at, at + state_at + widths[3], style))
+        if note:
+            styles.append((at + len(body), at + len(body) + len(note), "red"))
+        lines.append(body + note)
+        at += len(lines[-1]) + 1
+    return "\n".join(lines), styles
 
 
 def _event_cells(e: dict[str, Any]) -> tuple[str, str, str]:
@@ -223,53 +231,120 @@ def _sweep_status(sweep: Any, as_json: bool) -> None:
         console.print(Text(f"  {r['run']['id'] if r['run'] else '(not started)'}  {values}"), soft_wrap=True)
 
 
+def render_sweeps(sweeps: list[dict[str, Any]]) -> str:
+    """The sweeps under the runs table, one line each (`rlctl status SWEEP` shows one whole)."""
+    from rlctl.runcheck import one_line
+
+    lines = [f"sweeps ({len(sweeps)}; `rlctl status SWEEP` shows one):"]
+    for s in sweeps:
+        if s.get("unreadable"):
+            lines.append(f"  {one_line(s['id'], 120)}  unreadable: {s['unreadable']}")
+            continue
+        counts = ", ".join(f"{n} {state}" for state, n in s["states"].items())
+        lines.append(f"  {one_line(s['id'], 120)}  {s['points']} runs of {one_line(str(s['recipe']), 200)}"
+                     f" over {', '.join(s['grid']) or '-'} ({counts})")
+    return "\n".join(lines)
+
+
+def render_list(rows: list[dict[str, Any]], sweeps: list[dict[str, Any]]) -> Text:
+    """`rlctl status`: the runs table, then the sweeps."""
+    text = render_table(rows)
+    if sweeps:
+        text.append("\n" + render_sweeps(sweeps))
+    return text
+
+
+def _piped_plain() -> bool:
+    """stdout is no terminal and nothing asks for one (FORCE_COLOR, TTY_COMPATIBLE=1): rich would
+    write the text as it is, so it is written without loading rich."""
+    import os
+    import sys
+
+    return not sys.stdout.isatty() and "FORCE_COLOR" not in os.environ and os.environ.get("TTY_COMPATIBLE") != "1"
+
+
+def json_rows(rows: list[dict[str, Any]]) -> str:
+    """`rlctl status --json`: a JSON list with a run per line (json's C encoder takes no indent,
+    and is many times faster than the indenting one at thousands of runs)."""
+    return "[\n" + ",\n".join(json.dumps(r, default=str) for r in rows) + "\n]" if rows else "[]"
+
+
+def _print_list(rows: list[dict[str, Any]], sweeps: list[dict[str, Any]]) -> None:
+    """The runs and sweeps: cropped to a terminal's width (rows never break), whole lines when
+    piped (for grep and friends). Piped without colour, the text goes out as it is: rich would
+    only copy it, line by line, at thousands of rows."""
+    import sys
+
+    if _piped_plain():
+        sys.stdout.write(table_text(rows)[0] + ("\n" + render_sweeps(sweeps) if sweeps else "") + "\n")
+        sys.stdout.flush()
+        return
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        console.print(render_list(rows, sweeps), no_wrap=True, overflow="crop")
+    else:
+        console.print(render_list(rows, sweeps), soft_wrap=True)
+
+
+def _say_no_runs(runs_dir: Path, sweeps: list[dict[str, Any]]) -> None:
+    """Where it looked, not an empty table (and the sweeps, none of whose runs has started)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console()
+    console.print(Text(f"no runs in {runs_dir.resolve()}: launch one, or give --runs-dir (runs are made "
+                       "in run.output_dir, ./runs by default, of the directory rlctl launch ran in)"))
+    if sweeps:
+        console.print(Text(render_sweeps(sweeps)))
+
+
 def status(
-    run: str | None = typer.Argument(None, help="A run id, name or run directory; all runs if omitted."),
+    run: str | None = typer.Argument(None, help="A run id, name or run directory; all runs (and sweeps) if omitted."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every 2 s until Ctrl-C."),
 ) -> None:
-    """Show runs, or one run in detail."""
-    from rich.console import Console
-    from rich.text import Text
-
-    from rlctl.status import run_detail, summaries
-
+    """Show runs and sweeps, or one run (or sweep) in detail."""
+    from rlctl.status import run_detail, summaries, sweep_summaries
     from rlctl.sweep import find_sweep
 
     sweep = find_sweep(run, runs_dir) if run else None
     if sweep is not None:
         _sweep_status(sweep, as_json)
         return
+    if as_json:
+        print(json.dumps(run_detail(run, runs_dir), indent=2, default=str) if run else json_rows(summaries(runs_dir)))
+        return
+    if not run and not watch:
+        rows = summaries(runs_dir)
+        sweeps = sweep_summaries(runs_dir, rows)
+        if rows:
+            _print_list(rows, sweeps)
+        else:
+            _say_no_runs(runs_dir, sweeps)
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console()
+    if not watch:
+        console.print(render_detail(run_detail(run, runs_dir)))
+        return
 
     def build() -> Any:
-        return run_detail(run, runs_dir) if run else summaries(runs_dir)
-
-    def render(data: Any) -> Any:
-        return render_detail(data) if run else render_table(data)
-
-    if as_json:
-        print(json.dumps(build(), indent=2, default=str))
-        return
-    console = Console()
-    if not run and not watch and not build():  # say where it looked, not an empty table
-        console.print(Text(f"no runs in {runs_dir.resolve()}: launch one, or give --runs-dir (runs are made "
-                           "in run.output_dir, ./runs by default, of the directory rlctl launch ran in)"))
-        return
-    if not watch:
         if run:
-            console.print(render(build()))
-        elif console.is_terminal:  # a narrow terminal crops rows, never breaks them
-            console.print(render(build()), no_wrap=True, overflow="crop")
-        else:  # piped: whole lines, for grep and friends
-            console.print(render(build()), soft_wrap=True)
-        return
+            return render_detail(run_detail(run, runs_dir))
+        listed = summaries(runs_dir)
+        return render_list(listed, sweep_summaries(runs_dir, listed)) if listed else Text("no runs yet")
+
     from rich.live import Live
 
     try:
-        with Live(render(build()), console=console, refresh_per_second=1) as live:
+        with Live(build(), console=console, refresh_per_second=1) as live:
             while True:
                 time.sleep(2)
-                live.update(render(build()))
+                live.update(build())
     except KeyboardInterrupt:
         pass
