@@ -3,8 +3,9 @@
 The recipe's own pipeline (sync, rolloutpipe, async; fifo or frontier admission) runs against
 simulated rollout servers and a simulated trainer whose durations come from the cost model of
 `sim:` (GPU kind, model size, GPU counts), under virtual time (rlctl/sim/run.py). It writes the
-same run directory as a real run (launcher `simulate`), so status, logs and metrics read it the
-same way, and prints the per-step metrics.
+same run directory as a real run (launcher `simulate`, named sim-<run.name>-...: `rlctl status
+NAME` finds the recipe's real runs, never its simulations), so status, logs and metrics read it
+the same way, and prints the per-step metrics.
 """
 
 from __future__ import annotations

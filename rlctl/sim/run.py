@@ -22,7 +22,7 @@ from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.scoring import inline_scorer
 from rlctl.planner.costs import cost_model
 from rlctl.recipe import DataConfig, Recipe, recipe_to_yaml
-from rlctl.rundir import EventLog, RunDir, RunState, create_run_dir
+from rlctl.rundir import SIMULATION_PREFIX, EventLog, RunDir, RunState, create_run_dir
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
 
@@ -79,9 +79,11 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
 
 
 def simulate_into_run_dir(recipe: Recipe, recipe_file: Path, overrides: list[str]) -> tuple[RunDir, SimulationResult]:
-    """A run directory like a real run's (launcher `simulate`). The simulation records into a
-    hidden staging directory next to it, which becomes the run directory once the simulation is
-    done: a run with no process behind it would look failed to `rlctl status` while it ran."""
+    """A run directory like a real run's (launcher `simulate`), named sim-<run.name>-... so that a
+    name finds the recipe's real runs, not its simulations (rundir.SIMULATION_PREFIX). The
+    simulation records into a hidden staging directory next to it, which becomes the run
+    directory once the simulation is done: a run with no process behind it would look failed to
+    `rlctl status` while it ran."""
     output_dir = Path(recipe.run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".simulating-", dir=output_dir) as staging:
@@ -89,7 +91,8 @@ def simulate_into_run_dir(recipe: Recipe, recipe_file: Path, overrides: list[str
         info = {"launcher": "simulate", "mode": recipe.pipeline.mode, "steps_total": recipe.run.steps,
                 "recipe_file": str(recipe_file), "overrides": overrides, "plan": None, "model_path": None,
                 "simulation": {"wall_seconds": result.wall_seconds, "virtual_seconds": result.virtual_seconds}}
-        rd = create_run_dir(output_dir, recipe.run.name, recipe_to_yaml(recipe), info, shared_group=recipe.run.shared_group)
+        rd = create_run_dir(output_dir, SIMULATION_PREFIX + recipe.run.name, recipe_to_yaml(recipe), info,
+                            shared_group=recipe.run.shared_group)
         for recorded in (Path(staging) / "events.jsonl", Path(staging) / "metrics.jsonl"):
             if recorded.exists():
                 os.replace(recorded, rd.path / recorded.name)
