@@ -8,14 +8,14 @@ from pathlib import Path
 import typer
 
 from rlctl.errors import RunError, UsageError
-from rlctl.rundir import RunState
 
 
 def launch(
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
     overrides: list[str] | None = typer.Argument(None, help="KEY=VALUE overrides, e.g. run.steps=10."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return at once; the run goes on in the background."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="launcher=slurm: write and print the batch script, submit nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="launcher=slurm: print the batch script; write and submit "
+                                 "nothing."),
     resume: bool = typer.Option(False, "--resume", help="Continue the recipe's newest run (same run.name) from its "
                                 "newest checkpoint if it stopped early; start a new run if there is none."),
 ) -> None:
@@ -123,15 +123,16 @@ def start_local_run(r, recipe: Path, overrides: list[str]):
 
 
 def launch_slurm(r, recipe: Path, overrides: list[str], *, detach: bool, dry_run: bool) -> int:
-    """Write the batch script into a new run directory and sbatch it (the same path up to the
-    submit call with --dry-run). The plan is written by the job, once it knows its nodes."""
+    """Write the batch script into a new run directory and sbatch it. The plan is written by the
+    job, once it knows its nodes. --dry-run prints the script the run would get and leaves no
+    trace: no run directory on the cluster's path, nothing submitted."""
+    if dry_run:
+        text, run_dir = dry_run_script(r)
+        print(text, end="")
+        typer.echo(f"dry run: nothing written, nothing submitted (the run would be {run_dir})", err=True)
+        return 0
     rd = write_batch_script(r, recipe, overrides)
     script = rd.path / "job.sbatch"
-    if dry_run:
-        print(script.read_text(), end="")
-        rd.set_state(RunState.DRY_RUN, "the batch script was written, nothing was submitted")
-        typer.echo(f"dry run: {script} (not submitted)", err=True)
-        return 0
     job_id = submit(rd, script)
     if detach:
         typer.echo(f"submitted Slurm job {job_id}", err=True)
@@ -142,9 +143,23 @@ def launch_slurm(r, recipe: Path, overrides: list[str], *, detach: bool, dry_run
     return follow(rd)
 
 
+def dry_run_script(r) -> tuple[str, Path]:
+    """The batch script `rlctl launch` would write for the recipe, and the run directory it would
+    make (a new run id under run.output_dir); nothing is created."""
+    import sys
+
+    from rlctl.launchers import slurm
+    from rlctl.rundir import new_run_id
+
+    run_id = new_run_id(r.run.name)
+    run_dir = (Path(r.run.output_dir) / run_id).resolve()
+    return slurm.render_batch_script(r, run_dir, run_id, r.slurm.python or sys.executable), run_dir
+
+
 def submit(rd, script: Path) -> str:
     """sbatch the run's batch script and record the job; the job id."""
     from rlctl.launchers import slurm
+    from rlctl.rundir import RunState
 
     try:
         job_id = slurm.submit(script)

@@ -61,6 +61,10 @@ def write_plan(rd: RunDir, trainer_nodes: list[str], rollout_nodes: list[str], p
             except FieldError as e:
                 raise ValueError(f"{key}.{e.key}: {e.message} (looked for on {socket.gethostname()}, the job's "
                                  "first node)") from None
+        wandb_missing = recipe.tracking.wandb.missing_here()  # the controller logs from this node
+        if wandb_missing:
+            raise ValueError(f"tracking.wandb.mode: {wandb_missing} (looked for on {socket.gethostname()}, the "
+                             "job's first node)")
         plan = slurm_plan(recipe, trainer_nodes, rollout_nodes, port_base)
     except ValueError as e:
         print(f"error: {e}", flush=True)

@@ -57,6 +57,9 @@ class Recipe(Section):
             self._check_slurm_layout()
         else:
             self._check_pool()
+        wandb_missing = self.tracking.wandb.missing_here() if self.launcher is not Launcher.SLURM else None
+        if wandb_missing:  # the controller logs from this machine (a Slurm job's: from its first node)
+            raise FieldError("tracking.wandb.mode", wandb_missing)
         self._check_ipc()
         self._check_vllm()
         self._check_algo()
