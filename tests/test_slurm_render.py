@@ -15,7 +15,6 @@ from conftest import FAST, QUICKSTART, REPO, rlctl
 from rlctl.launchers.slurm import JobInfo, render_batch_script
 from rlctl.plan import slurm_plan
 from rlctl.recipe import load_recipe
-from rlctl.rundir import RunDir
 
 GOLDEN = REPO / "tests" / "golden" / "slurm"
 RUN_DIR = Path("/shared/runs/RUN-ID")
@@ -93,6 +92,7 @@ def own_gpus(text: str, n: int, visible: str | None) -> subprocess.CompletedProc
                           capture_output=True, text=True, env=env)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("visible, expected", [
     ("0,1,2,3", "0,1,2,3"),
     ("4,5,6,7", "4,5,6,7"),  # Slurm's numbering as it is (a shared node, no cgroup)
@@ -109,6 +109,7 @@ def test_each_sglang_server_runs_on_the_gpus_slurm_gave_its_step(visible, expect
     assert cvd == expected and f"runs this server on GPUs {expected} " in said and "step 7.3" in said
 
 
+@pytest.mark.process
 def test_too_few_gpus_for_a_server_is_one_line_in_its_log():
     res = own_gpus(render("example-qwen3-1.7b"), 4, "0,1")
     assert res.returncode == 1 and res.stdout == ""
@@ -127,6 +128,7 @@ def nodes_python(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess
                           env={"PATH": str(tmp_path / "no-python"), "HOME": str(tmp_path)})
 
 
+@pytest.mark.process
 def test_the_nodes_python_is_the_one_setup_puts_on_path(tmp_path):
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
@@ -144,6 +146,7 @@ def test_the_nodes_python_is_the_one_setup_puts_on_path(tmp_path):
     assert res.returncode == 1 and "(python3 on PATH after slurm.setup), cannot import rlctl" in res.stderr
 
 
+@pytest.mark.process
 def test_slurm_env_is_exported_quoted_and_never_on_a_command_line(tmp_path):
     text = render("options")
     topo = "/shared/topo files/h200 'v2'.xml"
@@ -158,6 +161,7 @@ def test_slurm_env_is_exported_quoted_and_never_on_a_command_line(tmp_path):
     assert res.stdout == f"{topo}|=mlx5_0:1,mlx5_1:1|", res.stderr
 
 
+@pytest.mark.process
 def test_cluster_recipe_dry_run_needs_no_model_here(tmp_path):
     """recipes/slurm-qwen3-1.7b.yaml names /shared paths that only the cluster holds; the job
     looks for them on its first node (test_a_model_missing_on_the_node_is_the_runs_exit_reason)."""
@@ -171,12 +175,12 @@ def test_cluster_recipe_dry_run_needs_no_model_here(tmp_path):
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and ": model.path: " in res.stderr
 
 
+@pytest.mark.process
 def test_a_model_missing_on_the_node_is_the_runs_exit_reason(tmp_path):
-    res = rlctl("launch", str(REPO / "recipes" / "slurm-qwen3-1.7b.yaml"), "--dry-run", f"run.output_dir={tmp_path}",
-                cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    (run_dir,) = tmp_path.iterdir()
-    RunDir(run_dir).update(lambda d: d.update(state="starting", ended=None, exit_reason=None))  # as if submitted
+    from rlctl.commands.launch import write_batch_script
+
+    recipe = REPO / "recipes" / "slurm-qwen3-1.7b.yaml"
+    run_dir = write_batch_script(load_recipe(recipe, [f"run.output_dir={tmp_path}"]), recipe, []).path  # as if submitted
     plan = subprocess.run([os.sys.executable, "-m", "rlctl.worker", "plan", "--run-dir", str(run_dir), "--trainer-nodes",
                            "t1 t2", "--rollout-nodes", "r1 r2 r3 r4", "--port-base", "30000"],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -188,6 +192,7 @@ def test_a_model_missing_on_the_node_is_the_runs_exit_reason(tmp_path):
     assert f"(looked for on {os.uname().nodename}, the job's first node)" in info["exit_reason"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_batch_script_passes_shellcheck(name, tmp_path):
     if shutil.which("shellcheck") is None:
@@ -200,6 +205,7 @@ def test_batch_script_passes_shellcheck(name, tmp_path):
     assert res.returncode == 0, res.stdout
 
 
+@pytest.mark.process
 def test_test_cluster_script_passes_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed")
@@ -223,6 +229,7 @@ def test_plan_places_servers_and_ranks_on_their_nodes():
         slurm_plan(r, ["t1", "t2"], ["r1", "r2", "r3"], 30000)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("override, key", [
     ("slurm.time=soon", "slurm.time"),
     ("slurm.rollout.nodes=3", "slurm.rollout.nodes"),
@@ -249,20 +256,19 @@ def test_bad_slurm_settings_name_the_key(tmp_path, override, key):
     assert not list(tmp_path.iterdir())  # no run directory
 
 
-def test_dry_run_writes_and_prints_the_script_and_submits_nothing(tmp_path):
-    # No Slurm commands on PATH at all: a dry run must not need them.
+@pytest.mark.process
+def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
+    # No Slurm commands on PATH at all: a dry run must not need them (nor write anything: test_dry_run.py).
     env = {"PATH": os.path.dirname(os.sys.executable)}
     res = rlctl("launch", str(QUICKSTART), "launcher=slurm", "--dry-run", f"run.output_dir={tmp_path}", *FAST,
                 cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
-    (run_dir,) = tmp_path.iterdir()
-    script = (run_dir / "job.sbatch").read_text()
-    assert res.stdout == script
-    assert f"#SBATCH --job-name={run_dir.name}" in script and str(run_dir) in script
-    info = json.loads((run_dir / "run.json").read_text())
-    assert info["state"] == "dry-run" and "job_id" not in info["slurm"]
+    assert list(tmp_path.iterdir()) == []
+    run_id = res.stdout.split("#SBATCH --job-name=", 1)[1].split("\n", 1)[0]
+    assert run_id.startswith("quickstart-") and f"--output={tmp_path.resolve() / run_id}/logs/" in res.stdout
 
 
+@pytest.mark.process
 def test_missing_slurm_is_a_one_line_runtime_error(tmp_path):
     env = {"PATH": os.path.dirname(os.sys.executable)}  # python, but no sbatch
     res = rlctl("launch", str(QUICKSTART), "launcher=slurm", f"run.output_dir={tmp_path}", *FAST, cwd=tmp_path, env=env)
