@@ -19,6 +19,11 @@ import typer
 from rlctl.errors import RunError, UsageError
 
 
+GPU_KINDS = "h200|h100|a100|cpu"
+"""--gpu's choices as its help shows them: sim.gpu's (rlctl.recipe.GpuKind, which is not imported
+for `--help`; tests/test_cli_help.py holds the two alike)."""
+
+
 def _gpu_kinds(incomplete: str) -> list[str]:
     """--gpu's choices for shell completion: sim.gpu's (the recipe schema is imported only here,
     not by `rlctl --help`)."""
@@ -84,8 +89,8 @@ def plan(
     recipe: Path = typer.Argument(..., help="The recipe YAML file."),
     overrides: list[str] | None = typer.Argument(None, help="KEY=VALUE overrides, e.g. rollout.batch_size=512."),
     gpus: int = typer.Option(..., "--gpus", help="GPUs to place the run on."),
-    gpu: str | None = typer.Option(None, "--gpu", help="GPU kind, one of sim.gpu's (default: the recipe's sim.gpu).",
-                                   autocompletion=_gpu_kinds),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU kind (default: the recipe's sim.gpu).",
+                                   metavar=f"<{GPU_KINDS}>", autocompletion=_gpu_kinds),
     per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node: tensor parallelism stays within one."),
     top: int = typer.Option(5, "--top", help="How many placements to show."),
     as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
