@@ -46,8 +46,9 @@ does not use) and for pretty tracebacks (which rlctl turns off): about a third o
 
 
 def _stand_in(module: str, names: set[str]) -> Any:
-    """A module whose `names` are classes that import the real module when first called; any other
-    attribute asked of it imports the real module (the stand-in leaves sys.modules) at once."""
+    """A module whose `names` are classes that import the real module when first called or asked
+    for an attribute; any other attribute asked of it imports the real module (the stand-in leaves
+    sys.modules) at once."""
     import types
 
     stand_in = types.ModuleType(module)
@@ -58,7 +59,10 @@ def _stand_in(module: str, names: set[str]) -> Any:
         return importlib.import_module(module)
 
     def deferred(name: str) -> type:
-        return type(name, (), {"__new__": lambda cls, *a, **kw: getattr(real(), name)(*a, **kw)})
+        class Deferred(type):  # the real class's attributes (Traceback.from_exception), looked up when used
+            def __getattr__(cls, attr: str) -> Any:
+                return getattr(getattr(real(), name), attr)
+        return Deferred(name, (), {"__new__": lambda cls, *a, **kw: getattr(real(), name)(*a, **kw)})
 
     def attribute(name: str) -> Any:
         if name.startswith("__"):
