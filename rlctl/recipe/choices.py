@@ -90,6 +90,13 @@ class Verifier(enum.StrEnum):
     FUNCTION = "function"
 
 
+class RewardOnError(enum.StrEnum):
+    """What a verifier that raises or runs past reward.timeout_s does to the run."""
+
+    FAIL = "fail"
+    ZERO = "zero"
+
+
 class GpuKind(enum.StrEnum):
     """The accelerators the simulation's cost model knows (rlctl/sim/cost.py has their specs)."""
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import inspect
 import os
 import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
-from rlctl.recipe.choices import DataSource, TaskName, Verifier
+from rlctl.recipe.choices import DataSource, RewardOnError, TaskName, Verifier
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,99}$")
 """A run name: it begins the run id, which names the run's directory, its Slurm job (#SBATCH
@@ -145,21 +149,99 @@ class DataConfig(Section):
             raise FieldError("path", f"'{self.path}' does not exist; give a JSONL file of prompt/answer rows")
 
 
+MAX_VERIFY_S = 86_400.0
+"""reward.timeout_s at most: a day, more than any verification of one response takes."""
+
+
 @dataclass(kw_only=True)
 class RewardConfig(Section):
     verifier: Verifier = Verifier.EXACT
     """exact | numeric | math (math-verify) | function (user code, see `function`)."""
     function: str | None = None
-    """`package.module:callable` taking (response, answer) and returning a float in [0, 1]."""
+    """`module:callable` (or `package.module:callable`) for verifier=function: called as
+    `callable(response, answer)` and returning a float, clipped to [0, 1]. The module is looked
+    for on the Python path, then in `module_dir`. `rlctl launch` imports it and checks that it
+    takes those two arguments before anything starts."""
+    module_dir: str | None = None
+    """Where `function`'s module may lie besides the Python path: relative to the recipe file, and
+    the recipe's own directory when unset (so `my_reward:score` finds my_reward.py beside the
+    recipe). The run's resolved recipe holds it as an absolute path, which the scoring processes
+    of every node import from: on a cluster it must be on a filesystem the nodes share."""
+    on_error: RewardOnError = RewardOnError.FAIL
+    """What a response the verifier fails on (it raised, or ran past `timeout_s`) does: `fail`
+    ends the run at once, saying why; `zero` scores that response 0 and goes on, counting the
+    errors (the step metric `reward_errors`) until there are more than `max_errors`. Either way
+    the traceback and the response's prompt, text and answer, cut to a few lines, go to the
+    controller's log and to a `reward_error` event."""
+    max_errors: int = 100
+    """on_error=zero: the run fails at its (max_errors + 1)-th reward error. 100 lets a verifier
+    choke on the odd response; one that fails on every response (a step scores
+    rollout.batch_size x group_size of them, 256 in the quickstart) stops the run in its first
+    step. Raise it for long runs whose verifier fails now and then."""
+    timeout_s: float = 60.0
+    """Seconds the verifier may take on one response, in its scoring process; past them the
+    process is stopped and replaced, and the response is a reward error (see on_error). Applies
+    to every launched run, whatever the verifier; a simulation scores without it. At most a day."""
 
     def check(self) -> None:
+        positive("max_errors", self.max_errors, zero_ok=True)
+        at_most("max_errors", self.max_errors, 1_000_000_000)
+        positive("timeout_s", self.timeout_s)
+        at_most("timeout_s", self.timeout_s, MAX_VERIFY_S)
         if self.verifier is not Verifier.FUNCTION:
-            if self.function is not None:
-                raise FieldError("function", "only used with reward.verifier=function; remove it or set the verifier")
+            for key in ("function", "module_dir"):
+                if getattr(self, key) is not None:
+                    raise FieldError(key, "only used with reward.verifier=function; remove it or set the verifier")
             return
-        fn = self.function or ""
-        module, _, attr = fn.partition(":")
+        module, _, attr = (self.function or "").partition(":")
         if not module or not attr:
-            raise FieldError("function", f"'{fn}' is not of the form package.module:callable")
-        if importlib.util.find_spec(module.split(".")[0]) is None:
-            raise FieldError("function", f"module '{module}' cannot be imported; install it or fix PYTHONPATH")
+            raise FieldError("function", f"'{self.function or ''}' is not of the form module:callable "
+                                         "(e.g. my_reward:score, with my_reward.py beside the recipe)")
+
+    def check_files(self) -> None:
+        if self.verifier is Verifier.FUNCTION:
+            self.load_function()
+
+    def resolve(self, base: Path) -> None:
+        """module_dir made absolute, relative to `base`, the recipe file's directory (load_recipe)."""
+        if self.verifier is Verifier.FUNCTION:
+            self.module_dir = os.path.normpath(base / os.path.expanduser(self.module_dir or "."))
+
+    def load_function(self) -> Callable[..., Any]:
+        """Import `function` (module_dir after the Python path) and check that it can be called as
+        rlctl calls it, `fn(response, answer)`: the callable, or a FieldError naming the fix.
+        The recipe's check, the controller and every scoring process load it through here."""
+        module_name, _, attr = (self.function or "").partition(":")
+        where = f"in {self.module_dir} or on the Python path" if self.module_dir else "on the Python path"
+        file = module_name.replace(".", "/") + ".py"
+        if self.module_dir and self.module_dir not in sys.path:
+            sys.path.append(self.module_dir)  # last: a file beside the recipe never shadows a library
+        importlib.invalidate_caches()
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and (module_name + ".").startswith(e.name + "."):
+                raise FieldError("function", f"no module '{module_name}' {where}; fix the name, or put {file} "
+                                             f"{'in ' + self.module_dir if self.module_dir else 'on the Python path'}"
+                                             ) from None
+            raise FieldError("function", f"importing '{module_name}' failed ({e}); install what it imports") from None
+        except Exception as e:  # noqa: BLE001 - the user's module may raise anything at import
+            raise FieldError("function", f"importing '{module_name}' raised {type(e).__name__}: {e}; "
+                                         "fix the module") from None
+        fn = getattr(module, attr, None)
+        if fn is None:
+            raise FieldError("function", f"module '{module_name}' ({getattr(module, '__file__', '?')}) has no "
+                                         f"'{attr}'; name a function defined in it")
+        if not callable(fn):
+            raise FieldError("function", f"'{self.function}' is not callable (its type is {type(fn).__name__}); "
+                                         "name a function")
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature to read (a builtin): its first call will tell
+            return fn
+        try:
+            signature.bind("response", "answer")
+        except TypeError:
+            raise FieldError("function", f"'{self.function}{signature}' cannot be called as {attr}(response, "
+                                         "answer); give it those two parameters") from None
+        return fn

@@ -6,12 +6,12 @@ via math-verify (imported only when chosen), or a user function given by import 
 
 from __future__ import annotations
 
-import importlib
+import math
 import re
 from collections.abc import Callable
 
 from rlctl.errors import RunError
-from rlctl.recipe import RewardConfig, Verifier
+from rlctl.recipe import FieldError, RewardConfig, Verifier
 
 VerifyFn = Callable[[str, str], float]
 
@@ -42,15 +42,12 @@ def math_equivalent(response: str, answer: str) -> float:
     return 1.0 if gold and pred and verify(gold, pred) else 0.0
 
 
-def load_user_function(path: str) -> VerifyFn:
-    module_name, _, attr = path.partition(":")
+def load_user_function(cfg: RewardConfig) -> VerifyFn:
+    """reward.function, imported and checked as the recipe's check does (RewardConfig.load_function)."""
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise RunError(f"reward.function: cannot load '{path}' ({e}); check the import path") from None
-    if not callable(fn):
-        raise RunError(f"reward.function: '{path}' is not callable")
-    return fn
+        return cfg.load_function()
+    except FieldError as e:
+        raise RunError(f"reward.function: {e.message}") from None
 
 
 def make_verifier(cfg: RewardConfig) -> VerifyFn:
@@ -60,10 +57,16 @@ def make_verifier(cfg: RewardConfig) -> VerifyFn:
         return numeric_match
     if cfg.verifier is Verifier.MATH:
         return math_equivalent
-    assert cfg.function is not None
-    user = load_user_function(cfg.function)
+    user = load_user_function(cfg)
 
     def checked(response: str, answer: str) -> float:
-        return min(1.0, max(0.0, float(user(response, answer))))
+        value = user(response, answer)
+        try:
+            reward = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{cfg.function} returned {value!r:.80}, not a number; return a float in [0, 1]") from None
+        if math.isnan(reward):
+            raise ValueError(f"{cfg.function} returned nan; return a float in [0, 1]")
+        return min(1.0, max(0.0, reward))
 
     return checked
