@@ -43,7 +43,8 @@ def whole_log_metrics(events: list[dict[str, Any]], step: int) -> dict[str, Any]
     ev = [e for e in events if e.get("step") == step]
     by = {kind: [e for e in ev if e["event"] == kind] for kind in
           ("step_start", "step_end", "group_admitted", "group_completed", "group_dropped",
-           "train_start", "train_end", "accumulate_start", "accumulate_end", "sync_start", "sync_end")}
+           "train_start", "train_end", "accumulate_start", "accumulate_end", "sync_start", "sync_end",
+           "reward_error")}
     ready_at = {e["group"]: e["t"] for e in events if e["event"] == "group_completed"}
     t_step = by["step_start"][0]["t"]
     starts = sorted(by["train_start"], key=lambda e: e["t"])
@@ -78,7 +79,8 @@ def whole_log_metrics(events: list[dict[str, Any]], step: int) -> dict[str, Any]
         "response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
         "response_len_p50": percentile(lengths, 0.5), "response_len_p90": percentile(lengths, 0.9),
         "response_len_max": max(lengths, default=0), "samples": len(rewards), "groups": len(by["group_completed"]),
-        "groups_dropped": len(by["group_dropped"]), "train_batches": len(train_times), "step_time": step_time,
+        "groups_dropped": len(by["group_dropped"]), "reward_errors": len(by["reward_error"]),
+        "train_batches": len(train_times), "step_time": step_time,
         "rollout_time": rollout_time, "train_time": train_time,
         "sync_time": sum(e["t"] for e in by["sync_end"]) - sum(e["t"] for e in by["sync_start"]),
         "wait_time": wait, "rollout_to_train_end": window, "trainer_wait_ratio": wait / window if window > 0 else 0.0,

@@ -55,6 +55,7 @@ class _Step:
     staleness: list[int] = field(default_factory=list)
     groups: int = 0
     groups_dropped: int = 0
+    reward_errors: int = 0
     t_first_train: float | None = None
     """When the step's first trainer call began (async trains groups that were ready before its first request)."""
     sync_lags: list[int] = field(default_factory=list)
@@ -201,6 +202,8 @@ def _take(s: _Step, e: dict[str, Any], kind: str) -> None:
         s.versions += e["versions"]
     elif kind == "group_dropped":
         s.groups_dropped += 1
+    elif kind == "reward_error":
+        s.reward_errors += 1
     elif kind == "train_start":
         s.staleness += e.get("staleness", [])
     elif kind == "train_end":
@@ -247,7 +250,7 @@ def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
         "response_len_max": max(s.lengths, default=0),
         "samples": len(s.rewards),
         "groups": s.groups,
-        "groups_dropped": s.groups_dropped,
+        "groups_dropped": s.groups_dropped, "reward_errors": s.reward_errors,
         "train_batches": len(s.train_times),
         "step_time": step_time,
         "rollout_time": rollout_time,

@@ -15,6 +15,7 @@ from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
 from rlctl.pipelines.scoring import Score
 from rlctl.pipelines.sync import SyncPipeline
 from rlctl.recipe import InflightAtUpdate, Overlong, PipelineMode, Recipe
+from rlctl.rewards.failures import RewardErrors
 from rlctl.workloads import LengthDistribution
 
 
@@ -39,6 +40,7 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
         pool or RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize, score=score,
         clock=clock, emit=emit, lengths=lengths,
         resume_aborted=p.mode is PipelineMode.ASYNC and p.inflight_at_update is InflightAtUpdate.ABORT_RESUME,
+        reward_errors=RewardErrors.of(recipe.reward),
     )
     producer = GroupProducer(runner, prompt_stream(recipe.data, recipe.run.seed),
                              dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit)

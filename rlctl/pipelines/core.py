@@ -23,6 +23,7 @@ from rlctl.errors import RunError
 from rlctl.pipelines.admission import Admission
 from rlctl.pipelines.pool import RolloutPool
 from rlctl.pipelines.scoring import Score
+from rlctl.rewards.failures import RewardErrors, VerifierFailed
 
 
 class Clock(Protocol):
@@ -134,11 +135,13 @@ class Group:
 
 
 class GroupRunner:
-    """Generates and scores the samples of one group, each request admitted by `admission`."""
+    """Generates and scores the samples of one group, each request admitted by `admission`.
+    A response the verifier fails on goes to `reward_errors` (by default: the run fails)."""
 
     def __init__(self, pool: RolloutPool, admission: Admission, sampling: SamplingRequest, group_size: int,
                  tokenize: Callable[[str], list[int]], score: Score, clock: Clock, emit: EventSink,
-                 lengths: Callable[[], int] | None = None, resume_aborted: bool = False) -> None:
+                 lengths: Callable[[], int] | None = None, resume_aborted: bool = False,
+                 reward_errors: RewardErrors | None = None) -> None:
         self.pool = pool
         self.admission = admission
         self.sampling = sampling
@@ -149,6 +152,7 @@ class GroupRunner:
         self.emit = emit
         self.lengths = lengths
         self.resume_aborted = resume_aborted
+        self.reward_errors = reward_errors or RewardErrors()
         self.rids_of: dict[int, set[str]] = {}
 
     def new_group(self, group_id: int, step: int, prompt: Prompt) -> Group:
@@ -212,7 +216,13 @@ class GroupRunner:
                 break
             segment += 1
         t_end = self.clock.now()  # the server's part ends here; waiting for a scoring slot is not its busy time
-        text, reward = await self.score(output, group.prompt.answer)
+        try:
+            text, reward = await self.score(output, group.prompt.answer)
+        except VerifierFailed as failure:
+            text = failure.response
+            reward = self.reward_errors.failed(failure, self.emit, self.clock.now(), prompt=group.prompt.text,
+                                               answer=group.prompt.answer, step=group.step, group=group.id,
+                                               sample=index)
         return Sample(group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=output,
                       logprobs=logprobs, text=text, reward=reward,
                       versions=versions, n_tokens=n_tokens, server=server.name, t_start=t0, t_end=t_end,
@@ -242,6 +252,8 @@ class GroupProducer:
         self.delivered = 0
         self.next_group = 0
         self.open: dict[int, tuple[Group, asyncio.Task[Group]]] = {}
+        self.failure: BaseException | None = None
+        """The first error a group ended with: it ends the producer too, instead of a new group."""
         self._ready: asyncio.Queue[Group | BaseException] = asyncio.Queue()
         self._changed = asyncio.Event()
 
@@ -264,6 +276,8 @@ class GroupProducer:
     async def _run(self, want: Callable[[], int], done: Callable[[], bool], stop: asyncio.Event | None = None) -> None:
         try:
             while not done():
+                if self.failure is not None:
+                    raise self.failure
                 while len(self.open) < want():
                     self._open()
                 self._changed.clear()
@@ -289,6 +303,7 @@ class GroupProducer:
         if task.cancelled() or group.cancelled:
             return
         if task.exception() is not None:
+            self.failure = self.failure or task.exception()
             self._ready.put_nowait(task.exception())  # the consumer raises it
             return
         s = group.samples

@@ -2,98 +2,255 @@
 
 The scheduler takes scoring as an injected async callable (`Score`), so that the same code runs
 on a real event loop and under the simulation's virtual-time loop (rlctl/sim/loop.py), which
-cannot wait on other threads or processes: a simulation scores inline, a real run in a pool of
-worker processes off the event loop.
+cannot wait on other threads or processes: a simulation scores inline, a real run in worker
+processes off the event loop.
+
+A verifier that raises, or (in a worker process) runs past reward.timeout_s, fails scoring with
+VerifierFailed (rlctl/rewards/failures.py), which the scheduler turns into a failed run or a zero
+reward (reward.on_error).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING
+import traceback
+from collections.abc import Awaitable, Callable, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlctl.errors import RunError
+from rlctl.rewards.failures import VerifierFailed
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from rlctl.recipe import RewardConfig
 
 Score = Callable[[list[int], str], Awaitable[tuple[str, float]]]
-"""(response token ids, reference answer) -> (response text, reward)."""
+"""(response token ids, reference answer) -> (response text, reward); VerifierFailed when the
+verifier fails on it."""
 
 SCORING_WORKERS = 2
 
 
 def inline_scorer(detokenize: Callable[[list[int]], str], verify: Callable[[str, str], float]) -> Score:
     """Scores on the calling task, without yielding to the loop: for simulated engines, whose
-    scoring costs nothing."""
+    scoring costs nothing. No timeout: nothing can stop a verifier that runs on the loop itself."""
 
     async def score(output_ids: list[int], answer: str) -> tuple[str, float]:
         text = detokenize(output_ids)
-        return text, verify(text, answer)
+        kind, *said = list(scoring_replies(text, answer, verify))[-1]
+        if kind == "error":
+            raise VerifierFailed(text, *said)
+        return text, said[0]
 
     return score
 
 
+def scoring_replies(text: str, answer: str, verify: Callable[[str, str], float]) -> Iterator[tuple[Any, ...]]:
+    """What a scoring says, in order: ("text", response), then ("reward", value) or ("error",
+    the traceback's last line, the traceback). A worker sends each as it comes, so that the
+    response is known even if the verifier never returns."""
+    yield "text", text
+    try:
+        reward = verify(text, answer)
+    except Exception as e:  # noqa: BLE001 - the verifier is the user's code: any error is a reward error
+        yield "error", error_line(e), "".join(traceback.format_exception(type(e), e, _past_own_frames(e.__traceback__)))
+        return
+    yield "reward", reward
+
+
+def _past_own_frames(tb: TracebackType | None) -> TracebackType | None:
+    """A verifier's traceback from its first frame outside this module and rlctl's verifiers."""
+    from rlctl.rewards import verifiers
+
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in (__file__, verifiers.__file__):
+        tb = tb.tb_next
+    return tb
+
+
+def error_line(e: BaseException) -> str:
+    """The last line of e's traceback (`ZeroDivisionError: division by zero`); of a message on
+    several lines, the first."""
+    kind = type(e).__qualname__ if type(e).__module__ == "builtins" else f"{type(e).__module__}.{type(e).__qualname__}"
+    message = str(e).strip().splitlines()
+    return f"{kind}: {message[0]}" if message else kind
+
+
 class PooledScorer:
-    """Scores in `workers` worker processes, at most `workers` responses at a time, so that a slow
+    """Scores in `workers` worker processes, one response per worker at a time, so that a slow
     verifier (sympy, a user function that sleeps or calls a service) never stalls the event loop
     and the requests in flight on it.
 
     Processes rather than threads: a verifier is mostly pure Python (math-verify's sympy, user
-    code), which in a thread would hold the GIL the event loop needs; and math-verify bounds a
-    parse or a comparison with a signal-based timeout, which works only in a process's main
-    thread, where a pool worker runs its tasks. Each worker loads the tokenizer and builds the
-    verifier from the recipe once, when it starts (spawned, not forked: the controller already
-    runs threads and sockets). The pool starts at once, so the workers load while the controller
-    waits for its servers."""
+    code), which in a thread would hold the GIL the event loop needs; math-verify bounds a parse
+    or a comparison with a signal-based timeout, which works only in a process's main thread,
+    where a worker runs its scorings; and a verifier that never returns can be stopped only with
+    its process. Each worker loads the tokenizer and builds the verifier from the recipe once,
+    when it starts (spawned, not forked: the controller already runs threads and sockets). The
+    workers start at once, so they load while the controller waits for its servers. A worker
+    whose verifier runs past reward.timeout_s, or whose process dies, is replaced by a new one."""
 
-    def __init__(self, model_path: str, reward: RewardConfig, workers: int = SCORING_WORKERS) -> None:
-        import multiprocessing
-
-        self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_start_worker, initargs=(model_path, reward))
-        self._starting = [self._pool.submit(os.getpid) for _ in range(workers)]  # every worker now, not at the first scoring
-        self._slots = asyncio.Semaphore(workers)
-        """Bounds the scorings handed to the pool: the rest wait here, not in its queue."""
+    def __init__(self, model_path: str, reward: RewardConfig, workers: int = SCORING_WORKERS, *,
+                 start_worker: Callable[[], ScoringWorker] | None = None) -> None:
+        """start_worker: a worker serving another way than a spawned process (tests)."""
+        self._start = start_worker or (lambda: ScoringWorker.spawn(model_path, reward))
+        self.timeout_s = reward.timeout_s
+        self._workers = [self._start() for _ in range(workers)]
+        self._idle: asyncio.Queue[ScoringWorker] | None = None
+        """Workers free to score: the scorings beyond them wait here."""
 
     async def ready(self) -> None:
-        """Return once every worker has loaded (a worker that fails to raises here)."""
-        try:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in self._starting))
-        except BrokenProcessPool:
-            raise RunError("a scoring worker process could not start; see the controller's log") from None
+        """Return once every worker has loaded (RunError if one could not)."""
+        for w in self._workers:
+            await w.started()
 
     async def __call__(self, output_ids: list[int], answer: str) -> tuple[str, float]:
-        async with self._slots:
-            try:
-                return await asyncio.get_running_loop().run_in_executor(self._pool, _score, output_ids, answer)
-            except BrokenProcessPool:
-                raise RunError("a scoring worker process died (killed, or the verifier crashed it); "
-                               "see the controller's log") from None
+        # A caller cancelled mid-scoring (its group was aborted) leaves the scoring to finish, so
+        # that the worker's replies are read and it goes back to the idle ones.
+        scoring = asyncio.ensure_future(self._score(output_ids, answer))
+        scoring.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(scoring)
+
+    async def _score(self, output_ids: list[int], answer: str) -> tuple[str, float]:
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for w in self._workers:
+                self._idle.put_nowait(w)
+        worker = await self._idle.get()
+        text = ""
+        try:
+            await worker.started()
+            worker.conn.send((output_ids, answer))
+            deadline = asyncio.get_running_loop().time() + self.timeout_s
+            while True:
+                kind, *said = await worker.reply(deadline)
+                if kind == "text":
+                    text = said[0]
+                elif kind == "reward":
+                    return text, said[0]
+                else:
+                    raise VerifierFailed(text, *said)
+        except TimeoutError:
+            worker = self._replace(worker)
+            raise VerifierFailed(text, f"did not return within {self.timeout_s:g} s (reward.timeout_s); its "
+                                       "scoring process was stopped") from None
+        except (EOFError, OSError):
+            code = worker.process.exitcode
+            worker = self._replace(worker)
+            raise VerifierFailed(text, f"its scoring process died while verifying (exit code {code})") from None
+        finally:
+            self._idle.put_nowait(worker)
+
+    def _replace(self, worker: ScoringWorker) -> ScoringWorker:
+        worker.stop()
+        new = self._start()
+        self._workers[self._workers.index(worker)] = new
+        return new
 
     def close(self) -> None:
-        """Drop scorings not started; those running finish in their workers, which then exit."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop every worker, a scoring in progress or not."""
+        for w in self._workers:
+            w.stop()
 
 
-_worker: dict[str, Callable] = {}
-"""In a worker process: its detokenize and verify functions."""
+class Process(Protocol):
+    """What a scorer needs of a worker's process (multiprocessing.Process has it)."""
+
+    exitcode: int | None
+
+    def is_alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
 
 
-def _start_worker(model_path: str, reward: RewardConfig) -> None:
+class ScoringWorker:
+    """One scoring process (`serve`) and the pipe to it. It says ("ready", pid) or ("failed",
+    why) once loaded, then takes (response ids, answer) and answers with scoring_replies()."""
+
+    def __init__(self, conn: Connection, process: Process) -> None:
+        self.conn, self.process = conn, process
+        self._loaded: asyncio.Future[None] | None = None
+
+    @classmethod
+    def spawn(cls, model_path: str, reward: RewardConfig) -> ScoringWorker:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        conn, theirs = ctx.Pipe()
+        # Not a daemon, so that a verifier may start processes of its own (a code sandbox).
+        process = ctx.Process(target=_serve_recipe, args=(theirs, model_path, reward), name="rlctl-scoring")
+        process.start()
+        theirs.close()
+        return cls(conn, process)
+
+    async def started(self) -> None:
+        """Return once the worker has loaded; RunError if it could not."""
+        if self._loaded is None:
+            self._loaded = asyncio.ensure_future(self._first_reply())
+        await asyncio.shield(self._loaded)
+
+    async def _first_reply(self) -> None:
+        try:
+            kind, said = await self.reply(None)
+        except (EOFError, OSError):
+            raise RunError(f"a scoring worker process exited as it started (exit code {self.process.exitcode}); "
+                           "see the controller's log") from None
+        if kind != "ready":
+            raise RunError(f"a scoring worker process could not start: {said}")
+
+    async def reply(self, deadline: float | None) -> tuple[Any, ...]:
+        """The worker's next message, waited for on the loop until `deadline` (the loop's time;
+        TimeoutError after it). EOFError: the process is gone."""
+        if not self.conn.poll():
+            loop = asyncio.get_running_loop()
+            readable = loop.create_future()
+            fd = self.conn.fileno()
+            loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+            try:
+                await asyncio.wait_for(readable, None if deadline is None else max(0.0, deadline - loop.time()))
+            finally:
+                loop.remove_reader(fd)
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.conn.close()  # a worker waiting for work ends at once
+        self.process.join(5)
+
+
+def serve(conn: Connection, load: Callable[[], tuple[Callable[[list[int]], str], Callable[[str, str], float]]]) -> None:
+    """A scoring worker's loop: load (detokenize, verify), say so, then score what comes until
+    the controller goes away."""
+    try:
+        detokenize, verify = load()
+    except Exception as e:  # noqa: BLE001 - said to the controller, which fails the run with it
+        conn.send(("failed", str(e) if isinstance(e, RunError) else error_line(e)))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            output_ids, answer = conn.recv()
+        except (EOFError, OSError):
+            return
+        for message in scoring_replies(detokenize(output_ids), answer, verify):
+            conn.send(message)
+
+
+def _serve_recipe(conn: Connection, model_path: str, reward: RewardConfig) -> None:
+    """A spawned scoring process: the model's tokenizer and the recipe's verifier."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # decoding needs no thread pool; the cores are the engines'
-    from transformers import AutoTokenizer
 
-    from rlctl.rewards.verifiers import make_verifier
+    def load() -> tuple[Callable[[list[int]], str], Callable[[str, str], float]]:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    _worker["detokenize"] = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    _worker["verify"] = make_verifier(reward)
+        from rlctl.rewards.verifiers import make_verifier
 
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)), make_verifier(reward)
 
-def _score(output_ids: list[int], answer: str) -> tuple[str, float]:
-    text = _worker["detokenize"](output_ids)
-    return text, _worker["verify"](text, answer)
+    serve(conn, load)
