@@ -1,0 +1,92 @@
+"""Rewards that fail loudly, with real processes: a reward function that raises ends a launched
+run within seconds, its traceback's last line in `rlctl status`; a verifier that never returns
+is stopped in its spawned scoring process, which is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
+from rlctl.pipelines.scoring import PooledScorer
+from rlctl.recipe import RewardConfig
+from rlctl.rewards.failures import VerifierFailed
+from rlctl.rundir import RunDir
+
+RAISES = "def score(response, answer):\n    return 1 / 0\n"
+LOOPS = "def score(response, answer):\n    while answer == 'loop':\n        pass\n    return 1.0\n"
+
+
+def process_group(pgid: int) -> list[int]:
+    """Live (non-zombie) pids of a process group: a role's own, and the scoring processes it spawned."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            stat = (p / "stat").read_text().rsplit(")", 1)[-1].split() if p.name.isdigit() else None
+        except OSError:
+            continue
+        if stat and int(stat[2]) == pgid and stat[0] != "Z":
+            pids.append(int(p.name))
+    return pids
+
+
+@pytest.mark.e2e
+def test_a_reward_that_raises_fails_the_run_within_seconds_saying_why(tmp_path):
+    experiment = tmp_path / "experiment"  # the recipe and its reward module, launched from elsewhere
+    experiment.mkdir()
+    recipe = experiment / "quickstart.yaml"
+    recipe.write_text(QUICKSTART.read_text())
+    (experiment / "raising_reward.py").write_text(RAISES)
+    runs = tmp_path / "runs"
+    res = rlctl("launch", str(recipe), *FAST, "reward.verifier=function", "reward.function=raising_reward:score",
+                f"run.output_dir={runs}", cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    (path,) = runs.iterdir()
+    rd = RunDir(path)
+    info = rd.read()
+    assert info["state"] == "failed"
+    assert "reward.function raising_reward:score failed on a response of step 0: ZeroDivisionError: division by zero" \
+        in info["exit_reason"]
+
+    events = rd.events()
+    start = next(e["t"] for e in events if e["event"] == "run_start")
+    end = next(e["t"] for e in events if e["event"] == "run_end")
+    assert end - start <= 30, f"the run failed {end - start:.1f} s after its start"
+    assert sum(e["event"] == "group_admitted" for e in events) <= 8  # one rollout batch at most, not thousands
+    error = next(e for e in events if e["event"] == "reward_error")
+    assert error["error"] == "ZeroDivisionError: division by zero" and error["prompt"].startswith("max(")
+    assert "raising_reward.py" in error["traceback"] and error["answer"].isdigit()
+    log = rd.log_path("controller").read_text()
+    assert "Traceback (most recent call last):" in log and 'raising_reward.py", line 2, in score' in log
+
+    status = rlctl("status", rd.id, "--runs-dir", str(runs), cwd=tmp_path, env={"COLUMNS": "1000"})
+    assert status.returncode == 0 and "ZeroDivisionError: division by zero" in status.stdout, status.stdout
+    assert processes_mentioning(rd.id) == []
+    assert process_group(info["processes"]["controller"]["pid"]) == []  # its scoring processes too
+    print(f"launch -> failed: run_start -> run_end {end - start:.1f} s")
+
+
+@pytest.mark.process
+def test_a_verifier_that_loops_is_stopped_in_its_process_and_replaced(tiny_model_dir, tmp_path):
+    (tmp_path / "looping_reward.py").write_text(LOOPS)
+    reward = RewardConfig(verifier="function", function="looping_reward:score", module_dir=str(tmp_path),
+                          timeout_s=1.0)
+    scorer = PooledScorer(str(tiny_model_dir), reward, workers=1)
+    first = [w.process.pid for w in scorer._workers]
+
+    async def main() -> tuple[VerifierFailed, tuple[str, float]]:
+        await scorer.ready()
+        with pytest.raises(VerifierFailed) as e:
+            await scorer([], "loop")
+        return e.value, await scorer([], "9")
+
+    try:
+        failure, after = asyncio.run(main())
+        replaced = [w.process.pid for w in scorer._workers]
+    finally:
+        scorer.close()
+    assert failure.error.startswith("did not return within 1 s (reward.timeout_s)")
+    assert replaced != first and not Path(f"/proc/{first[0]}").exists()
+    assert after == ("", 1.0)  # the new process scores
