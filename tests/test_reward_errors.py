@@ -346,6 +346,19 @@ def test_a_raising_verifier_in_a_worker_fails_the_scoring_and_the_worker_stays()
     assert len(started) == 1
 
 
+def test_a_closed_scorer_scores_nothing_and_starts_no_worker():
+    scorer, started = pooled(lambda response, answer: 1.0, threading.Event())
+
+    async def main() -> None:
+        await scorer.ready()
+        scorer.close()  # the run is ending while scorings still come (a group's task not yet cancelled)
+        with pytest.raises(RunError, match="scoring stopped"):
+            await scorer([1], "9")
+
+    asyncio.run(main())
+    assert len(started) == 1 and not started[0].is_alive()
+
+
 class Exited:
     """The process of a worker that has exited."""
 

@@ -100,6 +100,7 @@ class PooledScorer:
         self._workers = [self._start() for _ in range(workers)]
         self._idle: asyncio.Queue[ScoringWorker] | None = None
         """Workers free to score: the scorings beyond them wait here."""
+        self._closed = False
 
     async def ready(self) -> None:
         """Return once every worker has loaded (RunError if one could not)."""
@@ -121,6 +122,8 @@ class PooledScorer:
         worker = await self._idle.get()
         text = ""
         try:
+            if self._closed:  # the run is ending: no scoring on a stopped worker, and no new one
+                raise RunError("scoring stopped: the run is ending")
             await worker.started()
             worker.conn.send((output_ids, answer))
             deadline = asyncio.get_running_loop().time() + self.timeout_s
@@ -137,6 +140,8 @@ class PooledScorer:
             raise VerifierFailed(text, f"did not return within {self.timeout_s:g} s (reward.timeout_s); its "
                                        "scoring process was stopped") from None
         except (EOFError, OSError):
+            if self._closed:
+                raise RunError("scoring stopped: the run is ending") from None
             code = worker.process.exitcode
             worker = self._replace(worker)
             raise VerifierFailed(text, f"its scoring process died while verifying (exit code {code})") from None
@@ -145,12 +150,16 @@ class PooledScorer:
 
     def _replace(self, worker: ScoringWorker) -> ScoringWorker:
         worker.stop()
+        if self._closed:
+            return worker
         new = self._start()
         self._workers[self._workers.index(worker)] = new
         return new
 
     def close(self) -> None:
-        """Stop every worker, a scoring in progress or not."""
+        """Stop every worker, a scoring in progress or not, and start none after. (A worker left
+        running would hold up the controller's exit: multiprocessing joins its children then.)"""
+        self._closed = True
         for w in self._workers:
             w.stop()
 
