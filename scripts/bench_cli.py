@@ -2,9 +2,10 @@
 
     python scripts/bench_cli.py [--runs 2000] [--repeat 15] [--as-is]
 
-Makes the runs in a temporary directory, each as a quickstart run leaves it (run.json of about
-3 KiB with six processes, 40 metrics records of about 1.2 KiB), and runs every command --repeat
-times as a fresh process, round-robin with `python -c pass` (the floor: an interpreter that
+Measures the checkout's rlctl (the commands run in the repository's root). Makes the runs in a
+temporary directory, each as a quickstart run leaves it (run.json of about 3 KiB with six
+processes, 40 metrics records of about 1.2 KiB), and runs every command --repeat times as a
+fresh process, round-robin with `python -c pass` (the floor: an interpreter that
 imports nothing). Prints a table: the median wall time of each against its target, the ratio,
 the fastest run, the median CPU time (user + system: what the command itself costs, less what
 other processes take from it), and whether a heavy module was imported on the way; then the
@@ -31,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from artifact import write_artifact
+from artifact import REPO, write_artifact
 
 TARGETS = {"help": 0.15, "status": 0.3, "status_json": 0.3}
 """Seconds of wall time, the median of --repeat fresh processes on the project's 2-core machine."""
@@ -82,7 +83,7 @@ def run_once(cmd: list[str], env: dict[str, str]) -> tuple[float, float, int]:
     """Wall seconds, CPU seconds (user + system) and exit code of one fresh process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    code = subprocess.run(cmd, capture_output=True, env=env).returncode
+    code = subprocess.run(cmd, capture_output=True, env=env, cwd=REPO).returncode
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime, code
@@ -96,7 +97,8 @@ def heavy_imports(args: list[str], env: dict[str, str]) -> list[str]:
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         f"print('HEAVY:' + ','.join(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)"
     )
-    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stderr.splitlines()
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=REPO).stderr.splitlines()
     marks = [line.removeprefix("HEAVY:") for line in err if line.startswith("HEAVY:")]
     if not marks:
         raise RuntimeError(f"could not read the imported modules of rlctl {' '.join(args)}: {err[-3:]}")
