@@ -16,6 +16,8 @@ from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
 from rlctl.engines.weightsync import WeightSender, tensor_sha256
 from rlctl.errors import RunError
 
+pytestmark = pytest.mark.process
+
 
 def post(url: str, body: dict) -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
@@ -26,8 +28,8 @@ def post(url: str, body: dict) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def test_generate_follows_sglang_response_shape(start_server):
-    url = start_server()
+def test_generate_follows_sglang_response_shape(shared_server):
+    url = shared_server
     status, raw = post(url + "/generate", {
         "input_ids": [1, 80, 68, 91, 11], "return_logprob": True, "rid": "r1",
         "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True},
@@ -44,8 +46,8 @@ def test_generate_follows_sglang_response_shape(start_server):
     assert isinstance(out["text"], str)
 
 
-def test_batch_input_ids_and_stop_tokens(start_server):
-    url = start_server()
+def test_batch_input_ids_and_stop_tokens(shared_server):
+    url = shared_server
     # Greedy decoding, stop at any token: each request ends after exactly one token.
     vocab = list(range(98))
     status, raw = post(url + "/generate", {
@@ -60,23 +62,30 @@ def test_batch_input_ids_and_stop_tokens(start_server):
         assert o["meta_info"]["finish_reason"]["type"] == "stop"
 
 
-def test_type_errors_are_http_400(start_server):
-    url = start_server()
+def test_type_errors_are_http_400(shared_server):
+    url = shared_server
     assert post(url + "/generate", {"input_ids": "oops"})[0] == 400
     assert post(url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "3"}})[0] == 400
     assert post(url + "/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}})[0] == 400
 
 
-def test_abort_and_pause(start_server):
-    url = start_server()
+def test_abort_and_pause(shared_server):
+    url = shared_server
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             c = RolloutClient(url, s)
             await c.pause_generation("in_place")  # queued requests wait while paused
             task = asyncio.create_task(c.generate([1, 22], SamplingRequest(max_new_tokens=50, ignore_eos=True), "long"))
-            await asyncio.sleep(0.3)
-            assert (await c.session.get(url + "/v1/loads")).status == 200
+            for _ in range(600):  # until the server says it holds the request (at most 30 s)
+                async with c.session.get(url + "/v1/loads") as resp:
+                    assert resp.status == 200
+                    if (await resp.json())["num_waiting_reqs"] == 1:
+                        break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the paused server never queued the request")
+            assert not task.done()
             await c.abort("long")
             out = await task
             assert out.finish_reason["type"] == "abort"
@@ -173,7 +182,7 @@ def test_a_sync_cut_by_a_dead_server_leaves_the_others_ready_for_the_next(start_
 
 
 def test_update_outside_session_is_refused(start_server, tiny_model_dir):
-    url = start_server()
+    url = start_server()  # its own: the refused update leaves the weight-update group joined
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
@@ -189,12 +198,12 @@ def test_update_outside_session_is_refused(start_server, tiny_model_dir):
     asyncio.run(scenario())
 
 
-def test_served_logprobs_match_a_full_forward_pass(start_server, tiny_model_dir):
+def test_served_logprobs_match_a_full_forward_pass(shared_server, tiny_model_dir):
     """Continuous batching with per-request KV caches must score tokens exactly as the trainer's
     full forward pass does: prompts of different lengths, run concurrently, several tokens each."""
     from transformers import AutoModelForCausalLM
 
-    url = start_server()
+    url = shared_server
     prompts = [[1, 80, 68, 91, 11, 22], [1, 23], [1, 40, 41, 42, 43, 44, 45, 46, 47], [1, 60, 61]]
 
     async def scenario():

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 import torch
 
-from conftest import QUICKSTART, free_port, processes_mentioning, rlctl
+from conftest import QUICKSTART, free_port, processes_mentioning, rlctl, rlctl_here
 from rlctl.engines.rollout.protocol import SamplingRequest
-from rlctl.engines.rollout.vllm_client import VllmClient
+from rlctl.engines.rollout.vllm_client import VllmClient, completion_body
 from rlctl.engines.weightsync import tensor_sha256
 from rlctl.engines.weightsync.vllm_sender import VllmWeightSender
 from rlctl.errors import RunError
@@ -33,6 +33,21 @@ def vllm_server(start_server, monkeypatch):
     return start
 
 
+async def until_the_server_holds(c: VllmClient, state: str, timeout: float = 30.0) -> None:
+    """Poll the server's own gauge (vllm:num_requests_running / _waiting on /metrics) until a
+    request is in that state: the server's word, not a guess of how long it takes."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        async with c.session.get(c.url + "/metrics", headers=c.headers) as resp:
+            text = await resp.text()
+        if any(line.startswith(f"vllm:num_requests_{state}{{") and float(line.rsplit(" ", 1)[1]) >= 1
+               for line in text.splitlines()):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no request {state} on the server after {timeout} s:\n{text}")
+
+
+@pytest.mark.process
 def test_generate_abort_and_pause_as_vllm(vllm_server):
     url = vllm_server()
 
@@ -47,20 +62,21 @@ def test_generate_abort_and_pause_as_vllm(vllm_server):
             # abort by our id (vLLM runs it as cmpl-<id>-0), here of a request queued behind a pause in keep mode
             await c.pause_generation("keep")
             queued = asyncio.create_task(c.generate([1, 2], SamplingRequest(max_new_tokens=4), "r2"))
-            await asyncio.sleep(0.5)
+            await until_the_server_holds(c, "waiting")
             assert not queued.done()
             await c.abort("r2")
             aborted = await asyncio.wait_for(queued, 30)
             assert aborted.finish_reason["type"] == "abort" and aborted.output_ids == []
             # pause in abort mode: what is in flight ends; new requests wait (503, sent again) until /resume
             running = asyncio.create_task(c.generate([1, 2], SamplingRequest(max_new_tokens=4), "r3"))
-            await asyncio.sleep(0.5)
+            await until_the_server_holds(c, "waiting")  # still paused (keep): it waits in the engine
             await c.pause_generation("abort")
             assert (await asyncio.wait_for(running, 30)).finish_reason["type"] == "abort"
             assert await c.is_paused()
+            async with s.post(url + "/v1/completions", json=completion_body([1, 2], SamplingRequest(), "raw", None),
+                              headers=c.headers) as refused:
+                assert refused.status == 503  # what the client's own retries below meet until /resume
             waiting = asyncio.create_task(c.generate([1, 2], SamplingRequest(max_new_tokens=2), "r4"))
-            await asyncio.sleep(0.5)
-            assert not waiting.done()
             await c.continue_generation()
             assert len((await asyncio.wait_for(waiting, 30)).output_ids) > 0
             assert not await c.is_paused()
@@ -70,6 +86,7 @@ def test_generate_abort_and_pause_as_vllm(vllm_server):
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
 def test_bucketed_sync_to_two_servers_is_bit_exact(vllm_server, tiny_model_dir, version):
     from transformers import AutoModelForCausalLM
@@ -103,6 +120,7 @@ def test_bucketed_sync_to_two_servers_is_bit_exact(vllm_server, tiny_model_dir, 
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_a_server_without_dev_mode_is_named(vllm_server):
     url = vllm_server(dev_mode=False)
 
@@ -117,6 +135,7 @@ def test_a_server_without_dev_mode_is_named(vllm_server):
     asyncio.run(scenario())
 
 
+@pytest.mark.process
 def test_a_server_of_another_release_is_refused(vllm_server):
     from rlctl.engines.rollout.vllm import check_version
 
@@ -142,7 +161,7 @@ def only_run(tmp_path) -> RunDir:
     return RunDir(run)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_quickstart_emulating_vllm_learns_with_every_sync_checked(tmp_path):
     """The quickstart, its servers speaking vLLM: 40 of its 100 steps (the reward has risen by
     then: about 0.3 -> 0.7), buckets of 256 KiB (several per sync), every server's weights checked
@@ -163,7 +182,7 @@ def test_quickstart_emulating_vllm_learns_with_every_sync_checked(tmp_path):
     assert "as rank 2 of 3" in rd.log_path("rollout-1").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_run_whose_servers_lack_dev_mode_stops_with_one_line(tmp_path):
     res = rlctl("launch", str(QUICKSTART), "rollout.builtin.emulate_vllm=0.34.0", "run.steps=3",
                 f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path, timeout=300, env={"VLLM_SERVER_DEV_MODE": "0"})
@@ -191,6 +210,7 @@ def fake_install(root, version: str | None) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("installed, says", [
     (None, "needs vllm, which is not installed here: pip install 'vllm>=0.33.0,<=0.34.0'"),
     ("0.32.0", "vLLM 0.32.0 is outside the releases rlctl's adapter was checked against (0.33.0 .. 0.34.0)"),
@@ -209,10 +229,10 @@ def test_vllm_settings_are_checked_with_the_key_named(tmp_path):
                           ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization"),
                           ("rollout.engine=vllm", "rollout.device"),
                           ("rollout.builtin.emulate_vllm=0.35.0", "rollout.builtin.emulate_vllm")):
-        res = rlctl("launch", str(QUICKSTART), *override.split(), f"run.output_dir={tmp_path}", cwd=tmp_path)
+        res = rlctl_here("launch", str(QUICKSTART), *override.split(), f"run.output_dir={tmp_path}", cwd=tmp_path)
         assert res.returncode == 2 and f": {key}: " in res.stderr and len(res.stderr.strip().splitlines()) == 1, \
             (override, res.stderr)
-    res = rlctl("launch", str(QUICKSTART), "rollout.engine=vllm", "rollout.device=cuda", "--dry-run",
+    res = rlctl_here("launch", str(QUICKSTART), "rollout.engine=vllm", "rollout.device=cuda", "--dry-run",
                 f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert res.returncode == 2 and ": train.device: " in res.stderr, res.stderr
 
@@ -245,6 +265,7 @@ def test_the_trainer_is_told_the_protocol_and_what_the_servers_hold():
     assert real["server"]["model_path"] == os.path.expanduser("~/m")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
 def test_the_emulator_replies_in_the_shapes_of_vllms_own_handlers(vllm_server, version):
     """Each control reply of the emulating server has exactly the keys the same route's handler in

@@ -103,7 +103,7 @@ class VllmRoutes:
         self.update_lock = asyncio.Lock()
 
     def table(self, health) -> list[tuple[str, str, Any]]:
-        routes = [("GET", "/health", health), ("GET", "/version", self.version),
+        routes = [("GET", "/health", health), ("GET", "/version", self.version), ("GET", "/metrics", self.metrics),
                   ("POST", "/v1/completions", self.completions)]
         if dev_mode():
             routes += [("POST", "/pause", self.pause), ("POST", "/resume", self.resume),
@@ -119,6 +119,19 @@ class VllmRoutes:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.state.args.emulate_vllm})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text, as vLLM mounts it on /metrics in every mode: of its many series, the two
+        scheduler gauges (vllm/v1/metrics/loggers.py: vllm:num_requests_running, _waiting)."""
+        engine = self.state.engine
+        load = engine.load() if engine is not None else {"num_running_reqs": 0, "num_waiting_reqs": 0}
+        labels = f'engine="0",model_name="{self.state.args.model_path}"'
+        text = "".join(
+            f"# HELP vllm:{name} {doc}\n# TYPE vllm:{name} gauge\nvllm:{name}{{{labels}}} {float(load[key])}\n"
+            for name, key, doc in (
+                ("num_requests_running", "num_running_reqs", "Number of requests in model execution batches."),
+                ("num_requests_waiting", "num_waiting_reqs", "Number of requests waiting to be processed.")))
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # -- generation ----------------------------------------------------------------------------
 
