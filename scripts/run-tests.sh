@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The test command (README, .ci/run): install rlctl with its test extras, bring up the project's
-# own 3-node Slurm test cluster (as root; scripts/slurm-test-cluster.sh), run pytest, and stop the
-# cluster again whatever happened. Arguments go to pytest.
+# The full test command (README, .ci/run): install rlctl with its test extras, bring up the
+# project's own 3-node Slurm test cluster (as root; scripts/slurm-test-cluster.sh), run every tier
+# of the suite (docs/testing.md) with the 30 slowest tests listed, and stop the cluster again
+# whatever happened. Arguments go to pytest.
 # Not root: the Slurm tests are skipped (they need network namespaces and slurmd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e '.[local,test]'
+# --upgrade: rlctl's own dependencies at the newest releases the index serves, as a new user's
+# install gets them, not whatever older release this machine already holds.
+python3 -m pip install -q --upgrade -e '.[local,test]'
 
 # SGLang's wheels of the supported releases: the contract tests read their source (tests/sglang_source.py);
 # nothing imports them. About 80 MB, downloaded once.
@@ -35,4 +38,4 @@ if [ "$(id -u)" = 0 ]; then
   eval "$(scripts/slurm-test-cluster.sh start)"   # exports SLURM_CONF
   export RLCTL_SLURM_TESTS=1
 fi
-python3 -m pytest -q "$@"
+python3 -m pytest -q --durations=30 "$@"

@@ -1,12 +1,23 @@
-"""Shared fixtures. Integration tests start real processes: rollout servers, trainers, runs."""
+"""Shared fixtures, and the test tiers.
+
+Tiers (markers; docs/testing.md):
+- fast: everything not marked with a tier below. No subprocess, no socket, no sleep, and the
+  guard in `_fast_tier_guard` holds every fast test to that: `pytest -m fast` runs in about a minute.
+- process: starts real processes or listens on sockets (rollout servers, trainers, `rlctl` itself).
+- e2e: whole runs, `rlctl launch` to the end (minutes).
+- slurm: needs the project's Slurm test cluster (scripts/slurm-test-cluster.sh, as root).
+- gpu: needs a CUDA GPU; skipped here, run on the GPU machine.
+"""
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,6 +39,71 @@ FAST = [
     "rollout.group_size=4",
     "train.groups_per_batch=4",
 ]
+
+
+TIERS = ("process", "e2e", "slurm", "gpu")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test with no tier marker is in the fast tier."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.fast)
+
+
+class NotFast(AssertionError):
+    """A fast-tier test reached for a process, a socket or a sleep."""
+
+
+_guard = {"on": False}
+
+
+@contextmanager
+def outside_fast_guard():
+    """For test support code that may fetch or spawn in any tier (a missing wheel's download)."""
+    was, _guard["on"] = _guard["on"], False
+    try:
+        yield
+    finally:
+        _guard["on"] = was
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        if _guard["on"]:
+            raise NotFast(f"a fast-tier test {what}: mark it @pytest.mark.process (or e2e/slurm), "
+                          "or test the same thing without it (tests/conftest.py, docs/testing.md)")
+        return original(*args, **kwargs)
+    owner, name = _GUARDED[what]
+    original = getattr(owner, name)
+    refused.__wrapped__ = original  # type: ignore[attr-defined]
+    return refused
+
+
+_GUARDED = {
+    "started a subprocess": (subprocess.Popen, "__init__"),
+    "started a multiprocessing process": (multiprocessing.process.BaseProcess, "start"),
+    "connected a socket": (socket.socket, "connect"),
+    "connected a socket (connect_ex)": (socket.socket, "connect_ex"),
+    "bound a socket": (socket.socket, "bind"),
+    "slept": (time, "sleep"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request, monkeypatch):
+    """Fast tests are held to their tier: a subprocess, a socket connect/bind or a time.sleep in one
+    fails it, naming the rule. Other tiers run unguarded."""
+    if request.node.get_closest_marker("fast") is None:
+        yield
+        return
+    for what, (owner, name) in _GUARDED.items():
+        monkeypatch.setattr(owner, name, _refuse(what))
+    _guard["on"] = True
+    try:
+        yield
+    finally:
+        _guard["on"] = False
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -85,16 +161,17 @@ def wait_http(url: str, timeout: float = 120.0) -> None:
     raise TimeoutError(url)
 
 
-@pytest.fixture
-def start_server(tiny_model_dir, tmp_path):
-    """Start built-in rollout servers as real processes; all are killed at teardown."""
+@contextmanager
+def _servers(model_dir: Path, log_dir: Path):
+    """start(seed, *args) -> the URL of a new built-in rollout server (a real process); all are
+    killed when the block ends."""
     procs: list[subprocess.Popen] = []
 
     def start(seed: int = 0, *extra: str) -> str:
         port = free_port()
-        log = (tmp_path / f"server-{port}.log").open("wb")
+        log = (log_dir / f"server-{port}.log").open("wb")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "rlctl.engines.rollout.builtin.server", "--model-path", str(tiny_model_dir),
+            [sys.executable, "-m", "rlctl.engines.rollout.builtin.server", "--model-path", str(model_dir),
              "--port", str(port), "--random-seed", str(seed), *extra],
             stdout=log, stderr=subprocess.STDOUT,
         ))
@@ -103,15 +180,68 @@ def start_server(tiny_model_dir, tmp_path):
         return url
 
     start.procs = procs  # type: ignore[attr-defined]  # a test may kill one
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
+    try:
+        yield start
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def start_server(tiny_model_dir, tmp_path):
+    """Start built-in rollout servers for one test, which may change or kill them."""
+    with _servers(tiny_model_dir, tmp_path) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_model_dir, tmp_path_factory) -> str:
+    """One built-in rollout server (seed 0) for a module's tests that leave it as they found it."""
+    with _servers(tiny_model_dir, tmp_path_factory.mktemp("shared-server")) as start:
+        yield start()
 
 
 def rlctl(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m rlctl ARGS` as a real process (process tier)."""
     return subprocess.run([sys.executable, "-m", "rlctl", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def rlctl_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The same command line run in this process, through rlctl.cli.main (fast tier): its exit code
+    and what it wrote to stdout and stderr. For commands that start no process of their own."""
+    import contextlib
+    import io
+
+    from rlctl.cli import main
+
+    # Text streams over bytes, as a terminal's are: some commands write bytes to sys.stdout.buffer.
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="replace", write_through=True)
+                for _ in range(2))
+    argv, here, saved = sys.argv, os.getcwd(), {k: os.environ.get(k) for k in env or {}}
+    sys.argv = ["rlctl", *args]
+    os.chdir(cwd)
+    os.environ.update(env or {})
+    code: int | str | None = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if isinstance(code, str):  # sys.exit("message"): the message on stderr, exit 1
+        err.write(code + "\n")
+        code = 1
+    text = [stream.buffer.getvalue().decode(errors="replace") for stream in (out, err)]
+    return subprocess.CompletedProcess(args, code or 0, *text)
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -143,9 +273,10 @@ def ensure_wheel(version: str) -> None:
     except sglang_source.MissingWheel:
         pass
     if version not in _download_errors:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                               f"sglang=={version}", "-d", str(sglang_source.wheel_dir())],
-                              capture_output=True, text=True, timeout=900)
+        with outside_fast_guard():
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                   f"sglang=={version}", "-d", str(sglang_source.wheel_dir())],
+                                  capture_output=True, text=True, timeout=900)
         _download_errors[version] = "" if done.returncode == 0 else done.stderr[-1500:]
     try:
         sglang_source.wheel(version)

@@ -10,7 +10,7 @@ import pytest
 from conftest import FAST, QUICKSTART, rlctl
 from rlctl.rundir import RunDir
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def run(tmp_path: Path, *overrides: str) -> list[dict]:

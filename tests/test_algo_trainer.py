@@ -192,6 +192,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.process
 def test_ppo_over_two_ranks_takes_one_ranks_step(tiny_model_dir, tmp_path):
     """The critic's gradients and the PPO statistics are reduced over the ranks too."""
     single = engine(tiny_model_dir, VARIANTS["ppo"])

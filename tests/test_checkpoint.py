@@ -45,7 +45,7 @@ def saved_run(tmp_path_factory) -> RunDir:
     return the_run(tmp / "runs")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_newest_checkpoints_are_kept_complete_and_load_with_transformers(saved_run):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,7 +76,7 @@ def test_the_newest_checkpoints_are_kept_complete_and_load_with_transformers(sav
     assert [(c["step"], c["bytes"] > 0) for c in shown["checkpoints"]] == [(4, True), (5, True)]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_export_copies_a_checkpoint_bit_for_bit(saved_run, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -108,7 +108,7 @@ def fake_run(runs: Path, state: RunState | None) -> RunDir:
     return rd
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_errors_are_one_line(saved_run, tmp_path):
     runs = tmp_path / "runs"
     failed = fake_run(runs, RunState.FAILED)
@@ -133,7 +133,7 @@ def test_errors_are_one_line(saved_run, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_killed_run_resumes_from_its_checkpoint_and_completes(tmp_path):
     steps, runs = 12, tmp_path / "runs"
     launching = subprocess.Popen([sys.executable, "-m", "rlctl", *launch_args(runs, f"run.steps={steps}", *SAVE, "train.ranks=2")],
@@ -284,7 +284,7 @@ def test_the_torch_engine_continues_exactly_from_its_checkpoint(tiny_model_dir, 
     assert not all(t.equal(after[n]) for n, t in fresh.hf_weights())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sigusr1_checkpoints_and_stops_and_launch_resume_continues(tmp_path):
     """SIGUSR1 to the controller (what a Slurm job's batch script passes on before the time limit):
     a checkpoint at the end of the step in progress, then the run stops, cancelled, with no

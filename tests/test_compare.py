@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import FAST, QUICKSTART, REPO, rlctl
+from conftest import FAST, QUICKSTART, REPO, rlctl, rlctl_here
 from rlctl.compare import bootstrap_ci, comparison, failing, sparkline
 from rlctl.rundir import RunDir
 
@@ -110,18 +110,18 @@ def test_comparison_numbers(two_runs):
 
 def test_cli_json_round_trips_and_fail_if_exit_codes(two_runs):
     root, a, b = two_runs
-    res = rlctl("compare", a.id, b.id, "--runs-dir", str(root), "--json", "--last", "3", cwd=root)
+    res = rlctl_here("compare", a.id, b.id, "--runs-dir", str(root), "--json", "--last", "3", cwd=root)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert set(data) == {"runs", "x", "config", "metrics", "time", "curves", "curves_x", "groups", "fail_if"}
     assert data.pop("groups") is None  # no --group-by
     data.pop("fail_if")
     assert render_text(data) == render_text(comparison([a, b], last=3))  # the JSON holds the whole comparison
-    res = rlctl("compare", str(a.path), b.id, "--runs-dir", str(root), "--fail-if", "rollout_to_train_end.ratio > 0.6", cwd=root)
+    res = rlctl_here("compare", str(a.path), b.id, "--runs-dir", str(root), "--fail-if", "rollout_to_train_end.ratio > 0.6", cwd=root)
     assert res.returncode == 1 and "rollout_to_train_end.ratio" in res.stderr
-    res = rlctl("compare", a.id, b.id, "--runs-dir", str(root), "--fail-if", "rollout_to_train_end.ratio > 0.8", cwd=root)
+    res = rlctl_here("compare", a.id, b.id, "--runs-dir", str(root), "--fail-if", "rollout_to_train_end.ratio > 0.8", cwd=root)
     assert res.returncode == 0, res.stderr
-    res = rlctl("compare", a.id, b.id, "--runs-dir", str(root), "--fail-if", "r2t goes up", cwd=root)
+    res = rlctl_here("compare", a.id, b.id, "--runs-dir", str(root), "--fail-if", "r2t goes up", cwd=root)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
 
 
@@ -150,6 +150,7 @@ def test_runs_of_different_lengths_and_step_units_are_aligned_on_samples(tmp_pat
     assert "compared over 0 .. 1,280 samples (--x samples)" in text and "note: runs differ in length" in text
 
 
+@pytest.mark.process
 def test_plot_without_matplotlib_says_so_before_any_output(two_runs):
     root, a, b = two_runs
     hidden = root / "no-matplotlib"  # a matplotlib that cannot be imported shadows the real one
@@ -163,6 +164,7 @@ def test_plot_without_matplotlib_says_so_before_any_output(two_runs):
     assert res.stderr.strip() == "error: --plot needs matplotlib: pip install 'rlctl[plot]'"
 
 
+@pytest.mark.process
 def test_unknown_run_failed_run_and_group_by(tmp_path):
     runs = [make_run(tmp_path, f"s{i}-20261129-100000-000{i}", base_recipe("sync", run__seed=i), [0.1 * i, 0.2 * i])
             for i in range(3)]
@@ -187,7 +189,7 @@ def test_helpers():
     assert 1.0 <= lo < 2.5 < hi <= 4.0
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_real_runs_plot_and_wandb_offline(tmp_path):
     """A sync and a rolloutpipe run, the second tracked by wandb offline; read back with wandb's
     own tool (wandb leet inspect --json)."""

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import sglang_source
-from conftest import FAST, QUICKSTART, ensure_wheel, free_port, rlctl, wait_for
+from conftest import FAST, QUICKSTART, ensure_wheel, free_port, rlctl, rlctl_here, wait_for
 from rlctl.door import TOKEN_FILE, new_token, read_token, sglang_config
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.weightsync import WeightSender
@@ -58,6 +58,7 @@ def keyed_server(start_server, tmp_path):
     return url, token_file.read_text().strip()
 
 
+@pytest.mark.process
 def test_builtin_server_asks_every_route_but_health_for_the_token(keyed_server):
     url, token = keyed_server
     assert call(url + "/health")[0] == 200  # probes need no secret, as with SGLang
@@ -72,6 +73,7 @@ def test_builtin_server_asks_every_route_but_health_for_the_token(keyed_server):
     assert status == 200 and len(json.loads(reply)) == 32
 
 
+@pytest.mark.process
 def test_a_foreign_weight_group_is_refused(keyed_server):
     url, token = keyed_server
     start = time.monotonic()
@@ -93,6 +95,7 @@ def _listen_addresses(port: int) -> list[str]:
     return found
 
 
+@pytest.mark.process
 def test_with_the_token_a_sync_loads_weights_and_the_store_listens_on_loopback(keyed_server, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -186,7 +189,7 @@ def _check_live_run(rd: RunDir, token: str) -> None:
     assert call(server + "/rlctl/weight_checksums", token=token)[0] == 200
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_local_run_keeps_its_door_shut(tmp_path):
     res = rlctl("launch", "--detach", str(QUICKSTART), *FAST, "run.steps=500", f"run.output_dir={tmp_path / 'runs'}",
                 cwd=tmp_path)
@@ -226,7 +229,7 @@ def test_run_directories_are_private_unless_shared_with_the_group(tmp_path):
 
 
 def test_the_retired_api_key_is_refused_in_one_line(tmp_path):
-    res = rlctl("launch", str(QUICKSTART), "rollout.sglang.api_key=s3cret", f"run.output_dir={tmp_path / 'runs'}",
+    res = rlctl_here("launch", str(QUICKSTART), "rollout.sglang.api_key=s3cret", f"run.output_dir={tmp_path / 'runs'}",
                 cwd=tmp_path)
     assert res.returncode == 2 and not (tmp_path / "runs").exists()
     assert len(res.stderr.strip().splitlines()) == 1 and "rollout.sglang.api_key" in res.stderr
@@ -273,6 +276,7 @@ print(os.environ["T"], file=sys.stderr)
 """
 
 
+@pytest.mark.process
 def test_redacted_output_hides_the_token_from_the_log(tmp_path):
     token, log = new_token(), tmp_path / "server.log"
     script = ("import os, sys; from rlctl.door import redact_output; t = sys.stdin.readline().strip(); "

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import pytest
 
 from rlctl.metrics import Recorder
 from rlctl.rundir import HOST, EventLog, RunClock, RunDir, read_jsonl
@@ -68,6 +69,7 @@ def test_recorder_flushes_events_before_the_step_record(tmp_path):
     assert len(rd.events()) == 4
 
 
+@pytest.mark.process
 def test_controller_flushes_buffered_events_on_sigterm(tmp_path):
     """The supervisor ends the controller with SIGTERM: its buffered events reach the disk, and it
     still dies of the signal."""

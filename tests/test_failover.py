@@ -20,7 +20,7 @@ from rlctl.door import bearer, read_token
 from rlctl.recipe import load_recipe
 from rlctl.rundir import RunDir
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 STALL_S = 6.0
 STEPS = 30  # enough for a restarted server (20-30 s to start on a busy 2-core machine) to rejoin

@@ -3,7 +3,8 @@
 they are, and marks the bad one (`unreadable: why` in a listing, one line and exit 1 when it is
 the run named; `damaged: ...` where only events, metrics, recipe or logs are hurt).
 
-The runs are copies of one real run (launched once per module), each damaged in its own way."""
+The runs are copies of one real run (launched once per module, so the module is in the process
+tier), each damaged in its own way. The commands on them run in this process (rlctl_here)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, rlctl
+from conftest import FAST, QUICKSTART, rlctl, rlctl_here
+
+pytestmark = pytest.mark.process
 
 SLOW_S = 10.0  # a command takes well under 2 s; this is loose for a loaded 2-core machine
 GOOD = ("good-20261201-120000-00a0", "good-20261201-120000-00a1")
@@ -123,7 +126,7 @@ def cli(runs: Path, *args: str):
     """rlctl on the runs directory, timed: every command answers within seconds, never hangs."""
     start = time.monotonic()
     # A wide terminal, so that what a table says is on one line of its output.
-    res = rlctl(*args, "--runs-dir", str(runs), cwd=runs.parent, timeout=120, env={"COLUMNS": "1000"})
+    res = rlctl_here(*args, "--runs-dir", str(runs), cwd=runs.parent, env={"COLUMNS": "1000"})
     took = time.monotonic() - start
     assert took < SLOW_S, f"rlctl {' '.join(args)} took {took:.1f} s"
     return res

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from conftest import QUICKSTART, rlctl
+from conftest import QUICKSTART, rlctl_here
 from rlctl.engines.train.megatron_convert import (Layout, check_mcore_names, describe, gather, hf_to_mcore,
                                                   iter_mcore_to_hf, mcore_names, mcore_to_hf, shard, tp_dim)
 from rlctl.errors import RunError
@@ -258,7 +258,7 @@ def test_unsupported_model_family_is_refused():
 ])
 def test_bad_megatron_settings_name_the_key(tmp_path, override, key):
     extra = ["train.engine=megatron", "train.device=cuda"] if override == "train.megatron.tp=3" else []
-    res = rlctl("launch", str(QUICKSTART), *extra, override, f"run.output_dir={tmp_path}", cwd=tmp_path)
+    res = rlctl_here("launch", str(QUICKSTART), *extra, override, f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert res.returncode == 2 and f": {key}: " in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 

@@ -28,6 +28,8 @@ from sglang_bodies import check_body
 from sglang_memory import ROUTES, answers_null, memory_step, memory_tags
 from sglang_source import SUPPORTED
 
+pytestmark = pytest.mark.process
+
 PROMPT = [1, 40, 41, 57, 60, 22]
 GREEDY = SamplingRequest(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -76,37 +78,6 @@ def load_model(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-
-def test_a_stash_gives_back_every_byte_from_host_memory_or_a_file(tmp_path):
-    """Both ways out: host memory (a GPU's bytes go there; forced here on CPU tensors) and a
-    private file; item sizes 1 to 8, a 0-d and an empty tensor, none aligned to the next."""
-    from rlctl.engines.memory import PrivateDir, Stash
-
-    g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(3, 5, generator=g).bfloat16(), torch.tensor(3.5), torch.arange(5, dtype=torch.int8),
-               torch.randn(2, 3, generator=g).double(), torch.empty(0), torch.tensor([True, False, True])]
-    where = PrivateDir(str(tmp_path))
-    for to_file in (False, True):
-        stash = Stash.take(tensors, where, "t", to_file=to_file)
-        assert (stash.path is not None, stash.nbytes) == (to_file, 30 + 4 + 5 + 48 + 0 + 3)
-        for a, b in zip(tensors, stash.restore(), strict=True):
-            assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    # The host buffer is kept for the next release of the name: reused when large enough, else replaced.
-    buffer = where.host["t"].data_ptr()
-    for scale, same in ((2.0, True), (None, False)):
-        again = [t * scale if t.is_floating_point() else t for t in tensors] if scale else [*tensors, torch.ones(7)]
-        stash = Stash.take(again, where, "t", to_file=False)
-        assert (stash.host.data_ptr() == buffer) is same
-        for a, b in zip(again, stash.restore(), strict=True):
-            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    stash = Stash.take(tensors, where, "t", to_file=True)
-    os.truncate(stash.path, stash.nbytes - 1)
-    with pytest.raises(RunError, match="ends after 2 of 3 bytes"):
-        stash.restore()
-    assert stash.path.exists()  # kept: nothing is lost by a failed restore
-    where.cleanup()
-    assert list(tmp_path.iterdir()) == []
 
 
 # -- the rollout server ---------------------------------------------------------------------------

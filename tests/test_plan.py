@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from conftest import REPO, rlctl
+from conftest import REPO, rlctl_here
 from rlctl.planner.costs import cost_model
 from rlctl.planner.estimate import Placement, estimate
 from rlctl.planner.launch import NotLaunchable, launch_overrides
@@ -168,33 +168,30 @@ def test_estimates_move_the_way_the_work_does():
     assert math.isclose(one.gpu_s_per_1k, one.step_s * 128 / one.samples * 1000)
 
 
-@pytest.mark.process
 def test_plan_command_ranks_prints_and_refuses(tmp_path):
-    res = rlctl("plan", str(SIM), "--gpus", "64", "--top", "3", "--json", cwd=tmp_path)
+    res = rlctl_here("plan", str(SIM), "--gpus", "64", "--top", "3", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["considered"] > 100 and len(out["ranked"]) == 3
     assert [e["s_per_1k_samples"] for e in out["ranked"]] == sorted(e["s_per_1k_samples"] for e in out["ranked"])
-    res = rlctl("plan", str(SIM), "rollout.batch_size=64", "train.groups_per_batch=8", "--gpus", "16",
+    res = rlctl_here("plan", str(SIM), "rollout.batch_size=64", "train.groups_per_batch=8", "--gpus", "16",
                 "--simulate", "2", "--sim-steps", "2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "#1 against #2:" in res.stdout and "sim s" in res.stdout and "simulate #1: rlctl simulate" in res.stdout
     for args, code, said in [(["--gpus", "0"], 2, "--gpus"), (["--gpus", "8", "sim.nope=1"], 2, "sim.nope"),
                              (["--gpus", "1", "sim.params_b=5000"], 1, "no placement")]:
-        res = rlctl("plan", str(SIM), *args, cwd=tmp_path)
+        res = rlctl_here("plan", str(SIM), *args, cwd=tmp_path)
         assert res.returncode == code and said in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-@pytest.mark.process
 def test_colocated_needs_one_set_of_gpus_and_sync(tmp_path):
     for args, said in [(["sim.colocated=true", "sim.rollout_gpus=8", "sim.trainer_gpus=16"], "sim.colocated"),
                        (["sim.colocated=true", "sim.rollout_gpus=8", "sim.trainer_gpus=8", "pipeline.mode=async"],
                         "pipeline.mode=sync")]:
-        res = rlctl("simulate", str(SIM), *args, "--no-save", cwd=tmp_path)
+        res = rlctl_here("simulate", str(SIM), *args, "--no-save", cwd=tmp_path)
         assert res.returncode == 2 and said in res.stderr, res.stderr
 
 
-@pytest.mark.process
 def test_a_planned_placement_launches_as_the_slurm_job_it_names(tmp_path):
     """`rlctl plan` says how to launch each placement rlctl can run, and why not the others; the
     keys it gives render the batch script of that placement (a dry run of the real launcher)."""
@@ -207,13 +204,13 @@ def test_a_planned_placement_launches_as_the_slurm_job_it_names(tmp_path):
         except NotLaunchable as why:
             assert str(why).startswith("colocated" if p.colocated else "pipeline-parallel") and (
                 p.colocated or p.train_pp > 1), (p, why)
-    res = rlctl("plan", str(QWEN), "--gpus", "64", "--top", "60", "--json", cwd=tmp_path)
+    res = rlctl_here("plan", str(QWEN), "--gpus", "64", "--top", "60", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     ranked = json.loads(res.stdout)["ranked"]
     assert all((e["launch"] is None) == bool(e["not_launchable"]) == e["placement"]["colocated"] for e in ranked)
     e = next(e for e in ranked if e["launch"] and e["placement"]["rollout_tp"] > 1 and e["placement"]["train_tp"] > 1)
     p = e["placement"]
-    res = rlctl("launch", str(QWEN), "--dry-run", f"run.output_dir={tmp_path / 'runs'}", *e["launch"], cwd=tmp_path)
+    res = rlctl_here("launch", str(QWEN), "--dry-run", f"run.output_dir={tmp_path / 'runs'}", *e["launch"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     trainer, rollout = res.stdout.split("#SBATCH hetjob")
     t_nodes, r_nodes = -(-p["trainer_gpus"] // 8), -(-p["rollout_gpus"] // 8)
@@ -225,5 +222,5 @@ def test_a_planned_placement_launches_as_the_slurm_job_it_names(tmp_path):
     assert (written.train.megatron.tp, written.rollout.sglang.tp_size, str(written.pipeline.mode)) == (
         p["train_tp"], p["rollout_tp"], p["mode"])
     assert written.train.micro_batch_tokens == p["micro_batch_tokens"]
-    res = rlctl("plan", str(QWEN), "--gpus", "64", "--top", "1", cwd=tmp_path)
+    res = rlctl_here("plan", str(QWEN), "--gpus", "64", "--top", "1", cwd=tmp_path)
     assert res.returncode == 0 and "launch #1: " in res.stdout and "rlctl launch " in res.stdout, res.stdout

@@ -248,9 +248,9 @@ def test_placement_crosses_two_jobs_rollouts_and_trainers():
 def test_simulated_pool_of_two_sync_jobs_costs_less_than_dedicated(tmp_path):
     """Two sync jobs crossed on 16 simulated H200s (each alone would hold 16): the pool is the
     CLI's own path (`rlctl simulate POOL.yaml`), timed against each job alone."""
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from conftest import rlctl_here
 
     job = Path(__file__).resolve().parent.parent / "recipes" / "pool" / "sim-job.yaml"
     pool = tmp_path / "pool.yaml"
@@ -266,8 +266,7 @@ def test_simulated_pool_of_two_sync_jobs_costs_less_than_dedicated(tmp_path):
     assert len(result.co_location) == 16  # a KV cache and a trainer do not fit on one H200 together
     kinds = {e["event"] for e in result.events}
     assert {"slice", "move", "job_added"} <= kinds
-    out = subprocess.run([sys.executable, "-m", "rlctl", "simulate", str(pool)], capture_output=True, text=True,
-                         timeout=120)
+    out = rlctl_here("simulate", str(pool), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "fewer than dedicated" in out.stdout and "naive co-location: does not fit on 16 of 16 GPUs" in out.stdout
 

@@ -19,7 +19,7 @@ from conftest import FAST, QUICKSTART, REPO, rejoined, rlctl, wait_for
 from rlctl.door import bearer, read_token
 from rlctl.rundir import RunDir, pid_alive, read_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 # The FAST model's weights are ~90 kB: a server active is counted ~112 kB, a trainer ~358 kB
 # (rlctl/launchers/pool/jobs.py), and each device gets a trainer and two servers (582 kB). 500 kB

@@ -22,7 +22,7 @@ if not os.environ.get("RLCTL_SLURM_TESTS"):
         raise RuntimeError("CI must run the Slurm tests: run scripts/run-tests.sh (it starts the test cluster)")
     pytest.skip("no Slurm test cluster (scripts/run-tests.sh starts one as root)", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slurm
 
 
 def squeue_state(job_id: str) -> str:

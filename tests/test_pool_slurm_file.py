@@ -17,6 +17,7 @@ from rlctl.recipe import load_recipe
 PYTHON = "/shared/venvs/rl/bin/python"
 
 
+@pytest.mark.process
 def test_pool_batch_script_runs_the_service_on_the_first_node_and_passes_shellcheck(tmp_path):
     from rlctl.launchers.pool.slurm import render_pool_script
     from rlctl.recipe.load import load_pool_file
@@ -58,6 +59,7 @@ def test_slurm_pool_file_errors_name_the_key(overrides, key, words):
     assert info.value.key == key and words in str(info.value), str(info.value)
 
 
+@pytest.mark.process
 def test_a_slurm_pool_gives_each_run_ports_of_its_own_on_each_node_and_takes_them_back():
     from rlctl.launchers.pool.slurm import PortBook
     from rlctl.plan import local_plan

@@ -9,6 +9,8 @@ import pytest
 from rlctl.errors import RunError
 from rlctl.launchers.pool.warm import Forker
 
+pytestmark = pytest.mark.process
+
 
 def test_a_forked_engine_logs_to_its_file_and_its_exit_code_comes_back(tmp_path):
     forker = Forker(tmp_path / "forker.log")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+
 import aiohttp
+import pytest
 
 from rlctl.data import Prompt
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
@@ -13,6 +15,8 @@ from rlctl.pipelines.scoring import PooledScorer, Score, inline_scorer
 from rlctl.recipe import RewardConfig
 from rlctl.rewards.verifiers import make_verifier
 from rlctl.rundir import RunClock
+
+pytestmark = pytest.mark.process
 
 SLOW_S = 0.3
 TICK_S = 0.01

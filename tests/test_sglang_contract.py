@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import torch
 
-from conftest import QUICKSTART, free_port, rlctl
+from conftest import QUICKSTART, free_port, rlctl_here
 from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
 from rlctl.engines.rollout.sglang import launch_command, speaks
@@ -72,7 +72,7 @@ def test_versions_the_adapter_speaks():
     ("rollout.builtin.tp_size=2 rollout.device=cuda", "rollout.builtin.tp_size"),
 ])
 def test_bad_sglang_settings_name_the_key(tmp_path, override, key):
-    res = rlctl("launch", str(QUICKSTART), *override.split(), f"run.output_dir={tmp_path}", cwd=tmp_path)
+    res = rlctl_here("launch", str(QUICKSTART), *override.split(), f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert res.returncode == 2 and f": {key}: " in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
@@ -103,6 +103,7 @@ def sync_calls(version_has_sessions: bool, updates: int) -> list[str]:
             *version, *end, "/continue_generation"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_every_request_is_one_sglang_takes(sglang, start_server, tiny_model_dir, tmp_path, version):
     from transformers import AutoModelForCausalLM
@@ -179,6 +180,7 @@ def assert_sglang_replies(src, path: str, status: int, kind: str, keys: frozense
     raise AssertionError(f"{path}: ({status}, {kind}, {sorted(keys)}) is not among SGLang {src.version}'s replies {shapes}")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_emulated_replies_are_sglangs(sglang, start_server, version):
     src = sglang(version)
@@ -239,6 +241,7 @@ def test_group_layout_is_sglangs(sglang, version):
     assert group_layout([1, 2, 1]) == (5, [1, 2, 4])
 
 
+@pytest.mark.process
 def test_sglang_reply_shapes_are_taken(start_server):
     """The client takes both of SGLang's control shapes and refuses on HTTP 400 or success: false."""
     url = start_server(0, "--emulate-sglang", "0.5.23")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, REPO, rlctl
+from conftest import FAST, QUICKSTART, REPO, rlctl, rlctl_here
 from rlctl.launchers.slurm import JobInfo, render_batch_script
 from rlctl.plan import slurm_plan
 from rlctl.recipe import load_recipe
@@ -161,16 +161,15 @@ def test_slurm_env_is_exported_quoted_and_never_on_a_command_line(tmp_path):
     assert res.stdout == f"{topo}|=mlx5_0:1,mlx5_1:1|", res.stderr
 
 
-@pytest.mark.process
 def test_cluster_recipe_dry_run_needs_no_model_here(tmp_path):
     """recipes/slurm-qwen3-1.7b.yaml names /shared paths that only the cluster holds; the job
     looks for them on its first node (test_a_model_missing_on_the_node_is_the_runs_exit_reason)."""
     env = {"PATH": os.path.dirname(os.sys.executable)}
-    res = rlctl("launch", str(REPO / "recipes" / "slurm-qwen3-1.7b.yaml"), "--dry-run", f"run.output_dir={tmp_path}",
+    res = rlctl_here("launch", str(REPO / "recipes" / "slurm-qwen3-1.7b.yaml"), "--dry-run", f"run.output_dir={tmp_path}",
                 cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
     assert "#SBATCH --gpus-per-node=8" in res.stdout and "rlctl_own_gpus 4" in res.stdout
-    res = rlctl("launch", str(QUICKSTART), "model.init=null", "model.path=/shared/models/Qwen3-1.7B",
+    res = rlctl_here("launch", str(QUICKSTART), "model.init=null", "model.path=/shared/models/Qwen3-1.7B",
                 f"run.output_dir={tmp_path}", cwd=tmp_path)  # launcher=local: the model must be here
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and ": model.path: " in res.stderr
 
@@ -229,7 +228,6 @@ def test_plan_places_servers_and_ranks_on_their_nodes():
         slurm_plan(r, ["t1", "t2"], ["r1", "r2", "r3"], 30000)
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("override, key", [
     ("slurm.time=soon", "slurm.time"),
     ("slurm.rollout.nodes=3", "slurm.rollout.nodes"),
@@ -249,18 +247,17 @@ def test_plan_places_servers_and_ranks_on_their_nodes():
     ("slurm.env.WANDB_API_KEY=abc", "slurm.env.WANDB_API_KEY"),
 ])
 def test_bad_slurm_settings_name_the_key(tmp_path, override, key):
-    res = rlctl("launch", str(QUICKSTART), "launcher=slurm", override, f"run.output_dir={tmp_path}", cwd=tmp_path)
+    res = rlctl_here("launch", str(QUICKSTART), "launcher=slurm", override, f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and f": {key}: " in lines[0], res.stderr
     assert not list(tmp_path.iterdir())  # no run directory
 
 
-@pytest.mark.process
 def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     # No Slurm commands on PATH at all: a dry run must not need them (nor write anything: test_dry_run.py).
     env = {"PATH": os.path.dirname(os.sys.executable)}
-    res = rlctl("launch", str(QUICKSTART), "launcher=slurm", "--dry-run", f"run.output_dir={tmp_path}", *FAST,
+    res = rlctl_here("launch", str(QUICKSTART), "launcher=slurm", "--dry-run", f"run.output_dir={tmp_path}", *FAST,
                 cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
     assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import QUICKSTART, rlctl
+from conftest import QUICKSTART, rlctl_here
 from test_slurm_render import render
 
 
@@ -25,10 +25,10 @@ def test_without_requeue_the_job_ends_at_its_time_limit(tmp_path):
     ("slurm.max_requeues=-1", "10", "slurm.max_requeues"),
 ])
 def test_a_warning_that_cannot_come_before_the_limit_is_refused(tmp_path, override, time, said):
-    res = rlctl("launch", str(QUICKSTART), "launcher=slurm", f"slurm.time={time}", override,
+    res = rlctl_here("launch", str(QUICKSTART), "launcher=slurm", f"slurm.time={time}", override,
                 f"run.output_dir={tmp_path}", "--dry-run", cwd=tmp_path)
     assert res.returncode == 2 and said in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    ok = rlctl("launch", str(QUICKSTART), "launcher=slurm", f"slurm.time={time}", override, "slurm.requeue=false",
+    ok = rlctl_here("launch", str(QUICKSTART), "launcher=slurm", f"slurm.time={time}", override, "slurm.requeue=false",
                f"run.output_dir={tmp_path}", "--dry-run", cwd=tmp_path)
     assert (ok.returncode == 0) == ("before the time limit" in said), ok.stderr
 

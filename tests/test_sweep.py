@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import FAST, QUICKSTART, rlctl
+from conftest import FAST, QUICKSTART, rlctl, rlctl_here
 from rlctl.errors import UsageError
 from rlctl.sweep import parse_grid, points, split_values
 
@@ -36,13 +36,13 @@ def test_a_bad_grid_is_refused(args, seeds, says):
 
 
 def test_a_bad_point_stops_the_sweep_before_anything_starts(tmp_path):
-    res = rlctl("sweep", str(QUICKSTART), "train.lr=1e-4,-1", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    res = rlctl_here("sweep", str(QUICKSTART), "train.lr=1e-4,-1", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "sweep point train.lr=-1" in res.stderr and "train.lr" in res.stderr
     assert not (tmp_path / "runs").exists()  # no run, no sweep record
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_local_sweep_of_two_values(tmp_path):
     """Two points run at once (--seeds multiplies the grid: test_the_grid_is_the_product_of_the_values_and_seeds)."""
     runs = tmp_path / "runs"
@@ -62,7 +62,7 @@ def test_a_local_sweep_of_two_values(tmp_path):
     assert len(comp["runs"]) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.slurm
 @pytest.mark.skipif(not __import__("os").environ.get("RLCTL_SLURM_TESTS"), reason="no Slurm test cluster")
 def test_a_slurm_sweep_is_one_job_per_point(tmp_path):
     """On the 3-node test cluster: every point is submitted at once as its own heterogeneous job,

@@ -53,6 +53,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.process
 def test_two_ranks_and_two_pieces_match_one_rank_in_one_piece(tiny_model_dir, tmp_path):
     single = TorchTrainEngine(str(tiny_model_dir), CONFIG, temperature=1.0, rank=0, world_size=1)
     before = {n: t.clone() for n, t in single.hf_weights()}

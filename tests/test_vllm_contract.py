@@ -150,6 +150,7 @@ def test_each_wheel_is_the_version_it_is_named(vllm, version):
     assert vllm_source.wheel(version).name.startswith(f"vllm-{version}-")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_the_routes_the_client_uses_exist_with_their_methods(vllm, version):
     used = {(method, path) for method, path, _, _ in drive_client(version)[0]}
@@ -187,6 +188,7 @@ def fits(value: object, annotation: str) -> bool:
     return any(name in annotation for name in names)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_the_completion_body_is_fields_of_completion_request(vllm, version):
     fields = vllm(version).class_fields(PROTOCOL, "CompletionRequest")
@@ -198,6 +200,7 @@ def test_the_completion_body_is_fields_of_completion_request(vllm, version):
     assert fields["logprobs"].annotation.startswith("int")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_the_weight_routes_take_their_bodies_as_embedded_keys(vllm, version):
     src = vllm(version)
@@ -208,6 +211,7 @@ def test_the_weight_routes_take_their_bodies_as_embedded_keys(vllm, version):
         assert set(sent_body(version, path)) == names
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_pause_takes_mode_abort_as_a_query_parameter(vllm, version):
     src = vllm(version)
@@ -218,6 +222,7 @@ def test_pause_takes_mode_abort_as_a_query_parameter(vllm, version):
     assert queries == [{"mode": ["abort"]}]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_update_and_init_info_are_nccl_engine_fields(vllm, version):
     src = vllm(version)
@@ -252,6 +257,7 @@ def test_the_replies_have_the_keys_the_client_reads(vllm, version):
     assert refusals and all((r.kind, r.keys) == ("json", {"error"}) for r in refusals)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_the_client_reads_vllms_replies(vllm, version):
     src = vllm(version)
@@ -271,6 +277,7 @@ def test_the_client_reads_vllms_replies(vllm, version):
     assert out.finish_reason == {"type": "stop"}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_the_engine_runs_a_prompt_under_the_id_the_client_aborts(vllm, version):
     src = vllm(version)

@@ -143,6 +143,7 @@ def run_ranks(*ranks) -> list:
     return results
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", vllm_source.SUPPORTED)
 def test_the_store_group_meets_vllms_whichever_side_hosts_it(version):
     Stateless = stateless_group_class(version)

@@ -47,6 +47,7 @@ async def sync(urls: list[str], weights, version: str, **sender_args) -> tuple:
         return sender, stats, sums, versions
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", SUPPORTED)
 def test_ipc_sync_is_bit_exact_and_no_weight_bytes_cross_http(sglang, start_server, tiny_model_dir, tmp_path, version):
     src = sglang(version)
@@ -68,6 +69,7 @@ def test_ipc_sync_is_bit_exact_and_no_weight_bytes_cross_http(sglang, start_serv
         assert sum(len(json.dumps(u)) for u in updates) < nbytes / 4  # handles and metadata, not the weights
 
 
+@pytest.mark.process
 def test_a_bf16_server_is_sent_bf16_and_holds_what_its_own_cast_makes(start_server, tiny_model_dir, tmp_path):
     """A float32 trainer and a bfloat16 server: the sender casts before the broadcast (half the
     bytes); the server ends with exactly the values its load would have cast to."""
@@ -91,6 +93,7 @@ class _Shell:
         return os.system, ("touch owned",)
 
 
+@pytest.mark.process
 def test_a_pickle_naming_other_code_is_refused(start_server, tmp_path):
     import base64
 

@@ -19,6 +19,8 @@ from rlctl.errors import RunError
 from sglang_bodies import check_body
 from test_sglang_contract import sync_calls
 
+pytestmark = pytest.mark.process
+
 VERSION = "0.5.23"
 
 
