@@ -16,7 +16,7 @@ from rlctl.metrics import chrome_trace
 from rlctl.rundir import RunDir
 from test_metrics import assert_slices_nest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def launch(tmp_path: Path, *overrides: str, detach: bool = False):
@@ -31,15 +31,22 @@ def only_run(tmp_path: Path) -> RunDir:
     return RunDir(path)
 
 
-def test_run_completes_and_fills_the_run_directory(tmp_path):
-    res = launch(tmp_path)
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory) -> tuple[object, RunDir]:
+    """One sync run of 4 steps, read by the tests that only look at what it left."""
+    tmp = tmp_path_factory.mktemp("sync-run")
+    res = launch(tmp, "run.steps=4")
     assert res.returncode == 0, res.stderr
-    rd = only_run(tmp_path)
+    return res, only_run(tmp)
+
+
+def test_run_completes_and_fills_the_run_directory(sync_run):
+    res, rd = sync_run
     assert res.stdout.strip() == rd.id
     # piped, the launch says each phase and step on a line of its own, none wider than 80 columns
     said = res.stderr.splitlines()
     assert said[1] == f"  in {rd.path}" and all(len(line) <= 80 for line in said[:1] + said[2:]), said
-    for words in ("servers starting", "step 3/3  reward", "completed", "optimizer steps"):
+    for words in ("servers starting", "step 4/4  reward", "completed", "optimizer steps"):
         assert any(words in line for line in said), (words, said)
     info = rd.read()
     assert info["state"] == "completed" and info["exit_reason"] == "all steps done" and info["ended"]
@@ -47,7 +54,7 @@ def test_run_completes_and_fills_the_run_directory(tmp_path):
     assert {"supervisor", "prepare", "rollout-0", "rollout-1", "trainer-0", "controller"} <= set(roles)
     assert roles["rollout-0"]["port"] != roles["rollout-1"]["port"]
     assert len({roles[r]["pid"] for r in roles}) == len(roles)  # every role its own process
-    assert "steps: 3" in rd.recipe_path.read_text()  # resolved recipe with the override
+    assert "steps: 4" in rd.recipe_path.read_text()  # resolved recipe with the override
     for role in ("rollout-0", "rollout-1", "trainer-0", "controller", "supervisor"):
         assert rd.log_path(role).is_file()
 
@@ -57,10 +64,10 @@ def test_run_completes_and_fills_the_run_directory(tmp_path):
             "train_start", "train_end", "sync_start", "sync_end", "step_end", "run_end"} <= kinds
     ts = [e["t"] for e in events if e["event"] not in ("server_up", "server_down", "run_end")]
     assert ts == sorted(ts)  # the controller's events are in monotonic order
-    assert sum(e["event"] == "group_completed" for e in events) == 3 * 8
+    assert sum(e["event"] == "group_completed" for e in events) == 4 * 8
 
     metrics = rd.metrics()
-    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     for key in ("reward_mean", "response_len_mean", "step_time", "rollout_time", "train_time", "sync_time",
                 "wait_time", "trainer_wait_ratio"):
         assert all(key in m for m in metrics), key
@@ -68,12 +75,11 @@ def test_run_completes_and_fills_the_run_directory(tmp_path):
     assert processes_mentioning(rd.id) == []
     trace = chrome_trace(events)["traceEvents"]  # what `rlctl trace` writes: every track drawable as a stack
     assert_slices_nest(trace)
-    assert sum(e["ph"] == "X" and e["pid"] == 1 for e in trace) == 3 * 8 * 4  # every sample's request
+    assert sum(e["ph"] == "X" and e["pid"] == 1 for e in trace) == 4 * 8 * 4  # every sample's request
 
 
-def test_sync_invariant_every_trained_sample_has_the_step_version(tmp_path):
-    assert launch(tmp_path, "run.steps=4").returncode == 0
-    events = only_run(tmp_path).events()
+def test_sync_invariant_every_trained_sample_has_the_step_version(sync_run):
+    events = sync_run[1].events()
     starts = {e["step"]: e["version"] for e in events if e["event"] == "step_start"}
     # Two train batches per step: the servers serve version 2k during step k.
     assert starts == {k: 2 * k for k in range(4)}

