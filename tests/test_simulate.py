@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import REPO, rlctl
+from conftest import QUICKSTART, REPO, rlctl_here
 from rlctl.recipe import load_recipe
 from rlctl.rundir import RunDir
 from rlctl.sim.run import simulate_run
@@ -37,19 +37,41 @@ def test_async_in_simulation_respects_staleness():
 
 
 def test_simulate_writes_a_run_directory(tmp_path):
-    res = rlctl("simulate", str(SIM), *SMALL, f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    res = rlctl_here("simulate", str(SIM), *SMALL, f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     run_id = res.stdout.strip().splitlines()[-1]
     rd = RunDir(tmp_path / "runs" / run_id)
     info = rd.read()
     assert info["state"] == "completed" and info["launcher"] == "simulate"
     assert [m["step"] for m in rd.metrics()] == [0, 1]
-    status = json.loads(rlctl("status", run_id, "--json", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path).stdout)
+    status = json.loads(rlctl_here("status", run_id, "--json", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path).stdout)
     assert status["state"] == "completed" and status["step"] == 2
 
 
+def test_a_simulation_is_listed_apart_and_never_found_for_its_recipes_name(tmp_path):
+    """`rlctl simulate recipe.yaml` names its run sim-<name>-...: `rlctl status` lists it (launcher
+    simulate), but `rlctl status NAME` finds the recipe's real runs, or none."""
+    from test_status import fake_run
+
+    runs = tmp_path / "runs"
+    res = rlctl_here("simulate", str(QUICKSTART), "run.steps=2", "--sim-defaults", f"run.output_dir={runs}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    sim_id = res.stdout.strip().splitlines()[-1]
+    assert sim_id.startswith("sim-quickstart-") and RunDir(runs / sim_id).read()["name"] == "sim-quickstart"
+    missing = rlctl_here("status", "quickstart", "--runs-dir", str(runs), cwd=tmp_path)
+    assert missing.returncode == 2 and "no run 'quickstart'" in missing.stderr  # not the simulation
+    real = fake_run(runs, "quickstart-20260101-000000-aaaa", "completed", 3, [0.5])  # older than the simulation
+    found = json.loads(rlctl_here("status", "quickstart", "--json", "--runs-dir", str(runs), cwd=tmp_path).stdout)
+    assert found["id"] == real.id
+    assert json.loads(rlctl_here("status", "sim-quickstart", "--json", "--runs-dir", str(runs), cwd=tmp_path).stdout)[
+        "id"] == sim_id
+    listed = rlctl_here("status", "--runs-dir", str(runs), cwd=tmp_path).stdout.splitlines()
+    assert [line.split()[:3] for line in listed[1:]] == [["quickstart-20260101-000000-aaaa", "sync", "local"],
+                                                        [sim_id, "sync", "simulate"]]
+
+
 def test_bad_sim_key_is_a_recipe_error(tmp_path):
-    res = rlctl("simulate", str(SIM), "sim.gpu=tpu", cwd=tmp_path)
+    res = rlctl_here("simulate", str(SIM), "sim.gpu=tpu", cwd=tmp_path)
     assert res.returncode == 2 and "sim.gpu" in res.stderr
 
 
@@ -101,16 +123,14 @@ def test_calibration_recovers_the_knobs_that_made_the_events(tiny_model_dir, mod
 
 def test_a_recipe_without_a_sim_section_is_refused_unless_defaults_are_asked_for(tmp_path):
     """The quickstart says nothing of a cluster: simulating it would silently price a 1.7B model."""
-    from conftest import QUICKSTART
-
-    res = rlctl("simulate", str(QUICKSTART), "run.steps=2", "--no-save", cwd=tmp_path)
+    res = rlctl_here("simulate", str(QUICKSTART), "run.steps=2", "--no-save", cwd=tmp_path)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
     assert "no sim: section" in res.stderr and "--sim-defaults" in res.stderr
-    res = rlctl("simulate", str(QUICKSTART), "run.steps=2", "--no-save", "--sim-defaults", cwd=tmp_path)
+    res = rlctl_here("simulate", str(QUICKSTART), "run.steps=2", "--no-save", "--sim-defaults", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "model 1.7B; h200 GPUs: 8 rollout (tp 1) + 8 trainer" in res.stdout
     assert "\n    the sim: defaults\n" in res.stdout
-    res = rlctl("simulate", str(QUICKSTART), "run.steps=2", "--no-save", "sim.params_b=7", cwd=tmp_path)
+    res = rlctl_here("simulate", str(QUICKSTART), "run.steps=2", "--no-save", "sim.params_b=7", cwd=tmp_path)
     assert res.returncode == 0 and "model 7B" in res.stdout and "overridden: sim.params_b" in res.stdout
     assert all(len(line) <= 80 for line in res.stdout.splitlines()[:6])
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from rich.console import Console
 
-from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
+from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, rlctl_here
 from rlctl.commands.status import render_detail, render_table
 from rlctl.rundir import RunDir, list_runs
 from rlctl.status import detail, summary
@@ -44,6 +44,7 @@ def test_table_at_width_80(tmp_path):
     )
 
 
+@pytest.mark.process
 def test_json_and_logs(tmp_path):
     rd = fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 100, [0.2, 0.7])
     res = rlctl("status", "--json", "--runs-dir", str(tmp_path), cwd=tmp_path)
@@ -90,12 +91,60 @@ def test_detail_shows_events_whatever_clock_wrote_them(tmp_path):
     assert "{" not in text.split("last events")[1]  # no Python dicts
 
 
-def test_status_says_where_it_looked_when_there_are_no_runs(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "rlctl", "status"], cwd=tmp_path, capture_output=True, text=True,
-                         env={**os.environ, "COLUMNS": "200"})
+def test_status_says_where_it_looked_when_there_are_no_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    res = rlctl_here("status", cwd=tmp_path)
     assert res.returncode == 0 and f"no runs in {tmp_path / 'runs'}" in res.stdout and "--runs-dir" in res.stdout
 
 
+def test_the_listing_piped_is_the_table_and_json_a_run_per_line(tmp_path):
+    """Piped, the rows go out whole as the table renders them; --json is a list with a run per
+    line (the same data as before, in a layout json writes fast at thousands of runs)."""
+    from rlctl.status import summaries
+
+    fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 100, [0.2, 0.7])
+    fake_run(tmp_path, "long-tail-20260101-000001-bbbb", "failed", 40, [])
+    res = rlctl_here("status", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout == render_table(summaries(tmp_path)).plain + "\n"
+    out = rlctl_here("status", "--json", "--runs-dir", str(tmp_path), cwd=tmp_path).stdout
+    assert json.loads(out) == json.loads(json.dumps(summaries(tmp_path), default=str))
+    assert [json.loads(line.rstrip(","))["id"] for line in out.splitlines()[1:-1]] == [
+        "long-tail-20260101-000001-bbbb", "quickstart-20260101-000000-aaaa"]
+
+
+def test_a_row_finds_the_last_metrics_record_behind_long_lines(tmp_path):
+    """A row reads the end of metrics.jsonl only; a last record longer than that window is still found."""
+    rd = fake_run(tmp_path, "big-20260101-000000-aaaa", "running", 10, [])
+    rd.metrics_path.write_text("".join(json.dumps({"step": i, "reward_mean": i / 10, "pad": "x" * 20_000}) + "\n"
+                                       for i in range(3)))
+    row = summary(rd)
+    assert (row["step"], row["reward"]) == (3, 0.2) and "problems" not in row
+
+
+def test_status_lists_the_sweeps_under_the_runs(tmp_path, monkeypatch):
+    """A sweep's record is hidden in .sweeps/ (never taken for a run); `rlctl status` lists each
+    sweep after the runs, with how many of its runs are in each state."""
+    from rlctl.sweep import Sweep
+
+    monkeypatch.setenv("COLUMNS", "300")
+    sw = Sweep.create(tmp_path, "quickstart", QUICKSTART, [("train.lr", ["1e-4", "3e-4"]), ("run.seed", ["0", "1"])],
+                      [], "local")
+    alone = rlctl_here("status", "--runs-dir", str(tmp_path), cwd=tmp_path).stdout
+    assert "no runs in" in alone and f"  {sw.id}  4 runs of {QUICKSTART} over train.lr, run.seed (4 not started)" in alone
+    done = fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 3, [0.5])
+    sw.set_run(0, done.id)
+    sw.set_run(1, "quickstart-20260101-000001-gone")
+    fake_run(tmp_path, "other-20260101-000002-bbbb", "failed", 3, [])
+    lines = rlctl_here("status", "--runs-dir", str(tmp_path), cwd=tmp_path).stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:3]] == ["other-20260101-000002-bbbb", done.id]
+    assert lines[3:] == ["sweeps (1; `rlctl status SWEEP` shows one):",
+                         f"  {sw.id}  4 runs of {QUICKSTART} over train.lr, run.seed "
+                         "(1 completed, 1 missing, 2 not started)"]
+    sw.path.write_text("{not json")
+    assert "unreadable: sweep " in rlctl_here("status", "--runs-dir", str(tmp_path), cwd=tmp_path).stdout
+
+
+@pytest.mark.e2e
 def test_ctrl_c_in_launch_cancels_the_run(tmp_path):
     # Ctrl-C as a terminal delivers it, however pytest was started: a shell starts background
     # jobs with SIGINT ignored, their children inherit that, and Python then leaves it ignored.
