@@ -27,7 +27,7 @@ if not os.environ.get("RLCTL_SLURM_TESTS"):
         raise RuntimeError("CI must run the Slurm tests: run scripts/run-tests.sh (it starts the test cluster)")
     pytest.skip("no Slurm test cluster (scripts/run-tests.sh starts one as root)", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slurm
 SLURM = ["launcher=slurm", "slurm.time=10:00", "slurm.health_timeout_s=120"]
 
 
@@ -188,14 +188,21 @@ def test_cancel_leaves_no_process_on_any_node_and_resume_submits_again(tmp_path)
 @contextlib.contextmanager
 def released_when_requeued(job_id: str):
     """Slurm holds a requeued job until a begin time about two minutes on (reason BeginTime); the
-    job's own requeue is what is tested, not that wait, so the test lets it start at once."""
+    job's own requeue is what is tested, not that wait, so the test lets it start early. Not in
+    the requeue's own second: slurmd revokes the old attempt's credential with a timestamp of whole
+    seconds, and a new attempt started within it is killed ("Job credential revoked")."""
     done = threading.Event()
     released: list[str] = []
+    held_since: list[float] = []
 
     def watch() -> None:
-        while not done.wait(2.0):
+        while not done.wait(1.0):
             out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True).stdout
-            if any(line.startswith("PENDING|BeginTime") for line in out.splitlines()):
+            if not any(line.startswith("PENDING|BeginTime") for line in out.splitlines()):
+                held_since.clear()
+                continue
+            held_since[:] = held_since or [time.monotonic()]
+            if time.monotonic() - held_since[0] >= 3.0:
                 res = subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True,
                                      text=True)
                 released.append(res.stderr.strip() or "ok")
@@ -209,28 +216,41 @@ def released_when_requeued(job_id: str):
         thread.join()
 
 
-@pytest.mark.timeout(900)
-def test_the_time_limit_checkpoints_and_requeues_until_the_run_completes(tmp_path):
-    """slurm.time=2 (minutes) with the warning 50 s before it: Slurm looks at time limits every
-    30 s and sends SIGUSR1 at its first look past 70 - 60 = 10 s... in practice 40-70 s into an
-    attempt, about 15 s of which go to starting. 100 steps of twice the quickstart's batch take
-    about 1.1 s each here (110 s), so a machine twice as fast still cannot fit them in one (100
-    steps of the quickstart's own batch once did). Each attempt checkpoints, the job requeues
-    itself (the same job id, Slurm's restart count up by one), and the next attempt resumes.
-    Slurm starts a requeued job again 2-3 minutes later: three attempts take about 9 minutes."""
-    steps = 100
-    rd = launch(tmp_path, f"run.steps={steps}", "rollout.batch_size=64", "slurm.time=2", "slurm.signal_before_s=50",
-                detach=True)
+@pytest.mark.timeout(600)
+def test_a_preempted_job_checkpoints_requeues_and_resumes_until_the_run_completes(tmp_path):
+    """Slurm's warning before a time limit is SIGUSR1 to the batch shell (#SBATCH --signal=B:USR1@N,
+    tests/test_slurm_render.py); `scancel --signal=USR1 --batch` sends that same signal now, so
+    the test preempts the job twice when it chooses instead of waiting out two time limits. Each
+    attempt checkpoints, the job requeues itself (the same job id, Slurm's restart count up by one),
+    and the next attempt resumes from the checkpoint; every step is trained once."""
+    steps = 24
+    rd = launch(tmp_path, f"run.steps={steps}", "rollout.batch_size=32", detach=True)
     job_id = rd.read()["slurm"]["job_id"]
+
+    def starts() -> list[dict]:
+        return [e for e in rd.events() if e["event"] == "run_start"]
+
+    def preempt_after(attempt: int, more_steps: int) -> None:
+        """Once attempt `attempt` has run `more_steps` steps of its own, warn its batch shell."""
+        def progressed():
+            if len(starts()) < attempt or rd.read()["state"] in ("completed", "failed", "cancelled"):
+                return False
+            return len(rd.metrics()) >= (starts()[-1].get("resumed_from") or 0) + more_steps
+        wait_for(progressed, 300, f"attempt {attempt} to run {more_steps} steps")
+        res = subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+
     with released_when_requeued(job_id):
-        wait_for(lambda: rd.read()["state"] in ("completed", "failed", "cancelled"), 720, "the run to end")
+        preempt_after(1, 4)
+        preempt_after(2, 4)
+        wait_for(lambda: rd.read()["state"] in ("completed", "failed", "cancelled"), 300, "the run to end")
     info = rd.read()
     assert info["state"] == "completed", info.get("exit_reason")
     attempts = status_json(tmp_path, rd.id)["attempts"]
-    assert len(attempts) >= 2, attempts
-    assert [a["slurm_job"] for a in attempts] == [job_id] * len(attempts)
-    assert [a["slurm_restart"] for a in attempts] == list(range(len(attempts)))
-    assert [a["state"] for a in attempts] == ["requeued"] * (len(attempts) - 1) + ["completed"]
+    assert len(attempts) == 3, attempts
+    assert [a["slurm_job"] for a in attempts] == [job_id] * 3
+    assert [a["slurm_restart"] for a in attempts] == [0, 1, 2]
+    assert [a["state"] for a in attempts] == ["requeued", "requeued", "completed"]
     resumed = [a["resumed_from"] for a in attempts]
     chain = resumed[1:] + [steps]  # each attempt starts past the one before, and the last ends the run
     assert resumed[0] is None and all(0 < a < b for a, b in zip(chain, chain[1:])), resumed
@@ -243,15 +263,12 @@ def test_the_time_limit_checkpoints_and_requeues_until_the_run_completes(tmp_pat
     assert [m["step"] for m in metrics] == list(range(steps))
     optimizer_steps = [sum(m["train_batches"] for m in metrics[:k]) for k in range(steps)]
     assert [m["weight_version_min"] for m in metrics] == optimizer_steps
-    first = sum(m["reward_mean"] for m in metrics[:5]) / 5
-    last = sum(m["reward_mean"] for m in metrics[-5:]) / 5
-    assert last > first + 0.08, (first, last)
 
     wait_for(lambda: squeue_state(job_id) == "COMPLETED", 60, "the job to be COMPLETED")
-    assert scontrol(job_id)["Restarts"] == str(len(attempts) - 1)
-    assert sorted(p.name for p in rd.logs.glob("attempt-*")) == [f"attempt-{i + 1}" for i in range(len(attempts))]
+    assert scontrol(job_id)["Restarts"] == "2"
+    assert sorted(p.name for p in rd.logs.glob("attempt-*")) == ["attempt-1", "attempt-2", "attempt-3"]
     shown = rlctl("status", rd.id, "--runs-dir", str(tmp_path), cwd=tmp_path)
-    assert shown.returncode == 0 and shown.stdout.count("requeued") >= len(attempts) - 1, shown.stdout
+    assert shown.returncode == 0 and shown.stdout.count("requeued") >= 2, shown.stdout
 
 
 def task_env(pid: int) -> dict[str, str]:

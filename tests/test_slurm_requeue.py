@@ -1,7 +1,7 @@
 """slurm.requeue without a cluster: the batch script's lines, the recipe's checks, and the job
 step that decides whether a job requeues itself (rlctl/launchers/slurm_job.py), on real run
 directories. The whole cycle on the test cluster is test_slurm_cluster.py's
-test_the_time_limit_checkpoints_and_requeues_until_the_run_completes."""
+test_a_preempted_job_checkpoints_requeues_and_resumes_until_the_run_completes."""
 
 from __future__ import annotations
 
