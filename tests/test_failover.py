@@ -39,18 +39,21 @@ def launch_detached(tmp_path: Path, *extra: str) -> RunDir:
     return RunDir(path)
 
 
-def busy(rd: RunDir, victim: str, loads: bool = True) -> None:
-    """Wait until a step after the first two is under way and the victim has requests running
-    (its /v1/loads, SGLang's; loads=False: a server speaking vLLM's protocol, which has none),
-    so that they must go to the other server."""
+def busy(rd: RunDir, victim: str, vllm: bool = False) -> None:
+    """Wait until a step after the first two is under way and the victim has requests running, so
+    that they must go to the other server: SGLang's /v1/loads, or for a server speaking vLLM's
+    protocol the scheduler gauge on its /metrics."""
     wait_for(lambda: any(e["event"] == "step_end" and e["step"] >= 1 for e in rd.events()), 240, "step 1 to end")
-    if not loads:
-        return
     port = rd.read()["processes"][victim]["port"]
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/loads", headers=bearer(read_token(rd.path)))
+    path = "/metrics" if vllm else "/v1/loads"
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=bearer(read_token(rd.path)))
+
     def running():
         with urllib.request.urlopen(request, timeout=5) as resp:
-            return json.load(resp)["num_running_reqs"] > 0
+            if not vllm:
+                return json.load(resp)["num_running_reqs"] > 0
+            gauge = [line for line in resp.read().decode().splitlines() if line.startswith("vllm:num_requests_running{")]
+            return float(gauge[0].rsplit(" ", 1)[1]) > 0
     wait_for(running, 60, f"{victim} to have requests running")
 
 
@@ -84,12 +87,12 @@ def test_a_killed_server_fails_over_and_rejoins(tmp_path, protocol):
     /shutdown_weight_transfer_engine and /init_weight_transfer_engine on a new port."""
     vllm = protocol == "vllm"
     rd = launch_detached(tmp_path, *(["rollout.builtin.emulate_vllm=0.34.0"] if vllm else []))
-    busy(rd, "rollout-1", loads=not vllm)
+    busy(rd, "rollout-1", vllm=vllm)
     os.kill(rd.read()["processes"]["rollout-1"]["pid"], signal.SIGKILL)
     wait_for(lambda: rd.read().get("state") in ("completed", "failed"), 300, "the run to end")
     events = check_invariants(rd, "rollout-1")
     lost = next(e for e in events if e["event"] == "server_lost")
-    assert "unreachable" in lost["reason"] and (vllm or lost["in_flight"] > 0)  # requests in flight went elsewhere
+    assert "unreachable" in lost["reason"] and lost["in_flight"] > 0, lost  # requests in flight went elsewhere
     rejoined = next(e for e in events if e["event"] == "server_rejoined")
     assert rejoined["version"] > 0
 

@@ -73,7 +73,7 @@ def test_generate_abort_and_pause_as_vllm(vllm_server):
             await c.pause_generation("abort")
             assert (await asyncio.wait_for(running, 30)).finish_reason["type"] == "abort"
             assert await c.is_paused()
-            async with s.post(url + "/v1/completions", json=completion_body([1, 2], SamplingRequest(), "raw", None),
+            async with s.post(url + "/v1/completions", json=completion_body([1, 2], SamplingRequest(max_new_tokens=2), "raw", None),
                               headers=c.headers) as refused:
                 assert refused.status == 503  # what the client's own retries below meet until /resume
             waiting = asyncio.create_task(c.generate([1, 2], SamplingRequest(max_new_tokens=2), "r4"))
