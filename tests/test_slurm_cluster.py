@@ -88,6 +88,8 @@ def test_run_spans_three_nodes_and_learns(tmp_path):
     assert [m["weight_version_min"] for m in metrics] == optimizer_steps
     assert [m["weight_version_max"] for m in metrics] == optimizer_steps
     assert all(m["sync_bytes"] > 0 for m in metrics)
+    # The bar sits below the seeds' spread: over seeds 0-2 of the quickstart (results/quickstart.json,
+    # scripts/bench_quickstart.py) the mean of steps 15-19 is 0.137-0.165 above that of steps 0-4.
     first = sum(m["reward_mean"] for m in metrics[:5]) / 5
     last = sum(m["reward_mean"] for m in metrics[-5:]) / 5
     assert last > first + 0.08, (first, last)

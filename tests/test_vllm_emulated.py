@@ -173,6 +173,8 @@ def test_quickstart_emulating_vllm_learns_with_every_sync_checked(tmp_path):
     rd = only_run(tmp_path)
     rewards = [m["reward_mean"] for m in rd.metrics()]
     assert len(rewards) == 40
+    # Below the seeds' spread: over seeds 0-2 of the quickstart (results/quickstart.json, written by
+    # scripts/bench_quickstart.py) steps 30-39 average 0.335-0.400 above steps 0-9.
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.2, (first, last)
     events = rd.events()
