@@ -152,7 +152,8 @@ def test_the_store_group_meets_vllms_whichever_side_hosts_it(version):
     def ours_host():
         g = StoreGroup.create("127.0.0.1", port, 0, 3, timeout_s=30)
         g.broadcast_obj({"unique_id": b"\x01" * 8}, src=0)  # where rank 0 publishes NCCL's unique id
-        return g.broadcast_obj(None, src=2)
+        # g kept: the store lives as long as its host, and rank 1 may read after rank 2 has written
+        return g, g.broadcast_obj(None, src=2)
 
     def theirs(rank):
         def join():
@@ -162,7 +163,7 @@ def test_the_store_group_meets_vllms_whichever_side_hosts_it(version):
                 g.broadcast_obj("from worker 2", src=2)
             return got
         return join
-    hosted, w1, w2 = run_ranks(ours_host, theirs(1), theirs(2))
+    (_, hosted), w1, w2 = run_ranks(ours_host, theirs(1), theirs(2))
     assert w1 == w2 == {"unique_id": b"\x01" * 8} and hosted == "from worker 2"
 
     port = free_port()
