@@ -18,6 +18,7 @@ import pytest
 
 import vllm_source
 from rlctl.engines.rollout.protocol import SamplingRequest
+from rlctl.engines.rollout.builtin.vllm_routes import SCHEDULER_GAUGES
 from rlctl.engines.rollout.vllm import DOOR, check_version, launch_command, launch_env
 from rlctl.engines.rollout.vllm_client import DEV_GETS
 from rlctl.engines.rollout.vllm_door import TokenDoor
@@ -63,6 +64,8 @@ INIT_INFO = "vllm/distributed/weight_transfer/nccl_common.py"
 MIDDLEWARE = "vllm/entrypoints/serve/middleware/"  # authenticate.py, register.py
 CLI_MAIN = "vllm/entrypoints/cli/main.py"
 CLI_SERVE = "vllm/entrypoints/cli/serve.py"
+LOGGERS = "vllm/v1/metrics/loggers.py"
+METRICS_ROUTE = "vllm/entrypoints/serve/instrumentator/metrics.py"
 SAMPLING = SamplingRequest(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=-1, stop_token_ids=[2], ignore_eos=False)
 
 
@@ -84,6 +87,23 @@ def test_check_version_speaks_the_supported_releases_only():
 def test_each_wheel_is_the_version_it_is_named(vllm, version):
     assert vllm(version).version == version
     assert vllm_source.wheel(version).name.startswith(f"vllm-{version}-")
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_emulated_metrics_are_vllms_scheduler_gauges(vllm, version):
+    """/metrics is mounted in every mode (instrumentator/metrics.py), and the two gauges the emulation
+    serves are declared in vLLM's loggers.py with these names and documentation strings."""
+    src = vllm(version)
+    mounts = [c for c in ast.walk(src.module(METRICS_ROUTE)) if isinstance(c, ast.Call)
+              and getattr(c.func, "id", None) == "Mount" and c.args and isinstance(c.args[0], ast.Constant)]
+    assert [c.args[0].value for c in mounts] == ["/metrics"]
+    declared = {}
+    for call in ast.walk(src.module(LOGGERS)):
+        kw = {k.arg: k.value for k in getattr(call, "keywords", []) if isinstance(k.value, ast.Constant)}
+        if isinstance(call, ast.Call) and "name" in kw and "documentation" in kw:
+            declared[kw["name"].value] = kw["documentation"].value
+    assert {name: declared.get(name) for name in SCHEDULER_GAUGES} == {
+        name: doc for name, (_, doc) in SCHEDULER_GAUGES.items()}
 
 
 @pytest.mark.parametrize("version", SUPPORTED)

@@ -92,6 +92,14 @@ def completion_reply(req: Request, body: dict[str, Any], request_id: str, curren
             "model": body.get("model") or "", "choices": [choice], "usage": usage, "system_fingerprint": None}
 
 
+SCHEDULER_GAUGES = {
+    "vllm:num_requests_running": ("num_running_reqs", "Number of requests in model execution batches."),
+    "vllm:num_requests_waiting": ("num_waiting_reqs", "Number of requests waiting to be processed."),
+}
+"""The two of vLLM's Prometheus gauges the emulation serves on /metrics (name -> the engine's load
+key, vLLM's documentation string); tests/test_vllm_contract.py reads them from vLLM's loggers.py."""
+
+
 class VllmRoutes:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -126,11 +134,8 @@ class VllmRoutes:
         engine = self.state.engine
         load = engine.load() if engine is not None else {"num_running_reqs": 0, "num_waiting_reqs": 0}
         labels = f'engine="0",model_name="{self.state.args.model_path}"'
-        text = "".join(
-            f"# HELP vllm:{name} {doc}\n# TYPE vllm:{name} gauge\nvllm:{name}{{{labels}}} {float(load[key])}\n"
-            for name, key, doc in (
-                ("num_requests_running", "num_running_reqs", "Number of requests in model execution batches."),
-                ("num_requests_waiting", "num_waiting_reqs", "Number of requests waiting to be processed.")))
+        text = "".join(f"# HELP {name} {doc}\n# TYPE {name} gauge\n{name}{{{labels}}} {float(load[key])}\n"
+                       for name, (key, doc) in SCHEDULER_GAUGES.items())
         return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # -- generation ----------------------------------------------------------------------------
