@@ -85,7 +85,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             failover = FailoverTrainer(trainer, watch, weight_group_former(trainer, recipe, plan))
             trainer = failover
             if recipe.pipeline.check_weights:
-                trainer = CheckedTrainer(failover, failover.synced, recorder.emit, clock)
+                trainer = CheckedTrainer(failover, failover.synced, recorder.emit, clock, watch.lose_silent)
             if recipe.launcher is Launcher.POOL:
                 pooled_trainer.inner, trainer = trainer, pooled_trainer
             state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
@@ -111,9 +111,12 @@ class CheckedTrainer:
     """pipeline.check_weights: after every weight sync, the sha256 of every tensor on each server
     must equal the trainer's (built-in servers; slow, for tests and debugging)."""
 
-    def __init__(self, trainer: Any, clients: Callable[[], list[RolloutClient]], emit: EventSink, clock: Clock) -> None:
+    def __init__(self, trainer: Any, clients: Callable[[], list[RolloutClient]], emit: EventSink, clock: Clock,
+                 lose_silent: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
         self.trainer, self.clients, self.emit, self.clock = trainer, clients, emit, clock
         """clients(): the servers the syncs now go to (failover takes lost ones out)."""
+        self.lose_silent = lose_silent
+        """Loses those of the named servers that no longer answer /health (ServerWatch.lose_silent)."""
 
     async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self.trainer.accumulate(samples)
@@ -132,18 +135,26 @@ class CheckedTrainer:
 
         stats = await self.trainer.sync_weights(version, pause_mode)
         want = (await self.trainer.weight_checksums())["checksums"]
-        clients = self.clients()
+        clients, checked = self.clients(), 0
         for c in clients:
             try:
                 got = await c.weight_checksums()
-            except (aiohttp.ClientError, OSError) as e:  # gone since the sync: failover syncs again without it
-                raise RunError(f"{c.url} did not answer the weight check after the sync to version {version}: {e}") from None
+            except (aiohttp.ClientError, OSError) as e:
+                # Gone since the sync (killed, crashed): it is lost like any dead server, and the
+                # sync that brings it back checks it. One that still answers /health but not this
+                # is a failed check.
+                if self.lose_silent is not None:
+                    await self.lose_silent([c.name])
+                if c.name in [s.name for s in self.clients()]:
+                    raise RunError(f"{c.url} did not answer the weight check after the sync to version {version}: {e}") from None
+                continue
             for rank, sums in enumerate([got["checksums"], *got.get("tp_ranks", [])]):
                 wrong = [n for n, h in want.items() if sums.get(n) != h]
                 if wrong:
                     raise RunError(f"after the sync to version {version}, {c.url} (TP rank {rank}) differs from the "
                                    f"trainer in {len(wrong)} of {len(want)} tensors (first: {wrong[0]})")
-        self.emit("weights_checked", self.clock.now(), version=version, tensors=len(want), servers=len(clients))
+            checked += 1
+        self.emit("weights_checked", self.clock.now(), version=version, tensors=len(want), servers=checked)
         return stats
 
 
