@@ -18,8 +18,9 @@ it as is, so the keys below are stable:
 
 A run whose run.json cannot be read is left out (and listed under `unreadable`); one whose
 recipe.yaml or metrics.jsonl is damaged stays in, with `problems` in its `runs` entry saying what
-was skipped. Lines of metrics.jsonl that are not JSON objects, steps that are not integers and
-values that are not finite numbers are skipped.
+was skipped. Lines of metrics.jsonl that are not JSON objects (or longer than 1 MiB), steps that
+are not integers and values that are not finite numbers are skipped; metrics.jsonl is read line by
+line, and only the fields compare shows are kept (KEPT).
 
 Requeued or resumed runs can write a step twice: the last record of a step wins.
 
@@ -65,15 +66,39 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def metrics_by_step(rd: RunDir) -> list[dict[str, Any]]:
-    """metrics.jsonl with one record per step, the last written winning, in step order (records
-    whose step is not an integer >= 0 are skipped). UnreadableRun if it cannot be read at all."""
+MAX_METRICS_LINE = 1 << 20
+"""A line of metrics.jsonl longer than this (1 MiB; a record is about 1 KiB) is skipped unread."""
+KEPT = frozenset({"step", "samples", "samples_total", "tokens_total", "optimizer_steps", "train_batches",
+                  "elapsed_s", "groups", "groups_dropped_by_reason", *QUALITY, *TIME})
+"""The fields of a metrics record that compare reads (the tables, the alignment, --group-by, --plot)."""
+
+
+def read_metrics(rd: RunDir) -> tuple[list[dict[str, Any]], int]:
+    """metrics.jsonl with one record per step, the last written winning, in step order, each cut
+    to the fields compare reads (KEPT); and how many lines were skipped: not JSON objects, or
+    longer than MAX_METRICS_LINE. Streamed line by line, so a file of gigabytes costs the records
+    kept, not the file (records whose step is not an integer >= 0 are left out). UnreadableRun if
+    it cannot be read at all."""
+    from rlctl.tail import describe_open_error, stream_jsonl
+
     by_step: dict[int, dict[str, Any]] = {}
-    for m in rd.metrics():
-        step = m.get("step")
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            by_step[step] = m
-    return [by_step[k] for k in sorted(by_step)]
+    bad = 0
+    try:
+        for m in stream_jsonl(rd.metrics_path, MAX_METRICS_LINE):
+            if m is None:
+                bad += 1
+                continue
+            step = m.get("step")
+            if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+                by_step[step] = {k: v for k, v in m.items() if k in KEPT}
+    except OSError as e:
+        raise UnreadableRun(rd.id, describe_open_error("metrics.jsonl", rd.metrics_path, e)) from None
+    return [by_step[k] for k in sorted(by_step)], bad
+
+
+def metrics_by_step(rd: RunDir) -> list[dict[str, Any]]:
+    """read_metrics' records."""
+    return read_metrics(rd)[0]
 
 
 def finite(value: Any) -> bool:
@@ -140,9 +165,12 @@ def load_run(rd: RunDir) -> dict[str, Any]:
     config, why = _recipe_config(rd)
     problems = [why] if why else []
     try:
-        metrics = metrics_by_step(rd)
+        metrics, bad = read_metrics(rd)
     except UnreadableRun as e:
-        metrics, problems = [], [*problems, e.why]
+        metrics, bad, problems = [], 0, [*problems, e.why]
+    if bad:
+        problems.append(f"metrics.jsonl: {bad} line{'s' if bad > 1 else ''} skipped (not JSON objects, or "
+                        f"longer than {MAX_METRICS_LINE >> 20} MiB)")
     return {"rd": rd, "info": info, "config": config, "metrics": metrics, "problems": problems}
 
 

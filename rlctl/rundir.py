@@ -27,7 +27,6 @@ import enum
 import fcntl
 import json
 import os
-import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from collections.abc import Callable, Iterator
 
 from rlctl.errors import RunError, UsageError
 from rlctl.runcheck import info_problem, one_line
+from rlctl.runid import RUN_ID, make_run_path, new_run_id  # noqa: F401 - new_run_id: rlctl launch --dry-run
 from rlctl.tail import describe_open_error, read_jsonl_counted, read_regular
 
 SCHEMA_VERSION = 1
@@ -61,13 +61,6 @@ _STATES = tuple(s.value for s in RunState)
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-def new_run_id(name: str) -> str:
-    import secrets
-
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return f"{name}-{stamp}-{secrets.token_hex(2)}"
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -154,8 +147,6 @@ class UnreadableRun(RunError):
 
 MAX_RUN_JSON = 16 << 20
 """A run.json larger than this (16 MiB; a real one is a few KiB) is not read."""
-RUN_ID = re.compile(r"^[^/]+-\d{8}-\d{6}-[0-9a-f]{4}$")
-"""What new_run_id makes: `<name>-<date>-<time>-<suffix>`."""
 SIMULATION_PREFIX = "sim-"
 """Before the name of a simulation's run (`rlctl simulate`): sim-quickstart-... is listed with the
 runs, but `rlctl status quickstart` (a name, or the start of an id) finds only the real runs."""
@@ -326,9 +317,7 @@ def create_run_dir(output_dir: Path, name: str, recipe_yaml: str, info: dict[str
     from rlctl.door import create_token
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    run_id = new_run_id(name)
-    path = output_dir / run_id
-    path.mkdir(mode=0o700)
+    run_id, path = make_run_path(output_dir, name)  # rlctl/runid.py: never another run's directory
     path.chmod(0o750 if shared_group else 0o700)  # exactly, whatever the umask
     create_token(path)
     (path / "logs").mkdir()
@@ -375,9 +364,12 @@ def find_run(ref: str, output_dir: Path) -> RunDir:
         return RunDir(as_path)
     if ref and is_run_entry(output_dir / ref):
         return RunDir(output_dir / ref)
+    if as_path.is_absolute():  # a path, and not a run's: no id or name begins with /
+        raise UsageError(f"{one_line(ref)} is not a run directory (no run.json in it); give a run's directory, "
+                         "id or name (`rlctl status` lists the runs)")
     try:
         candidates = sorted((p for p in output_dir.glob(f"{ref}*") if is_run_entry(p)), key=lambda p: p.name)
-    except (OSError, ValueError):  # a pattern glob cannot take
+    except (OSError, ValueError, NotImplementedError):  # a pattern glob cannot take
         candidates = []
     if not candidates:
         raise UsageError(f"no run '{one_line(ref)}' in {output_dir}; `rlctl status` lists the runs")

@@ -24,10 +24,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rlctl.errors import UsageError
+from rlctl.errors import RunError, UsageError
 from rlctl.rundir import RunDir, RunState
 
 SWEEPS = ".sweeps"
+MAX_RECORD = 16 << 20
+"""A sweep's record larger than this (16 MiB; a 1,000-point grid's is about 200 KiB) is not read."""
 MAX_POINTS = 1000
 """A grid larger than this is a typo (a value list pasted twice), not a sweep."""
 
@@ -80,6 +82,11 @@ def points(grid: list[tuple[str, list[str]]]) -> list[dict[str, str]]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in grid))]
 
 
+class UnreadableSweep(RunError):
+    """A sweep whose record cannot be read: `rlctl status` lists it as unreadable and goes on; a
+    command naming it prints one line and exits 1, as for an unreadable run."""
+
+
 class Sweep:
     """The sweep's record, OUTPUT_DIR/.sweeps/ID.json, written whole each time (a rename)."""
 
@@ -96,19 +103,45 @@ class Sweep:
                fixed: list[str], launcher: str) -> Sweep:
         import secrets
 
-        sweep_id = f"sweep-{name}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
-        sweep = cls(output_dir / SWEEPS / f"{sweep_id}.json")
-        sweep.path.parent.mkdir(parents=True, exist_ok=True)
+        (output_dir / SWEEPS).mkdir(parents=True, exist_ok=True)
+        for _ in range(64):  # claimed with O_EXCL: two sweeps started in one second never share a record
+            sweep_id = f"sweep-{name}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(4)}"
+            sweep = cls(output_dir / SWEEPS / f"{sweep_id}.json")
+            try:
+                os.close(os.open(sweep.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise RunError(f"{output_dir / SWEEPS}: no new sweep record after 64 tries; check the directory")
         sweep.write({"id": sweep_id, "recipe": str(recipe), "launcher": launcher, "created": datetime.now().isoformat(),
                      "grid": {k: v for k, v in grid}, "fixed": fixed,
                      "points": [{"values": p, "run": None} for p in points(grid)]})
         return sweep
 
     def read(self) -> dict[str, Any]:
+        """The record, checked to hold what the readers use (record_problem); UnreadableSweep saying
+        why when it is missing, not a regular file, over MAX_RECORD bytes, not JSON (nested too
+        deep, `null`) or not a sweep's record."""
+        from rlctl.runcheck import one_line
+        from rlctl.tail import describe_open_error, read_regular
+
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError) as e:
-            raise UsageError(f"sweep {self.id}: {self.path} cannot be read ({e})") from None
+            raw = read_regular(self.path, MAX_RECORD)
+            if raw is None:
+                raise ValueError(f"larger than {MAX_RECORD >> 20} MiB")
+            data = json.loads(raw.decode())
+        except OSError as e:
+            why = describe_open_error(self.path.name, self.path, e)
+        except RecursionError:
+            why = "nested too deep to be a sweep's record"
+        except ValueError as e:  # not UTF-8, not JSON
+            why = one_line(str(e), 80)
+        else:
+            why = record_problem(data)
+            if why is None:
+                return data
+        raise UnreadableSweep(f"sweep {one_line(self.id, 120)}: {self.path} cannot be read ({why})")
 
     def write(self, data: dict[str, Any]) -> None:
         partial = self.path.with_suffix(f".partial-{os.getpid()}")
@@ -124,6 +157,24 @@ class Sweep:
         return [RunDir(self.output_dir / p["run"]) for p in self.read()["points"] if p["run"]]
 
 
+def record_problem(data: Any) -> str | None:
+    """What a sweep's record lacks of what its readers use, or None: an object with its id and
+    recipe (strings), the grid and fixed overrides, and points, each with its values and its run
+    (a run id, or null before it starts)."""
+    if not isinstance(data, dict):
+        return "it is not a JSON object"
+    for key, kind in (("id", str), ("recipe", str), ("grid", dict), ("fixed", list), ("points", list)):
+        if not isinstance(data.get(key), kind):
+            return f"no {key} ({kind.__name__})"
+    for i, p in enumerate(data["points"]):
+        run = p.get("run") if isinstance(p, dict) else None
+        if not isinstance(p, dict) or not isinstance(p.get("values"), dict):
+            return f"point {i} has no values"
+        if run is not None and (not isinstance(run, str) or not run.strip(".") or "/" in run or "\0" in run):
+            return f"point {i}'s run is not a run id"
+    return None
+
+
 def overrides_of(data: dict[str, Any], index: int) -> list[str]:
     """The overrides of point `index`: the sweep's fixed ones, then the point's values."""
     return [*data["fixed"], *(f"{k}={v}" for k, v in data["points"][index]["values"].items())]
@@ -132,7 +183,7 @@ def overrides_of(data: dict[str, Any], index: int) -> list[str]:
 def find_sweep(ref: str, output_dir: Path) -> Sweep | None:
     """A sweep by id or unique id prefix in output_dir; None when `ref` names none."""
     folder = output_dir / SWEEPS
-    if not ref.startswith("sweep-") or not folder.is_dir():
+    if not ref.startswith("sweep-") or "/" in ref or not folder.is_dir():
         return None
     exact = folder / f"{ref}.json"
     if exact.is_file():

@@ -14,6 +14,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 TAIL_CAP = 16 << 20
@@ -134,6 +135,38 @@ def read_jsonl_counted(path: Path) -> tuple[list[dict[str, Any]], int]:
             bad += 1
     record = parse_record(last) if last.strip() else None
     return out + ([record] if record is not None else []), bad
+
+
+def stream_jsonl(path: Path, max_line: int, chunk: int = 1 << 16) -> Iterator[dict[str, Any] | None]:
+    """Each line of a JSONL file in order, read a chunk at a time: its record, or None for a line
+    that is not a JSON object or is longer than `max_line` bytes (skipped as it is read, never
+    held whole: memory stays under max_line + chunk, whatever the file's size). Blank lines are
+    passed over; the last line, when it has no newline yet, is being written and is given only if
+    it is a record (as read_jsonl_counted). A missing file has no lines; one that cannot be read
+    (a FIFO, a directory) raises OSError."""
+    try:
+        f = open_regular(path)
+    except FileNotFoundError:
+        return
+    with f:
+        line, too_long = bytearray(), False
+        while data := f.read(chunk):
+            start = 0
+            while (end := data.find(b"\n", start)) >= 0:
+                if too_long or len(line) + end - start > max_line:
+                    yield None
+                else:
+                    line += data[start:end]
+                    if line.strip():
+                        yield parse_record(bytes(line))
+                line, too_long, start = bytearray(), False, end + 1
+            if not too_long:
+                line += data[start:]
+                if len(line) > max_line:
+                    line, too_long = bytearray(), True
+        record = parse_record(bytes(line)) if line.strip() and not too_long else None
+        if record is not None:
+            yield record
 
 
 def jsonl_tail(path: Path, n: int, max_bytes: int = 65536) -> tuple[list[dict[str, Any]], list[str]]:

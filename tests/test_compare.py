@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import FAST, QUICKSTART, REPO, rlctl, rlctl_here
-from rlctl.compare import bootstrap_ci, comparison, failing, sparkline
+from rlctl.compare import bootstrap_ci, comparison, failing, metrics_by_step, sparkline
 from rlctl.rundir import RunDir
 
 GOLDEN = REPO / "tests" / "golden" / "compare"
@@ -180,6 +180,30 @@ def test_unknown_run_failed_run_and_group_by(tmp_path):
     assert "fewer than 3 runs" in text and "D failed: rollout-1 (pid 7) was killed by SIGKILL" in text
     res = rlctl("compare", runs[0].id, runs[1].id, "--group-by", "pipeline.nope", "--runs-dir", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 2
+
+
+def test_metrics_are_read_a_line_at_a_time_and_a_line_over_1_mib_is_skipped(tmp_path):
+    """A metrics.jsonl of gigabytes costs compare the fields it shows, not the file: records are
+    streamed and cut to those fields, and a line over 1 MiB is skipped unread, counted as damage."""
+    import tracemalloc
+
+    pad = "x" * 10_000  # fields compare never shows: 20 MB of them over the run
+    steps = [{"step": i, "reward_mean": 0.5, "step_time": 1.0, "samples": 512, "pad": pad} for i in range(2000)]
+    big = make_run(tmp_path, "big-20261129-100000-cccc", base_recipe("sync"), [0.1], extra_steps=steps)
+    with big.metrics_path.open("a") as f:
+        f.write(json.dumps({"step": 2000, "reward_mean": 0.9, "pad": "y" * (2 << 20)}) + "\n")  # 2 MiB, one line
+    small = make_run(tmp_path, "small-20261129-100000-dddd", base_recipe("sync"), [0.2, 0.3])
+    tracemalloc.start()
+    try:
+        comp = comparison([small, big])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert big.metrics_path.stat().st_size > 20 << 20 and peak < 8 << 20, peak  # the file, whole, is 21 MiB
+    (_, row) = comp["runs"]
+    assert row["steps"] == 2000 and row["problems"] == ["metrics.jsonl: 1 line skipped (not JSON objects, or longer "
+                                                       "than 1 MiB)"]
+    assert [m["step"] for m in metrics_by_step(big)][-1] == 1999 and "pad" not in metrics_by_step(big)[-1]
 
 
 def test_helpers():

@@ -245,6 +245,10 @@ def test_plan_places_servers_and_ranks_on_their_nodes():
     ("slurm.env.SLURM_CPUS_PER_TASK=4", "slurm.env.SLURM_CPUS_PER_TASK"),
     ("slurm.env.HF_TOKEN=hf_abc", "slurm.env.HF_TOKEN"),  # a secret: the shell's environment, not the recipe
     ("slurm.env.WANDB_API_KEY=abc", "slurm.env.WANDB_API_KEY"),
+    ("slurm.env.GH_PAT=ghp_abc", "slurm.env.GH_PAT"),
+    ("slurm.sbatch_args=[-o/tmp/x]", "slurm.sbatch_args[0]"),  # -o with its value attached
+    ("slurm.sbatch_args=['--output /tmp/x']", "slurm.sbatch_args[0]"),
+    ("slurm.sbatch_args=[--exclusive, -N5]", "slurm.sbatch_args[1]"),
 ])
 def test_bad_slurm_settings_name_the_key(tmp_path, override, key):
     res = rlctl_here("launch", str(QUICKSTART), "launcher=slurm", override, f"run.output_dir={tmp_path}", cwd=tmp_path)

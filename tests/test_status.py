@@ -144,6 +144,45 @@ def test_status_lists_the_sweeps_under_the_runs(tmp_path, monkeypatch):
     assert "unreadable: sweep " in rlctl_here("status", "--runs-dir", str(tmp_path), cwd=tmp_path).stdout
 
 
+@pytest.mark.parametrize("command", ["status", "logs", "trace", "cancel"])
+@pytest.mark.parametrize("path", ["/etc", "/", "/no/such/dir"])
+def test_an_absolute_path_that_is_not_a_run_is_one_line_and_exit_2(tmp_path, command, path):
+    fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 3, [0.5])
+    args = [command, path] + (["-o", str(tmp_path / "t.json")] if command == "trace" else [])
+    res = rlctl_here(*args, "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [f"error: {path} is not a run directory (no run.json in it); give a "
+                                               "run's directory, id or name (`rlctl status` lists the runs)"]
+
+
+@pytest.mark.parametrize("record,why", [
+    (b"null", "it is not a JSON object"),
+    (b"[" * 100_000, "nested too deep to be a sweep's record"),
+    (b'{"id": "s", "recipe": "r.yaml", "grid": {}, "fixed": [], "points": [{"values": {}, "run": "../../etc"}]}',
+     "point 0's run is not a run id"),
+    (b'{"id": "s", "recipe": "r.yaml", "grid": {"x": [1, 2]}, "fixed": [], "points": [7]}', "point 0 has no values"),
+    (b"\xff\xfe{}", "'utf-8' codec can't decode byte 0xff"),
+], ids=["null", "100k-deep", "run-id-a-path", "point-not-an-object", "not-utf8"])
+def test_a_damaged_sweep_record_is_listed_unreadable_and_the_runs_still_show(tmp_path, monkeypatch, record, why):
+    monkeypatch.setenv("COLUMNS", "400")
+    done = fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 3, [0.5])
+    (tmp_path / ".sweeps").mkdir()
+    bad = tmp_path / ".sweeps" / "sweep-q-20260101-000000-0000aaaa.json"
+    bad.write_bytes(record)
+    listed = rlctl_here("status", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr[-2000:]
+    lines = listed.stdout.splitlines()
+    assert lines[1].split()[:4] == [done.id, "sync", "local", "completed"]
+    assert lines[-1].startswith("  sweep-q-20260101-000000-0000aaaa  unreadable: sweep sweep-q-20260101-000000-0000aaaa: "
+                                f"{bad} cannot be read ({why[:15]}"), lines[-1]  # cut to the listing's width
+    named = rlctl_here("status", "sweep-q", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    (line,) = named.stderr.strip().splitlines()
+    assert named.returncode == 1 and line.startswith(f"error: sweep sweep-q-20260101-000000-0000aaaa: {bad} cannot be "
+                                                     f"read ({why}"), line
+    compared = rlctl_here("compare", "sweep-q", "--runs-dir", str(tmp_path), cwd=tmp_path)
+    assert compared.returncode == 1 and len(compared.stderr.strip().splitlines()) == 1, compared.stderr[-2000:]
+
+
 @pytest.mark.e2e
 def test_ctrl_c_in_launch_cancels_the_run(tmp_path):
     # Ctrl-C as a terminal delivers it, however pytest was started: a shell starts background

@@ -186,9 +186,9 @@ def test_vllm_builds_a_middleware_class_from_the_app_alone(vllm, version):
     assert getattr(importlib.import_module(module), name) is TokenDoor
 
 
-def knock(path: str, headers: list | None = None) -> tuple[int, bool]:
-    """(status, whether the app was reached) of a POST to path through a TokenDoor that vLLM
-    would build: TokenDoor(app), the token from VLLM_API_KEY."""
+def knock(path: str, headers: list | None = None, method: str = "POST") -> tuple[int, bool]:
+    """(status, whether the app was reached) of a request (a POST) to path through a TokenDoor that
+    vLLM would build: TokenDoor(app), the token from VLLM_API_KEY."""
     reached, sent = [], []
 
     async def app(scope, receive, send):
@@ -201,7 +201,7 @@ def knock(path: str, headers: list | None = None) -> tuple[int, bool]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": headers or []}
+    scope = {"type": "http", "method": method, "path": path, "headers": headers or []}
     asyncio.run(TokenDoor(app)(scope, receive, send))
     return next(m["status"] for m in sent if m["type"] == "http.response.start"), bool(reached)
 
@@ -217,6 +217,28 @@ def test_token_door_asks_every_route_but_health_for_the_token(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY")
     with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
         knock("/health")
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_vllms_own_key_check_lets_options_through_so_the_door_asks_it(vllm, version):
+    """vLLM's AuthenticationMiddleware passes every OPTIONS request on unasked (for CORS
+    preflights), and /metrics is a mount (prometheus' app answers any method): TokenDoor is what
+    keeps an OPTIONS request from reaching them without the token."""
+    call = vllm(version).function(MIDDLEWARE + "authenticate.py", "__call__", "AuthenticationMiddleware")
+    skips = [n for n in ast.walk(call) if isinstance(n, ast.If) and "scope.get('method') == 'OPTIONS'" in ast.unparse(n.test)]
+    assert skips and all(isinstance(n.body[0], ast.Return) for n in skips)
+    assert "Mount('/metrics'" in ast.unparse(vllm(version).module(METRICS_ROUTE))
+
+
+def test_token_door_asks_options_and_every_method_but_for_health(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    for method in ("OPTIONS", "GET", "HEAD", "PUT", "DELETE"):
+        assert knock("/metrics", method=method) == (401, False), method
+        assert knock("/pause", method=method) == (401, False), method
+    assert knock("/v1/completions", [(b"origin", b"http://x"), (b"access-control-request-method", b"POST")],
+                 method="OPTIONS") == (401, False)  # a preflight too
+    assert knock("/metrics", [(b"authorization", b"Bearer secret")], method="OPTIONS") == (200, True)
+    assert knock("/health", method="OPTIONS") == (200, True)
 
 
 @pytest.mark.parametrize("version", SUPPORTED)

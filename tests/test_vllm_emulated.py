@@ -239,6 +239,47 @@ def test_vllm_settings_are_checked_with_the_key_named(tmp_path):
     assert res.returncode == 2 and ": train.device: " in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("method,path,authorization,passes", [
+    ("OPTIONS", "/metrics", None, False),
+    ("OPTIONS", "/pause", None, False),
+    ("OPTIONS", "/v1/completions", None, False),
+    ("GET", "/metrics", None, False),  # SGLang leaves /metrics open; a run's vLLM servers do not
+    ("POST", "/pause", "Bearer wrong", False),
+    ("POST", "/pause", "Basic secret", False),
+    ("OPTIONS", "/pause", "Bearer secret", True),  # then the router answers 405: no route data
+    ("GET", "/metrics", "Bearer secret", True),
+    ("OPTIONS", "/health", None, True),
+    ("GET", "/health", None, True),
+])
+def test_the_emulation_refuses_what_a_runs_vllm_server_refuses(tmp_path, method, path, authorization, passes):
+    """The built-in server emulating vLLM is guarded by the door a run puts in front of vLLM
+    (TokenDoor): every route but /health, OPTIONS included, asks for the token, and a refused
+    request reaches no handler; 401 for a wrong token as for none, as vLLM answers."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
+    from rlctl.engines.rollout.vllm_door import TokenDoor
+
+    (tmp_path / "token").write_text("secret\n")
+    args = parser().parse_args(["--model-path", str(tmp_path), "--emulate-vllm", VERSION,
+                                "--api-key-file", str(tmp_path / "token")])
+    door = BuiltinServer(args).app().middlewares[0]
+    reached = []
+
+    async def handler(request):
+        reached.append(request.path)
+        return web.Response(status=200)
+
+    headers = {"Authorization": authorization} if authorization else {}
+    response = asyncio.run(door(make_mocked_request(method, path, headers=headers), handler))
+    assert (response.status, bool(reached)) == ((200, True) if passes else (401, False))
+    if not passes:
+        assert json.loads(response.body) == {"error": "Unauthorized"}
+    scope = {"method": method, "path": path, "headers": [(b"authorization", authorization.encode())] if authorization else []}
+    assert TokenDoor(None, "secret").allowed(scope) is passes  # the same decision as at a real vLLM server
+
+
 def test_launch_command_keeps_the_token_off_the_command_line():
     from rlctl.engines.rollout.vllm import launch_command, launch_env
     from rlctl.recipe import VllmConfig

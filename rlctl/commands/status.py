@@ -207,6 +207,7 @@ def _sweep_status(sweep: Any, as_json: bool) -> None:
     from rich.text import Text
 
     from rlctl.rundir import RunDir
+    from rlctl.runcheck import one_line
     from rlctl.status import safe_summary
 
     data = sweep.read()
@@ -221,13 +222,13 @@ def _sweep_status(sweep: Any, as_json: bool) -> None:
     states = [r["run"]["state"] if r["run"] else "not started" for r in rows]
     counts = ", ".join(f"{n} {s}" for s, n in sorted({s: states.count(s) for s in states}.items()))
     console = Console()
-    console.print(Text(f"{data['id']}: {len(rows)} runs of {data['recipe']} ({counts})"))
+    console.print(Text(f"{one_line(data['id'], 120)}: {len(rows)} runs of {one_line(data['recipe'], 200)} ({counts})"))
     started = [r["run"] for r in rows if r["run"]]
     if started:
         console.print(render_table(started), no_wrap=True, overflow="crop")
     keys = list(data["grid"])
     for r in rows:
-        values = " ".join(f"{k}={r['values'][k]}" for k in keys)
+        values = one_line(" ".join(f"{k}={r['values'].get(k)}" for k in keys), 300)
         console.print(Text(f"  {r['run']['id'] if r['run'] else '(not started)'}  {values}"), soft_wrap=True)
 
 

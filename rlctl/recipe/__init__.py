@@ -11,7 +11,9 @@ One dataclass per section, each checking its own fields next to where they are d
     cluster.py   slurm, sim, tracking
     schema.py    Recipe: the sections, and the checks that span several
     load.py      YAML + overrides -> checked Recipe; Recipe -> YAML
-    bounded_yaml.py  YAML parsed within bounds (size, depth, aliases expanded)
+    bounded_yaml.py  YAML parsed within bounds (size, depth, aliases expanded, no key given twice)
+    sbatch_flags.py  which sbatch flags a slurm.sbatch_args item sets, read as sbatch reads it
+    secret_names.py  which environment variable names hold secrets (slurm.env refuses them)
 
 A new section is one dataclass with its `check()`, added as a field of Recipe. The schema
 imports nothing from the rest of rlctl but rlctl.errors.

@@ -12,7 +12,8 @@ checked in three steps before any object is built:
    MAX_DEPTH or the first value past MAX_NODES;
 3. its size with every alias expanded, counted over the composed node graph (aliases are shared
    nodes there, so the count costs the unique nodes only), at most MAX_NODES; an alias that
-   contains itself is refused.
+   contains itself is refused; and no mapping gives a key twice (PyYAML would keep the last
+   silently, so `run:` written twice would lose the first block without a word).
 
 Only then are the objects constructed. The bounds are far above any recipe (the quickstart's
 resolved recipe is about 3 KiB, 5 levels deep and 250 values).
@@ -66,6 +67,7 @@ def parse_bounded(text: str, loader: Any = SAFE_LOADER, max_bytes: int = MAX_REC
         node = parser.get_single_node()
         if node is None:
             return None
+        check_unique_keys(node)
         expanded = expanded_size(node)
         if expanded > MAX_NODES:
             raise YamlLimit(f"aliases expand it to more than {MAX_NODES:,} values (an alias bomb?); "
@@ -93,6 +95,38 @@ def _check_as_written(text: str, loader: Any) -> None:
                 raise YamlLimit(f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
+
+
+class DuplicateKey(YamlLimit):
+    """A mapping that gives one key twice: YAML forbids it, and PyYAML would keep the last silently."""
+
+
+def check_unique_keys(root: yaml.Node) -> None:
+    """DuplicateKey, marked where the key is given again, for the first mapping that gives a key
+    twice (the keys of a `<<` merge aside: a merge is how YAML overrides keys on purpose).
+    Iterative, and each node is looked at once however many aliases share it."""
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    while stack:
+        node, where = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Node] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    name = (key.tag, key.value)
+                    if name in first:
+                        dotted = f"{where}.{key.value}" if where else key.value
+                        raise DuplicateKey(f"'{dotted}' is given twice (first on line {first[name].start_mark.line + 1}); "
+                                           "keep one", key.start_mark)
+                    first[name] = key
+                    stack.append((value, f"{where}.{key.value}" if where else key.value))
+                else:
+                    stack.append((value, where))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, where) for item in node.value)
 
 
 def _size(n: int) -> str:

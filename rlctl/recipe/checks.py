@@ -14,7 +14,10 @@ import functools
 import math
 import re
 import typing
+import unicodedata
+from collections.abc import Iterator
 from dataclasses import fields
+from typing import Any
 
 
 class FieldError(ValueError):
@@ -74,6 +77,42 @@ def check_numbers(section: Section) -> None:
                 raise FieldError(key, f"must fit in 64 bits, got a number of {len(str(abs(v)))} digits")
 
 
+def control_character(text: str) -> str | None:
+    """The first character of `text` that breaks or hides a line, escaped ("\\n", "\\x1b"), or
+    None: a control character (a tab aside: it is whitespace on the line) or a line or paragraph
+    separator. A recipe string goes on into shell lines, #SBATCH directives and command lines,
+    where such a character would start a line of its own."""
+    for c in text:
+        if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp"):
+            return repr(c)[1:-1]
+    return None
+
+
+def _strings(key: str, value: Any) -> Iterator[tuple[str, str]]:
+    """(key, string) for a value and the strings in its lists and mappings (a mapping's keys too)."""
+    if isinstance(value, str):
+        yield key, value
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _strings(f"{key}[{i}]", item)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _strings(key, name)
+            yield from _strings(f"{key}.{name}", item)
+
+
+def check_text(section: Section) -> None:
+    """Every string of a section (and in its lists and mappings) is one line of text: no control
+    character (control_character). The loader runs this on every section after its own check()
+    (whose messages say more where a field has rules of its own), so a new string key is covered
+    without a word."""
+    for f in fields(section):  # type: ignore[arg-type]
+        for key, text in _strings(f.name, getattr(section, f.name)):
+            bad = control_character(text)
+            if bad is not None:
+                raise FieldError(key, f"holds a control character ({bad}); write it on one line, without one")
+
+
 def at_most(key: str, value: float, high: float, what: str = "") -> None:
     """An upper bound that no real run reaches, there so that a typo (an extra three zeros) is an
     error instead of a machine brought down by the processes or memory it asks for."""
@@ -109,8 +148,15 @@ def within(key: str, value: float, low: float, high: float, *, open_low: bool = 
     above = value > low if open_low else value >= low
     below = value < high if open_high else value <= high
     if not (above and below):
-        interval = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+        interval = f"{'(' if open_low else '['}{_bound(low)}, {_bound(high)}{')' if open_high else ']'}"
         raise FieldError(key, f"must be in {interval}, got {value}")
+
+
+def _bound(x: float) -> str:
+    """An end of an interval as people write it: 0, 0.5, 86,400, 10,000,000."""
+    if isinstance(x, int) or (x.is_integer() and abs(x) < 1e16):
+        return f"{int(x):,}"
+    return f"{x:g}"
 
 
 def divides(key: str, divisor: int, what: str, total: int, fix: str) -> None:

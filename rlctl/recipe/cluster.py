@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, at_most, divides, positive, within
 from rlctl.recipe.choices import GpuKind, WandbMode
+from rlctl.recipe.sbatch_flags import managed_flag
+from rlctl.recipe.secret_names import secret_name
 
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)$")
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,:+-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
 # Upper bounds no real run reaches, so that a typo is an error and not a job that asks for a whole
 # cluster (or a simulation that never ends): nodes per component 16,384, GPUs per node 64, CPUs per
 # task 4,096, servers per node 64, the health timeout a week; the simulated cluster 65,536 GPUs
@@ -22,8 +23,21 @@ NODE_BOUNDS = {"nodes": 16_384, "gpus_per_node": 64, "cpus_per_task": 4096, "ser
 SIM_BOUNDS = {"rollout_gpus": 65_536, "trainer_gpus": 65_536, "tp": 64, "train_tp": 64, "train_pp": 1024,
               "prompt_tokens": 1 << 20, "context_tokens": 1 << 20, "params_b": 100_000.0, "layers": 1024,
               "kv_dim": 1 << 20, "hidden": 1 << 20, "vocab": 1 << 24}
-# sbatch flags the batch script sets itself: a recipe may not override them.
-_SBATCH_MANAGED_FLAGS = ("--job-name", "-J", "--output", "-o", "--error", "-e", "--nodes", "-N", "--het-group")
+SBATCH_MANAGED = {
+    "--job-name": ("-J", "run.name"), "--output": ("-o", "the run directory (logs/slurm-%j.out)"),
+    "--error": ("-e", "the run directory (logs/slurm-%j.out)"), "--open-mode": ("", "the run directory"),
+    "--nodes": ("-N", "slurm.trainer.nodes and slurm.rollout.nodes"),
+    "--ntasks": ("-n", "train.ranks and rollout.servers"),
+    "--ntasks-per-node": ("", "train.ranks and slurm.rollout.servers_per_node"),
+    "--gpus-per-node": ("", "slurm.trainer.gpus_per_node and slurm.rollout.gpus_per_node"),
+    "--cpus-per-task": ("-c", "slurm.trainer.cpus_per_task and slurm.rollout.cpus_per_task"),
+    "--mem": ("", "slurm.trainer.mem and slurm.rollout.mem"), "--partition": ("-p", "slurm.partition"),
+    "--account": ("-A", "slurm.account"), "--qos": ("-q", "slurm.qos"), "--time": ("-t", "slurm.time"),
+    "--signal": ("", "slurm.signal_before_s"), "--requeue": ("", "slurm.requeue"),
+    "--no-requeue": ("", "slurm.requeue"), "--het-group": ("", "the batch script"),
+}
+"""sbatch flags the batch script of a run sets itself (rlctl/launchers/slurm/script.py), with their
+short forms and what sets them instead: a recipe's slurm.sbatch_args may not set them."""
 
 
 def slurm_time_seconds(time: str) -> int | None:
@@ -40,17 +54,23 @@ def slurm_time_seconds(time: str) -> int | None:
     return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
-def check_job_lines(section: Section) -> None:
-    """A Slurm section's names, time, sbatch_args, setup lines and python (a run's, a pool's)."""
+def check_job_lines(section: Section, managed: dict[str, tuple[str, str]]) -> None:
+    """A Slurm section's names, time, sbatch_args, setup lines and python (a run's, a pool's);
+    `managed`: the sbatch flags its batch script sets itself (long flag -> (short flag, what sets it))."""
     for name in ("partition", "account", "qos"):
         _slurm_name(name, getattr(section, name))
     if not _SLURM_TIME.match(section.time):
         raise FieldError("time", f"'{section.time}' is not a Slurm time limit; use MM, HH:MM:SS or D-HH:MM:SS")
+    flags = {**{long: long for long in managed}, **{short: long for long, (short, _) in managed.items() if short}}
     for i, arg in enumerate(section.sbatch_args):
         if not arg.startswith("-") or "\n" in arg:
             raise FieldError(f"sbatch_args[{i}]", f"'{arg}' is not an sbatch flag; write flags like --exclusive or --constraint=h200")
-        if arg.split("=")[0] in _SBATCH_MANAGED_FLAGS:
-            raise FieldError(f"sbatch_args[{i}]", f"'{arg}' is set by rlctl; use the slurm section's own keys")
+        flag = managed_flag(arg, flags)
+        if flag is not None:
+            long = flags[flag]
+            named = long if flag == long else f"{flag} ({long})"
+            raise FieldError(f"sbatch_args[{i}]", f"'{arg}' sets {named}, which is set by rlctl from "
+                                                  f"{managed[long][1]}; remove it")
     for i, line in enumerate(section.setup):
         if "\n" in line:
             raise FieldError(f"setup[{i}]", "one shell line per list item")
@@ -64,7 +84,7 @@ def _check_env(name: str, value: str) -> None:
         raise FieldError(key, "not a shell variable name; letters, digits and _, not starting with a digit")
     if name in ("CUDA_VISIBLE_DEVICES", "RLCTL_LOGS") or name.startswith("SLURM_"):
         raise FieldError(key, "set by Slurm or rlctl in the job (GPUs come from slurm.*.gpus_per_node)")
-    if _SECRET_NAME.search(name):
+    if secret_name(name):
         raise FieldError(key, "looks like a secret, and a recipe is copied into the run directory; export it "
                               "in the shell that runs `rlctl launch` instead (sbatch passes that environment on)")
     if "\n" in value or "\0" in value:
@@ -152,7 +172,11 @@ class SlurmConfig(Section):
     trainer: SlurmTrainerConfig = field(default_factory=SlurmTrainerConfig)
     rollout: SlurmRolloutConfig = field(default_factory=SlurmRolloutConfig)
     sbatch_args: list[str] = field(default_factory=list)
-    """Extra sbatch flags for both components, e.g. ["--exclusive", "--constraint=h200"]."""
+    """Extra sbatch flags for both components, e.g. ["--exclusive", "--constraint=h200"]: one
+    #SBATCH line each. A flag the batch script sets itself (--job-name, --output, --error, --nodes,
+    --ntasks[-per-node], --gpus-per-node, --cpus-per-task, --mem, --partition, --account, --qos,
+    --time, --signal, --[no-]requeue) is refused in any form sbatch reads (-N5, -o/tmp/x,
+    --out=x, two flags in one item): set it by its own key."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run at the start of the job, e.g. "module load cuda/12.4", "source venv/bin/activate";
     every process of the job inherits the environment they leave."""
@@ -184,7 +208,7 @@ class SlurmConfig(Section):
     newer checkpoint than the one it started from is not requeued either (no progress)."""
 
     def check(self) -> None:
-        check_job_lines(self)
+        check_job_lines(self, SBATCH_MANAGED)
         positive("health_timeout_s", self.health_timeout_s)
         positive("signal_before_s", self.signal_before_s)
         at_most("signal_before_s", self.signal_before_s, 65535, "(Slurm's --signal limit)")
@@ -239,7 +263,8 @@ class SimConfig(Section):
     reward_rate: float = 0.5
     """Chance that a simulated sample is right (drives dynamic sampling's drop rate)."""
     mfu_train: float = 0.4
-    """Share of the GPU's peak bf16 FLOP/s that training reaches."""
+    """Share of the GPU's peak bf16 FLOP/s that training reaches, in (0, 10] (a calibration against a
+    CPU's guessed peak may pass 1)."""
     mfu_prefill: float = 0.5
     """Share of the GPU's peak bf16 FLOP/s that prefill reaches."""
     decode_bw_efficiency: float = 0.7
@@ -255,13 +280,18 @@ class SimConfig(Section):
     backward at ~5 us each; calibration sets it."""
 
     def check(self) -> None:
-        positive("params_b", self.params_b, zero_ok=True)
-        positive("context_tokens", self.context_tokens, zero_ok=True)
-        for name in ("rollout_gpus", "trainer_gpus", "tp", "train_tp", "train_pp", "prompt_tokens",
-                     "mfu_train", "mfu_prefill", "decode_bw_efficiency"):
+        for name in ("params_b", "context_tokens", "layers", "kv_dim", "hidden", "vocab"):
+            positive(name, getattr(self, name), zero_ok=True)
+        for name in ("rollout_gpus", "trainer_gpus", "tp", "train_tp", "train_pp", "prompt_tokens"):
             positive(name, getattr(self, name))
         for name, high in SIM_BOUNDS.items():
             at_most(name, getattr(self, name), high)
+        # Shares of a peak, but one calibrated against a CPU's guessed peak may pass 1.
+        for name in ("mfu_train", "mfu_prefill", "decode_bw_efficiency"):
+            within(name, getattr(self, name), 0.0, 10.0, open_low=True)
+        for name in ("decode_step_overhead_s", "train_step_overhead_s"):
+            within(name, getattr(self, name), 0.0, 3600.0)
+        within("layer_launch_s", self.layer_launch_s, 0.0, 10.0)
         divides("tp", self.tp, "sim.rollout_gpus", self.rollout_gpus, "pick a tp that divides it")
         divides("train_tp", self.train_tp * self.train_pp, "sim.trainer_gpus", self.trainer_gpus,
                 "train_tp x train_pp must divide it")

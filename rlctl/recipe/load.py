@@ -25,7 +25,7 @@ from typing import Any
 
 from rlctl.errors import RecipeError
 from rlctl.recipe.bounded_yaml import MAX_OVERRIDE_BYTES, MAX_RECIPE_BYTES, SAFE_LOADER, YamlLimit, parse_bounded
-from rlctl.recipe.checks import FieldError, Section, check_numbers, clip, clip_message
+from rlctl.recipe.checks import FieldError, Section, check_numbers, check_text, clip, clip_message
 from rlctl.recipe.choices import Launcher
 from rlctl.recipe.pool import PoolFile
 from rlctl.recipe.schema import Recipe
@@ -72,13 +72,14 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), che
 
 @_one_line_errors
 def check_recipe(recipe: Recipe, file: str, check_paths: bool = True) -> None:
-    """Every section's own checks, top to bottom (its numbers first: checks.check_numbers), then
-    those spanning sections."""
+    """Every section's own checks, top to bottom (its numbers first: checks.check_numbers; its
+    strings after: checks.check_text), then those spanning sections."""
     for key, section in _sections(recipe, ""):
         try:
             check_numbers(section)
             if section is not recipe:
                 section.check()
+            check_text(section)
             if check_paths:
                 section.check_files()
         except FieldError as e:
@@ -174,6 +175,7 @@ def load_pool_file(path: str | os.PathLike[str], overrides: Sequence[str] = ()) 
         try:
             check_numbers(section)
             section.check()
+            check_text(section)
         except FieldError as e:
             raise RecipeError(file, ".".join(k for k in (key, e.key) if k), e.message) from None
     base = Path(path).resolve().parent

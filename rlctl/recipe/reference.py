@@ -200,9 +200,11 @@ run `{REGENERATE}` (tests/test_recipe_reference.py fails while this page is stal
 
 A recipe is YAML; `rlctl launch RECIPE key=value ...` overrides any key by its dotted name
 (`rollout.servers=4`, `slurm.setup='["module load cuda"]'`). A key not listed here is refused with
-the valid keys of its section; a value of the wrong type or out of its bounds is refused with
-one line naming the file and the key. `model.path` and `data.path` are relative to the recipe
-file."""
+the valid keys of its section, and a key given twice in one mapping with the line it is given
+again on; a value of the wrong type or out of its bounds (every number has one, a range no real
+run leaves) is refused with one line naming the file, the key and the range, and so is a string
+holding a control character (a newline, a carriage return, an escape: every string is one line).
+`model.path` and `data.path` are relative to the recipe file."""
 
 
 def render() -> str:

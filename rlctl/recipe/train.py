@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlctl.recipe.checks import FieldError, Section, at_most, divides, positive
+from rlctl.recipe.checks import FieldError, Section, at_most, divides, positive, within
 from rlctl.recipe.choices import Admission, Device, InflightAtUpdate, MegatronDtype, PipelineMode, SyncBackend, TrainEngine
 
 
@@ -18,7 +18,8 @@ TRAIN_BOUNDS = {
 groups per train batch (rollout.batch_size's own bound), 2^24 tokens per micro-batch, and a
 16 GiB weight-sync bucket (each rank allocates one). They turn a typo into an error instead of a
 machine brought down by the processes or memory it asks for. megatron.tp is at most 64 and
-pipeline.max_staleness 1024, pipeline.sync_every 10^7 (run.steps' bound)."""
+pipeline.max_staleness 1024, pipeline.sync_every 10^7 (run.steps' bound); lr is in (0, 1],
+weight_decay in [0, 1], grad_clip in (0, 10^6]."""
 
 
 @dataclass(kw_only=True)
@@ -56,13 +57,13 @@ class TrainConfig(Section):
     """Local launcher, device cuda: the GPUs the ranks use (rank r on gpus[r % len]); empty = cuda:r.
     Give trainers and servers different GPUs for a disaggregated run on one multi-GPU host."""
     lr: float = 1e-3
-    """AdamW learning rate of the policy."""
+    """AdamW learning rate of the policy, in (0, 1]."""
     weight_decay: float = 0.0
-    """AdamW weight decay of the policy."""
+    """AdamW weight decay of the policy, in [0, 1]."""
     groups_per_batch: int = 8
     """Groups per train batch (one optimizer step); must divide rollout.batch_size."""
     grad_clip: float = 1.0
-    """The gradient's L2 norm is clipped to this before each optimizer step."""
+    """The gradient's L2 norm is clipped to this before each optimizer step; in (0, 10^6]."""
     micro_batch_tokens: int = 8192
     """Most padded tokens per forward/backward; a train batch is split by length to fit."""
     sync_bucket_mb: float = 512.0
@@ -79,11 +80,13 @@ class TrainConfig(Section):
     (launcher=slurm), else gloo."""
 
     def check(self) -> None:
-        for name in ("ranks", "lr", "groups_per_batch", "grad_clip", "micro_batch_tokens", "sync_bucket_mb"):
+        for name in ("ranks", "groups_per_batch", "micro_batch_tokens", "sync_bucket_mb"):
             positive(name, getattr(self, name))
         for name, high in TRAIN_BOUNDS.items():
             at_most(name, getattr(self, name), high)
-        positive("weight_decay", self.weight_decay, zero_ok=True)
+        within("lr", self.lr, 0.0, 1.0, open_low=True)
+        within("weight_decay", self.weight_decay, 0.0, 1.0)
+        within("grad_clip", self.grad_clip, 0.0, 1e6, open_low=True)
         if any(g < 0 for g in self.gpus):
             raise FieldError("gpus", f"GPU indices are >= 0, got {self.gpus}")
         if self.engine is not TrainEngine.MEGATRON:

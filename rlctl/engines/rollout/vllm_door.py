@@ -5,6 +5,13 @@ trainer drives (/pause, /update_weights, ...) would be open. vLLM adds this clas
 `--middleware rlctl.engines.rollout.vllm_door.TokenDoor` (it calls `TokenDoor(app)`), so it reads
 the token where vLLM reads its own: VLLM_API_KEY in the server's environment. Plain ASGI, no
 imports beyond the standard library: it loads inside vLLM's process.
+
+Every method asks, OPTIONS included. vLLM's own check lets OPTIONS through unasked (for a
+browser's CORS preflight, serve/middleware/authenticate.py), but behind it an OPTIONS request that
+is no preflight goes on to the routes, and the /metrics mount (prometheus' app) answers it with
+the server's metrics whatever the method. A run's clients never send OPTIONS, and a run's vLLM
+allows no browser origin anyway (--allowed-origins is empty by default, so vLLM's CORS middleware
+refuses every preflight): nothing is lost by asking.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ class TokenDoor:
 
     def allowed(self, scope) -> bool:
         path = scope["path"].removeprefix(scope.get("root_path", ""))  # as vLLM's own check reads it
-        if scope.get("method") == "OPTIONS" or path in OPEN_PATHS:
+        if path in OPEN_PATHS:
             return True
         for name, value in scope.get("headers", ()):
             if name.lower() == b"authorization":
