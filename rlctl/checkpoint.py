@@ -5,21 +5,25 @@
         hf/                   the policy as a Hugging Face model directory (config.json,
                               *.safetensors, tokenizer files): `rlctl export` copies it
         trainer/              engine.json (weight version), optimizer state (torch: optimizer.pt;
-                              Megatron: megatron/, dist_checkpointing), rng-rank-R.pt per rank
+                              Megatron: megatron/, dist_checkpointing), rng-rank-R.json per rank
         controller.json       steps done, weight version, the prompt cursor and the scheduler's
                               RNG states, the groups left unfinished, the run clock at the save
+        manifest.json         every other file's size and sha256 (rlctl/ckpt_manifest.py)
       .tmp-step-000006-PID/   a checkpoint being written: never listed, never loaded
 
 A checkpoint is written into a temporary directory inside checkpoints/ (the trainer writes hf/
-and trainer/, the controller controller.json), every file and directory is fsynced, and then it
-is renamed to step-NNNNNN: a checkpoint is visible complete or not at all. Old ones beyond
-run.keep_checkpoints are renamed out of sight before they are deleted.
+and trainer/, the controller controller.json and the manifest), every file and directory is
+fsynced, and then it is renamed to step-NNNNNN: a checkpoint is visible complete or not at all.
+Old ones beyond run.keep_checkpoints are renamed out of sight before they are deleted. The
+trainer writes only into such a temporary directory of its own run and loads only from a
+step-NNNNNN of it (confined_checkpoint_dir), whatever path its routes are given.
 
 Nothing here imports torch: `rlctl status` lists checkpoints through this module.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlctl.ckpt_manifest import check_manifest, write_manifest
 from rlctl.errors import RunError, UsageError
 from rlctl.rundir import RunDir, now_iso, read_jsonl, write_atomic
 
@@ -37,6 +42,7 @@ CHECKPOINTS = "checkpoints"
 CONTROLLER_FILE = "controller.json"
 HF_DIR = "hf"
 _NAME = re.compile(r"^step-(\d{6,})$")
+_TMP_NAME = re.compile(r"^\.tmp-step-\d{6,}-\d+$")
 SLURM_ATTEMPT_KEYS = ("job_id", "restart_count", "trainer_nodes", "rollout_nodes")
 """What an attempt's record keeps of run.json's `slurm` (the job, where it ran)."""
 PREEMPTED_EXIT = 75
@@ -110,6 +116,29 @@ def find_checkpoint(run_path: Path, steps: int | None = None) -> Checkpoint:
                      f"{', '.join(str(c.steps) for c in found)}")
 
 
+class CheckpointPathRefused(RunError):
+    """A checkpoint path outside the run's own checkpoints/ (the trainer service answers 403)."""
+
+
+def confined_checkpoint_dir(run_path: Path, path: str, purpose: str) -> Path:
+    """`path`, with symbolic links and `..` resolved, if it is where the trainer may write a
+    checkpoint (purpose "save": RUN/checkpoints/.tmp-step-NNNNNN-PID, the temporary directory
+    save_checkpoint renames into place) or read one ("load": RUN/checkpoints/step-NNNNNN);
+    otherwise CheckpointPathRefused naming the path and the rule. The path the engine is then
+    given is the resolved one, so it cannot be redirected by the link it came through."""
+    pattern, what = ((_TMP_NAME, ".tmp-step-NNNNNN-PID") if purpose == "save" else (_NAME, "step-NNNNNN"))
+    root = (Path(run_path) / CHECKPOINTS).resolve()
+    rule = (f"the trainer {'writes' if purpose == 'save' else 'reads'} checkpoints only in {root}/{what} "
+            "(symbolic links and .. resolved)")
+    if not os.path.isabs(path):
+        raise CheckpointPathRefused(f"{path!r}: not an absolute path; {rule}")
+    target = Path(os.path.realpath(path))
+    if target.parent != root or not pattern.match(target.name):
+        shown = f"{path} (that is {target})" if str(target) != os.path.normpath(path) else path
+        raise CheckpointPathRefused(f"{shown}: refused; {rule}")
+    return target
+
+
 def should_save(steps_done: int, save_every: int, total_steps: int) -> bool:
     """After every save_every steps, and after the last step (save_every 0: never)."""
     return save_every > 0 and (steps_done % save_every == 0 or steps_done == total_steps)
@@ -156,6 +185,7 @@ async def save_checkpoint(run_path: Path, steps: int, trainer: TrainerCheckpoint
     tmp.mkdir()
     await trainer.save_checkpoint(str(tmp.resolve()))
     (tmp / CONTROLLER_FILE).write_text(json.dumps({"steps": steps, **controller_state}) + "\n")
+    await asyncio.to_thread(write_manifest, tmp)  # reads every file once: seconds for GBs, off the event loop
     fsync_tree(tmp)
     if final.exists():  # written before by an attempt that then failed: the new one replaces it
         _discard(final)
@@ -206,7 +236,10 @@ def prepare_resume(rd: RunDir, ckpt: Checkpoint | None) -> dict[str, Any]:
     """Make the run directory continue from `ckpt` (None: start over, as a Slurm job requeued
     before its first checkpoint does): metrics of the steps after it removed, the pipeline's
     events after it (those that carry a step) removed, run.json reopened with the new attempt and
-    the checkpoint to start from. Returns the attempt's record."""
+    the checkpoint to start from. Returns the attempt's record. A checkpoint that does not match
+    its manifest is refused before anything is changed."""
+    if ckpt is not None:
+        check_manifest(ckpt.path)
     remove_leftovers(rd.path)
     steps = ckpt.steps if ckpt else 0
     metrics_removed = keep_lines(rd.metrics_path, lambda m: m.get("step", -1) < steps)

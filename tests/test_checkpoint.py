@@ -17,6 +17,7 @@ import pytest
 
 from conftest import FAST, QUICKSTART, REPO, processes_mentioning, rlctl, wait_for
 from rlctl.checkpoint import list_checkpoints
+from rlctl.ckpt_manifest import check_manifest
 from rlctl.data import prompt_stream
 from rlctl.recipe import DataConfig, load_recipe
 from rlctl.rundir import RunDir, RunState, create_run_dir
@@ -57,8 +58,9 @@ def test_the_newest_checkpoints_are_kept_complete_and_load_with_transformers(sav
     assert [(e["steps"], e["removed"]) for e in saved] == [(2, []), (4, []), (5, [2])]
     for c in ckpts:
         for f in ("hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "trainer/optimizer.pt",
-                  "trainer/rng-rank-0.pt", "trainer/engine.json", "controller.json"):
+                  "trainer/rng-rank-0.json", "trainer/engine.json", "controller.json", "manifest.json"):
             assert (c.path / f).is_file(), f
+        check_manifest(c.path)  # every file as the controller recorded it
         state = c.controller_state()
         # sync: 2 optimizer steps and 8 prompts per step, nothing in flight at a step's end
         assert (state["steps"], state["version"], state["prompts"]["position"]) == (c.steps, 2 * c.steps, 8 * c.steps)
@@ -147,7 +149,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_completes(tmp_path):
     ckpt = list_checkpoints(rd.path)[-1]
     assert 0 < ckpt.steps < steps, "the run was killed too late to test a resume"
     assert {f.name for f in (ckpt.path / "trainer").iterdir()} == {  # rank 0 writes weights and optimizer
-        "engine.json", "optimizer.pt", "rng-rank-0.pt", "rng-rank-1.pt"}
+        "engine.json", "optimizer.pt", "rng-rank-0.json", "rng-rank-1.json"}
 
     res = rlctl("resume", rd.id, "--runs-dir", str(runs), cwd=tmp_path)
     assert res.returncode == 0, res.stderr

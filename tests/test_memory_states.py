@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import free_port, wait_http
+from rlctl.checkpoint import save_checkpoint
 from rlctl.engines.rollout.builtin.memory_routes import NOT_IDLE, TAGS
 from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
@@ -249,7 +250,8 @@ def test_memory_routes_are_sglangs(sglang, serve, tmp_path, version):
 
 # -- the trainer service ----------------------------------------------------------------------------
 
-def _trainer(rank: int, world: int, dist_port: int, port: int, model_dir: str, offload_dir: str, kl_coef: float) -> None:
+def _trainer(rank: int, world: int, dist_port: int, port: int, model_dir: str, offload_dir: str, kl_coef: float,
+             run_dir: str) -> None:
     import torch.distributed as dist
     from aiohttp import web
 
@@ -263,23 +265,26 @@ def _trainer(rank: int, world: int, dist_port: int, port: int, model_dir: str, o
     engine = TorchTrainEngine(model_dir, TrainConfig(lr=1e-2, grad_clip=1e9), temperature=1.0, rank=rank,
                               world_size=world, offload_dir=offload_dir, algo=AlgoConfig(kl_coef=kl_coef))
     if rank == 0:
-        web.run_app(TrainerService(engine, world).app(), host="127.0.0.1", port=port, print=None, access_log=None)
+        web.run_app(TrainerService(engine, world, run_dir=run_dir).app(), host="127.0.0.1", port=port, print=None,
+                    access_log=None)
     else:
         follower_loop(engine)
 
 
 @pytest.fixture
 def trainers(tiny_model_dir, tmp_path):
-    """start(world, offload_dir, kl_coef) -> URL of a trainer service of `world` ranks (processes)."""
+    """start(world, offload_dir, kl_coef) -> URL of a trainer service of `world` ranks (processes),
+    whose run directory (where its checkpoints go) is offload_dir."""
     import multiprocessing as mp
 
     procs = []
 
     def start(world: int, offload: Path, kl_coef: float = 0.0) -> str:
+        offload.mkdir(parents=True, exist_ok=True)
         port, dist_port = free_port(), free_port()
         for rank in range(world):
             procs.append(mp.get_context("spawn").Process(target=_trainer, daemon=True, args=(
-                rank, world, dist_port, port, str(tiny_model_dir), str(offload / f"rank-{rank}"), kl_coef)))
+                rank, world, dist_port, port, str(tiny_model_dir), str(offload / f"rank-{rank}"), kl_coef, str(offload))))
             procs[-1].start()
         return f"http://127.0.0.1:{port}"
 
@@ -298,9 +303,9 @@ def samples(n: int = 12) -> list[dict]:
     return [dataclasses.asdict(s) for s in make_samples(n)]
 
 
-async def optimizer_state(c, path: Path) -> dict:
-    await c.save_checkpoint(str(path))
-    return torch.load(path / "trainer" / "optimizer.pt", weights_only=True)["state"]
+async def optimizer_state(c, run: Path) -> dict:
+    saved = await save_checkpoint(run, 1, c, {"t": 0.0}, keep=0)
+    return torch.load(Path(saved["path"]) / "trainer" / "optimizer.pt", weights_only=True)["state"]
 
 
 def test_a_trainer_that_released_steps_as_one_that_never_did(trainers, tmp_path):
@@ -335,7 +340,7 @@ def test_a_trainer_that_released_steps_as_one_that_never_did(trainers, tmp_path)
                 await a.release_memory_occupation(["kv_cache"])
             assert (await a.resume_memory_occupation())["resumed"] == ["optimizer"]
             assert offloaded(tmp_path / "a" / "rank-0") == {}
-            ours, theirs = await optimizer_state(a, tmp_path / "ckpt-a"), await optimizer_state(b, tmp_path / "ckpt-b")
+            ours, theirs = await optimizer_state(a, tmp_path / "a"), await optimizer_state(b, tmp_path / "b")
             assert ours.keys() == theirs.keys() and all(torch.equal(ours[i][k], theirs[i][k]) for i in ours for k in ours[i])
             sa, sb = await a.train(second[3:]), await b.train(second[3:])
             assert {**sa, "seconds": 0} == {**sb, "seconds": 0}
@@ -357,9 +362,9 @@ def test_two_ranks_release_and_resume_together(trainers, tmp_path):
             c = TrainerClient(url, s)
             await c.wait_healthy(120)
             await c.train(first)
-            await c.save_checkpoint(str(tmp_path / "ckpt"))
+            saved = await save_checkpoint(tmp_path, 1, c, {"t": 0.0}, keep=0)
             expected, sums = await c.train(second), await c.weight_checksums()
-            await c.load_checkpoint(str(tmp_path / "ckpt"))
+            await c.load_checkpoint(saved["path"])
             await c.release_memory_occupation()
             assert set(offloaded(tmp_path / "rank-1")) == {"weights", "optimizer"}  # no gradients since the load
             await c.resume_memory_occupation()

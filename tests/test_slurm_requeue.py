@@ -45,10 +45,14 @@ def slurm_run(tmp_path, *overrides: str):
 
 
 def checkpoint_at(rd, steps: int) -> None:
-    """A checkpoint as list_checkpoints sees one (the controller's file is written last)."""
+    """A checkpoint as list_checkpoints sees one (the controller's file is written last) and as
+    a resume accepts it (with its manifest)."""
+    from rlctl.ckpt_manifest import write_manifest
+
     d = rd.path / "checkpoints" / f"step-{steps:06d}"
     d.mkdir(parents=True)
     (d / "controller.json").write_text(f'{{"steps": {steps}, "t": 0.0, "version": {4 * steps}}}\n')
+    write_manifest(d)
 
 
 def test_a_job_requeues_itself_only_after_progress_and_at_most_max_requeues_times(tmp_path, monkeypatch):

@@ -6,13 +6,18 @@ atomic rename; this module writes and reads what goes inside):
     trainer/engine.json       engine, weight version (optimizer steps taken), ranks
     trainer/optimizer.pt      torch engine: the optimizer's state_dict (rank 0; the ranks are replicas)
     trainer/megatron/         Megatron engine: model + distributed optimizer (megatron.core.dist_checkpointing)
-    trainer/rng-rank-R.pt     every rank: python random, numpy and torch (CPU, CUDA) RNG states
+    trainer/critic.pt         torch engine, PPO: the critic's state_dict and its optimizer's
+    trainer/rng-rank-R.json   every rank: python random, numpy and torch (CPU, CUDA) RNG states, as
+                              JSON (rlctl/engines/train/rng_state.py)
+
+Nothing here is unpickled beyond what torch.load(weights_only=True) reads (tensors and plain
+containers): weights are safetensors, the RNG states and engine.json are JSON, and the
+Megatron engine's dist_checkpointing files are vetted first (rlctl/engines/train/dcp_check.py).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -98,34 +103,3 @@ def read_engine_info(path: str | Path) -> dict[str, Any]:
         return json.loads(f.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise RunError(f"{f}: not a trainer checkpoint ({e})") from None
-
-
-def save_rng(path: str | Path, rank: int, **extra: Any) -> None:
-    """This rank's RNG states: python random, numpy (if installed), torch CPU and CUDA."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(), **extra}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    torch.save(state, trainer_dir(path) / f"rng-rank-{rank}.pt")
-
-
-def load_rng(path: str | Path, rank: int) -> dict[str, Any]:
-    """Restore this rank's RNG states; returns the file's contents (engines keep extra entries)."""
-    f = Path(path) / TRAINER_DIR / f"rng-rank-{rank}.pt"
-    if not f.is_file():
-        raise RunError(f"{f} is missing: the checkpoint was written by fewer trainer ranks than train.ranks")
-    state = torch.load(f, weights_only=False)  # our own file: python and numpy states are not tensors
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    return state

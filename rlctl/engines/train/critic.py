@@ -56,8 +56,11 @@ class Critic:
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
                    ckpt_files.trainer_dir(root) / "critic.pt")
 
-    def load(self, root: Path, device: torch.device) -> None:
-        state = torch.load(ckpt_files.trainer_dir(root) / "critic.pt", map_location=device, weights_only=True)
+    def read(self, root: Path, device: torch.device) -> dict:
+        """trainer/critic.pt, read with weights_only=True (tensors and plain containers only)."""
+        return torch.load(ckpt_files.trainer_dir(root) / "critic.pt", map_location=device, weights_only=True)
+
+    def set_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.zero_grad()

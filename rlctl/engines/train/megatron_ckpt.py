@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlctl.engines.train import ckpt_files
+from rlctl.engines.train import ckpt_files, rng_state
+from rlctl.engines.train.dcp_check import check_dist_checkpoint
 from rlctl.engines.train.base import new_accumulator
 from rlctl.errors import RunError
 
@@ -61,7 +62,7 @@ class MegatronCheckpoint:
         dist.barrier()
         for model, optimizer, part in self._parts(root):
             dist_checkpointing.save(self._sharded_state(False, model, optimizer), str(part))
-        ckpt_files.save_rng(root, self.rank, megatron_cuda=tensor_parallel.get_cuda_rng_tracker().get_states())
+        rng_state.save_rng(root, self.rank, megatron_cuda=tensor_parallel.get_cuda_rng_tracker().get_states())
         if self.rank == 0:
             ckpt_files.write_engine_info(root, engine="megatron", version=self.version, ranks=self.world_size,
                                          tp=self.tp_size, dp=self.dp_size)
@@ -76,16 +77,19 @@ class MegatronCheckpoint:
         if info.get("engine") != "megatron" or info.get("tp") != self.tp_size:
             raise RunError(f"{root}: written by the {info.get('engine')} engine with TP {info.get('tp')}; "
                            f"this trainer is megatron with TP {self.tp_size}")
-        for model, optimizer, part in self._parts(root):
+        parts = self._parts(root)
+        for _, _, part in parts:  # every file read and checked before anything is set
             if part.name == "megatron-critic" and not part.is_dir():
                 raise RunError(f"{root}: no critic in this checkpoint (trainer/{part.name}); it was not written by a PPO run")
+            check_dist_checkpoint(part)  # its pickles, before dist_checkpointing unpickles them unrestricted
+        rng = rng_state.read_rng(root, self.rank)
+        for model, optimizer, part in parts:
             with torch.no_grad():  # the optimizer's fp32 shards are views of parameters that need grad
                 loaded = dist_checkpointing.load(self._sharded_state(True, model, optimizer), str(part))
                 model.load_state_dict(loaded["model"])
                 optimizer.load_state_dict(loaded["optimizer"])
                 _own_step_counters(optimizer)
-        rng = ckpt_files.load_rng(root, self.rank)
-        tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng.apply()["megatron_cuda"])
         self.version = int(info["version"])
         self._acc = new_accumulator()
         self.ddp.zero_grad_buffer()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from rlctl.algos.losses import entropy_from_logits, kl_penalty, loss_normalizer, token_logprobs
 from rlctl.algos.objective import SUM_KEYS, Objective, Prepared
-from rlctl.engines.train import ckpt_files
+from rlctl.engines.train import ckpt_files, rng_state
 from rlctl.engines.memory import Gradients, MemoryTags, ModelWeights, OptimizerState
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.engines.train.behaviour import Behaviour
@@ -222,29 +222,38 @@ class TorchTrainEngine(PieceTraining):
             ckpt_files.write_engine_info(root, engine="torch", version=self.version, ranks=self.world_size)
             if self.critic is not None:
                 self.critic.save(root)
-        ckpt_files.save_rng(root, self.rank)
+        rng_state.save_rng(root, self.rank)
         if self.world_size > 1:
             dist.barrier()
         return {"version": float(self.version)}
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
         """Weights, optimizer state, RNG states and weight version from a checkpoint (every rank
-        reads rank 0's weights and optimizer). The KL reference model stays the initial model."""
+        reads rank 0's weights and optimizer). The KL reference model stays the initial model.
+        Every file is read and checked before anything is set: a refused checkpoint leaves the
+        engine as it was."""
         root = Path(path)
+        rng = rng_state.read_rng(root, self.rank)
+        version = int(ckpt_files.read_engine_info(root)["version"])
         state = ckpt_files.read_safetensors(root / ckpt_files.HF_DIR, device=str(self.device))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        expected = set(self.model.state_dict())
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        if unexpected or set(missing) - tied:
-            raise RunError(f"{root}: the checkpoint does not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
+        missing, unexpected = expected - set(state) - tied, set(state) - expected
+        if unexpected or missing:
+            raise RunError(f"{root}: the checkpoint does not fit the model (missing {sorted(missing)[:3]}, "
                            f"unexpected {sorted(unexpected)[:3]})")
         opt = torch.load(ckpt_files.trainer_dir(root) / "optimizer.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(opt)
-        ckpt_files.load_rng(root, self.rank)
-        self.version = int(ckpt_files.read_engine_info(root)["version"])
+        critic = None
         if self.critic is not None:
             if not (ckpt_files.trainer_dir(root) / "critic.pt").exists():
                 raise RunError(f"{root}: no critic in this checkpoint (trainer/critic.pt); it was not written by a PPO run")
-            self.critic.load(root, self.device)
+            critic = self.critic.read(root, self.device)
+        self.model.load_state_dict(state, strict=False)
+        self.optimizer.load_state_dict(opt)
+        if critic is not None:
+            self.critic.set_state(critic)
+        rng.apply()
+        self.version = version
         self._acc = new_accumulator()
         self._zero_grad()
         self.mark_behaviour(self.version)
