@@ -21,6 +21,7 @@ import torch
 from conftest import free_port
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.weightsync import WeightSender, ipc, tensor_sha256
+from rlctl.errors import RunError
 from sglang_bodies import check_body
 from sglang_source import SUPPORTED
 
@@ -86,6 +87,52 @@ def test_a_bf16_server_is_sent_bf16_and_holds_what_its_own_cast_makes(start_serv
     assert {d for b in announced for d in b["dtypes"]} == {"bfloat16"}
 
 
+@pytest.mark.process
+def test_a_server_opens_only_its_own_runs_buffers_and_still_takes_its_trainers_sync(start_server, tiny_model_dir,
+                                                                                    tmp_path):
+    """Shared memory of the host that the run's trainer did not tag is refused over HTTP and left
+    as it was; a trainer of another run (tags of another token) is refused; the run's own syncs."""
+    from rlctl.door import new_token
+    from test_ipc_open import Segment, over, payload
+
+    token = new_token()
+    (tmp_path / "token").write_text(token + "\n")
+    url = start_server(0, "--api-key-file", str(tmp_path / "token"))
+    weights = changed_weights(tiny_model_dir)
+    foreign = Segment(bytes(range(128)), tag=None)  # a torch-named file of this user, no tag
+    before = foreign.state()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            c = RolloutClient(url, s, token)
+            await c.begin_weight_update()
+            async with s.post(url + "/update_weights_from_tensor", headers=c.headers, json={
+                    "serialized_named_tensors": [payload(("model.norm.weight", over(foreign, size=(32,))))],
+                    "load_format": None}) as resp:
+                refused = resp.status, await resp.json()
+            await c.end_weight_update()
+            results = []
+            for run_token in ("another run's token", token):
+                sender = WeightSender([c], master_address="127.0.0.1", master_port=0, backend="ipc",
+                                      bucket_bytes=16 * 1024, run_token=run_token)
+                await sender.connect()
+                try:
+                    await sender.send(weights, version="7")
+                    results.append("synced")
+                except RunError as e:
+                    results.append(str(e))
+            return refused, results, (await c.weight_checksums())["checksums"], await c.weight_version()
+
+    try:
+        (status, body), results, sums, version = asyncio.run(scenario())
+        assert foreign.state() == before
+    finally:
+        foreign.remove()
+    assert status == 400 and "is not a buffer of this run's trainer" in body["message"], body
+    assert "is not a buffer of this run's trainer" in results[0] and results[1] == "synced"
+    assert {n: sums[n] for n, _ in weights} == {n: tensor_sha256(t) for n, t in weights} and version == "7"
+
+
 class _Shell:
     def __reduce__(self):
         import os
@@ -142,13 +189,18 @@ def test_our_pickles_are_ones_sglangs_unpickler_allows(sglang, version):
 
     src = sglang(version)
     allows = _allows(src)
-    flat = torch.zeros(64, dtype=torch.uint8)
-    payload = ipc.dumps([("a", flat[:32].view(torch.float32).view(2, 4)), ("b", flat[32:].view(torch.bfloat16))])
+    from rlctl.engines.weightsync import ipc_open
+
+    flat = torch.zeros(64 + ipc.TAG_BYTES, dtype=torch.uint8)
+    ipc.tag_buffer(flat, ipc.ipc_key(None))  # past the tensors: bytes SGLang never reads
+    payload = ipc.dumps([("a", flat[:32].view(torch.float32).view(2, 4)), ("b", flat[32:64].view(torch.bfloat16))])
     reader = _Recording(base64.b64decode(payload))
     named = reader.load()
     assert [n for n, _ in named] == ["a", "b"] and named[0][1].shape == (2, 4)
     assert reader.seen and all(allows(*g) for g in reader.seen), [g for g in reader.seen if not allows(*g)]
-    assert reader.seen <= ipc.ALLOWED  # and ours takes them back
+    assert reader.seen <= ipc.ALLOWED  # and ours takes them back:
+    ours = ipc_open.loads(payload, key=ipc.ipc_key(None))
+    assert [(n, t.shape, t.dtype) for n, t in ours] == [(n, t.shape, t.dtype) for n, t in named]
     # CUDA tensors pickle as torch's rebuild_cuda_tensor(Tensor, ..., TypedStorage, dtype, device, ...),
     # with the GPU's UUID where SGLang's patch puts it (seen on the GPU: scripts/gpu_checks.py)
     cuda = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch.storage", "TypedStorage"),

@@ -11,8 +11,9 @@ the wheels; tests/test_vllm_contract.py checks every one):
 - Weight transfer over NCCL needs `--weight-transfer-config '{"backend": "nccl"}'`.
 - vLLM's own api key (VLLM_API_KEY, read from the environment when --api-key is not given) guards
   only paths under /v1, /v2, /inference and /cohere (serve/middleware/authenticate.py): the dev
-  routes would be open to anyone who reaches the port. `--middleware` adds rlctl's TokenDoor
-  (vllm_door.py), which asks every route but /health for the same token.
+  routes would be open to anyone who reaches the port, and it lets every OPTIONS request through.
+  `--middleware` adds rlctl's TokenDoor (vllm_door.py), which asks every route but /health, with
+  any method, for the same token.
 - Data parallelism is several servers, one per TP group, as with SGLang: the controller spreads
   requests itself and pauses and aborts each server.
 """

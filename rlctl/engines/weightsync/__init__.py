@@ -1,9 +1,11 @@
 """The weight sync: trainer rank 0 sends Hugging Face-named tensors to every rollout server.
 
     group.py    the weight-sync process group, made as SGLang makes it (rendezvous, layout)
+    store.py    the group's store on trainer rank 0, open only while the group forms
     buckets.py  how tensors are grouped, laid out on the wire and received; the sender's producer
     sender.py   WeightSender: one sync, streamed bucket by bucket (gloo, NCCL or IPC)
     ipc.py      tensors handed over in place to a server on the same GPU or host (CUDA IPC)
+    ipc_open.py the built-in server's checked opening of such a payload
 
 The names most callers need are importable from here.
 """

@@ -236,7 +236,12 @@ class BucketMaker:
     """Floating-point weights wider than this are cast to it before they leave (wire_tensor)."""
     staging: str | None = "cpu"
     share: bool = False
-    """The buffers are handed to other processes (ipc.py moves CPU ones into shared memory, once)."""
+    """The buffers are handed to other processes (ipc.py moves CPU ones into shared memory, once):
+    every bucket is packed into one, never sent from where the weights lie."""
+    trailer: int = 0
+    """Bytes each pack buffer has past the largest bucket, for `seal` to write (ipc.py's tag)."""
+    seal: Callable[[torch.Tensor], None] | None = None
+    """Called on each pack buffer as it is made, trailer included."""
     buffers: list = field(default_factory=lambda: [None, None])
     """The two pack buffers: pass the same list to every sync's maker and they are allocated once
     for the run (a fresh CPU buffer is page-faulted in anew by every sync that writes it)."""
@@ -256,7 +261,7 @@ class BucketMaker:
         self._device = str(items[0][1].device)
         if not self.flattened:
             return Bucket(metas, [t.to(self.staging) if self.staging else t for _, t in items], last)
-        flat = back_to_back([t for _, t in items], self.staging)
+        flat = None if self.share else back_to_back([t for _, t in items], self.staging)
         if flat is not None:  # already laid out as the bucket is (weightsync/flat.py): sent as it is
             return Bucket(metas, [flat], last, flat)
         flat = flatten_bucket([t for _, t in items], self._buffer(size))
@@ -284,9 +289,11 @@ class BucketMaker:
 
         device = torch.device(self.staging or self._device)
         buf = self.buffers[self._turn]
-        if buf is None or buf.numel() < size or buf.device != device:  # grown to the largest bucket, once
+        if buf is None or buf.numel() < size + self.trailer or buf.device != device:  # grown to the largest bucket, once
             pin = device.type == "cpu" and not self.share and torch.cuda.is_available()  # fast copies from a GPU
-            buf = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin)
+            buf = torch.empty(size + self.trailer, dtype=torch.uint8, device=device, pin_memory=pin)
+            if self.seal is not None:
+                self.seal(buf)
             self.buffers[self._turn] = buf
         self._turn ^= 1
         return buf

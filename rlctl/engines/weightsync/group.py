@@ -4,8 +4,9 @@ A TCP rendezvous at tcp://master_address:master_port, the store wrapped in
 PrefixStore(group_name), then a new process group of world_size on it. The trainer is rank 0 and
 hosts the store; server i joins as rank_offset + tp_rank. Because both sides build the group the
 same way, rlctl's sender works against real SGLang servers and SGLang-style senders work against
-rlctl's built-in server. The store rank 0 hosts listens on master_address only (tcp_store), where
-torch's own rendezvous would listen on every address of the host.
+rlctl's built-in server. The store rank 0 hosts listens on master_address only (store.py), where
+torch's own rendezvous would listen on every address of the host, and the sender ends it once the
+group no longer needs it (seal_store, close_store).
 """
 
 from __future__ import annotations
@@ -33,42 +34,79 @@ def init_custom_process_group(
         rendezvous,
     )
 
+    from rlctl.engines.weightsync.store import HostedStore, remember
+
     timeout = datetime.timedelta(seconds=timeout_s)
-    if rank == 0:  # the host of the store: on the master address only
-        store = tcp_store(init_method, rank, world_size, timeout)
+    hosted = None
+    if rank == 0:  # the host of the store: on the master address only, a server the sender can end
+        hosted = HostedStore(*_host_port(init_method), world_size, timeout)
+        store = hosted.client
     else:
         store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(
-        world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout
-    )
+    try:
+        pg, _ = _new_process_group_helper(
+            world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout
+        )
+    except BaseException:
+        if hosted is not None:
+            hosted.close()
+        raise
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    if hosted is not None:
+        remember(pg, hosted)
     return pg
+
+
+def seal_store(pg) -> None:
+    """Every rank has joined: the store rank 0 hosts for `pg` takes no new connection."""
+    from rlctl.engines.weightsync.store import hosted
+
+    store = hosted(pg)
+    if store is not None:
+        store.seal()
+
+
+def close_store(pg) -> None:
+    """No rank needs the store of `pg` any more (store.py): rank 0 ends it and its port closes."""
+    from rlctl.engines.weightsync.store import hosted
+
+    store = hosted(pg)
+    if store is not None:
+        store.close()
+
+
+def _host_port(init_method: str) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
+        raise ValueError(f"{init_method!r} is not a tcp://HOST:PORT rendezvous")
+    return url.hostname, url.port
 
 
 def tcp_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta):
     """The store of a tcp://HOST:PORT rendezvous, as torch's rendezvous makes it, except that rank
     0 hosts it on HOST's address only: torch binds its store to every address of the host, so a
     socket bound here is handed to it (TCPStore's master_listen_fd). Other ranks connect."""
-    from urllib.parse import urlsplit
-
     import torch.distributed as dist
 
     from rlctl.door import listening_socket
 
-    url = urlsplit(init_method)
-    if url.scheme != "tcp" or not url.hostname or url.port is None:
-        raise ValueError(f"{init_method!r} is not a tcp://HOST:PORT rendezvous")
+    host, port = _host_port(init_method)
     if rank != 0:
-        return dist.TCPStore(url.hostname, url.port, world_size, False, timeout)
-    fd = listening_socket(url.hostname, url.port).detach()  # the store owns and closes it
-    return dist.TCPStore(url.hostname, url.port, world_size, True, timeout, master_listen_fd=fd)
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    fd = listening_socket(host, port).detach()  # the store owns and closes it
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
 
 
 def destroy_process_group(pg) -> None:
     import torch.distributed as dist
 
+    from rlctl.engines.weightsync.store import forget
+
+    forget(pg)  # the store rank 0 hosted for it, if still open
     dist.destroy_process_group(pg)
 
 

@@ -13,66 +13,74 @@ rebuild_typed_storage, rebuild_storage_filename and rebuild_cuda_tensor. Like SG
 monkey_patch_torch_reductions, the device of a CUDA tensor travels as the GPU's UUID instead of
 an index, so that sender and receiver may number their visible GPUs differently; SGLang patches
 its own rebuild_cuda_tensor before unpickling, and rlctl's built-in server maps the UUID itself.
-CPU tensors travel as torch's named shared-memory files (its file_system strategy), which any
-process of the host can open.
+CPU tensors travel as torch's named shared-memory files (its file_system strategy), to rlctl's
+built-in server only (SGLang serves CUDA only).
 
-The receiving side unpickles with an allowlist (load), as SGLang's SafeUnpickler does: a pickle
-from the network runs no other code.
+The receiving side is rlctl's built-in server (ipc_open.py), which opens only what this run's
+trainer shares: every buffer the sender hands over ends in a tag (tag_buffer: HMAC-SHA256, keyed
+by the run's token, of the buffer's size), and the server refuses a storage that does not end in
+the tag its own copy of the token makes. Only a process that can write the memory and knows the
+token can put the tag there, so a request that names any other shared memory of the host is
+refused. The tag lies past the bucket's tensors, in bytes SGLang never looks at: what SGLang
+receives is its own format. A CPU payload names no shared-memory manager (the server connects to
+none) and takes no reference on the file: the trainer keeps it until the server's reply.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import io
 import pickle
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
 _DEVICE_ARG = 6  # torch's reduce_tensor for CUDA: args[6] is the device index (SGLang swaps in the UUID)
+TAG_BYTES = 32
+"""The tag at the end of every buffer handed over (SHA-256's size)."""
 
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+REBUILDERS = ("rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filename", "rebuild_cuda_tensor")
 ALLOWED = {
-    ("builtins", "list"), ("builtins", "tuple"), ("builtins", "str"), ("builtins", "int"), ("builtins", "bool"),
-    ("builtins", "bytes"), ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("_codecs", "encode"),
     ("torch", "Tensor"), ("torch", "Size"), ("torch", "UntypedStorage"), ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),  # the storage class a CUDA tensor's pickle names
-    ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"), ("torch", "float64"), ("torch", "int64"),
-    ("torch", "int32"), ("torch", "int8"), ("torch", "uint8"), ("torch", "bool"),
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    *(("torch", d) for d in DTYPES),
+    *(("torch.multiprocessing.reductions", f) for f in REBUILDERS),
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
 }
 """What a weight pickle may reference: rlctl's own pickles use the torch names; an SGLang
-sender's patched pickles name SGLang's rebuild function, which load() answers itself."""
+sender's patched pickles name SGLang's rebuild function. The receiver (ipc_open.py) answers
+each with a function of its own that checks its arguments, and each class with a name that
+cannot be called."""
+
+
+def ipc_key(token: str | None) -> bytes:
+    """The key of the tags, from the run's token (none outside a run: an open server's)."""
+    return hmac.new((token or "").encode(), b"rlctl weight-sync ipc", hashlib.sha256).digest()
+
+
+def tag_for(key: bytes, nbytes: int) -> bytes:
+    """The tag a buffer of `nbytes` (tag included) ends in."""
+    return hmac.new(key, b"rlctl ipc buffer %d" % nbytes, hashlib.sha256).digest()
+
+
+def tag_buffer(buf: torch.Tensor, key: bytes) -> None:
+    """Write the tag into the last TAG_BYTES of `buf`, a uint8 buffer that is its storage whole."""
+    import torch
+
+    if buf.dtype != torch.uint8 or buf.storage_offset() or buf.numel() != buf.untyped_storage().nbytes():
+        raise ValueError("only a whole uint8 buffer can carry the IPC tag")
+    tag = tag_for(key, buf.numel())
+    buf[-TAG_BYTES:].copy_(torch.frombuffer(bytearray(tag), dtype=torch.uint8))
 
 
 def gpu_uuid(index: int) -> str:
     import torch
 
     return str(torch.cuda.get_device_properties(index).uuid)
-
-
-def _local_gpu(device: int | str) -> int:
-    """The index here of a GPU given as an index or UUID (what SGLang's patched pickles carry)."""
-    import torch
-
-    if isinstance(device, int):
-        return device
-    for index in range(torch.cuda.device_count()):
-        if gpu_uuid(index) == device:
-            return index
-    raise ValueError(f"the weights are on GPU {device}, which this process does not see: "
-                     "CUDA IPC needs sender and server on one GPU (use sync_backend nccl or gloo)")
-
-
-def _rebuild_cuda(*args):
-    from torch.multiprocessing import reductions
-
-    args = (*args[:_DEVICE_ARG], _local_gpu(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
-    return reductions.rebuild_cuda_tensor(*args)
 
 
 class _Reduced:
@@ -90,9 +98,9 @@ def _reduce_cpu(t: torch.Tensor):
     from torch.multiprocessing import reductions
 
     storage = t.untyped_storage()
-    manager, handle, size = storage._share_filename_cpu_()  # into a named shared-memory file, once
-    storage._shared_incref()  # the receiver's rebuild_storage_filename takes it back
-    untyped = _Reduced(reductions.rebuild_storage_filename, (torch.UntypedStorage, manager, handle, size))
+    _, handle, size = storage._share_filename_cpu_()  # into a named shared-memory file, once
+    # No manager and no reference for the receiver: rlctl's server maps the file itself, read-only.
+    untyped = _Reduced(reductions.rebuild_storage_filename, (torch.UntypedStorage, b"", handle, size))
     typed = _Reduced(reductions.rebuild_typed_storage, (untyped, t.dtype))
     meta = (t.storage_offset(), t.size(), t.stride(), False)
     return reductions.rebuild_tensor, (torch.Tensor, typed, meta)
@@ -123,25 +131,3 @@ def dumps(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(list(named_tensors))
     return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in ALLOWED:
-            raise pickle.UnpicklingError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
-        if name in ("rebuild_cuda_tensor", "_rebuild_cuda_tensor_modified"):
-            return _rebuild_cuda
-        return super().find_class(module, name)
-
-
-def loads(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
-    """The receiving side: (name, tensor) pairs; the tensors are the sender's memory, mapped."""
-    import torch
-
-    data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
-    named = _Unpickler(io.BytesIO(data)).load()
-    if not isinstance(named, list) or not all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-            for p in named):
-        raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
-    return named

@@ -13,6 +13,9 @@ Three ways to send a bucket (`backend`):
 - ipc: no group; the bucket's tensors are handed over in place (ipc.py) by
   /update_weights_from_tensor, to servers on the trainer's own GPU (or host, for CPU servers).
 
+A group's store, which rank 0 hosts, is sealed once every server has joined and closed as soon as
+no rank needs it: at once for gloo, after the first bucket for NCCL (store.py).
+
 The sync is a pipeline. The weights are read one tensor at a time on the `producer` executor (the
 trainer's engine thread: a Megatron engine gathers each tensor's shards as it is asked for it),
 cast to the servers' dtype and packed into one of two reused buffers (buckets.BucketMaker) while
@@ -33,10 +36,12 @@ from collections.abc import Iterable
 from rlctl.engines.weightsync.buckets import Bucket, BucketMaker, dtype_from_name, unflatten_bucket
 from rlctl.engines.weightsync.group import (
     DEFAULT_GROUP_NAME,
+    close_store,
     destroy_process_group,
     group_layout,
     in_daemon_thread,
     init_custom_process_group,
+    seal_store,
 )
 from rlctl.models.hf_config import declared_dtype, read_config
 
@@ -82,7 +87,8 @@ class WeightSender:
     group whose broadcast no longer completes is not used again."""
 
     def __init__(self, clients: list, *, master_address: str, master_port: int, backend: str,
-                 bucket_bytes: int, group_name: str = DEFAULT_GROUP_NAME, flattened: bool = True) -> None:
+                 bucket_bytes: int, group_name: str = DEFAULT_GROUP_NAME, flattened: bool = True,
+                 run_token: str | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown weight-sync backend {backend!r}; one of {', '.join(BACKENDS)}")
         self.clients = clients
@@ -108,6 +114,9 @@ class WeightSender:
         self.server_dtype: torch.dtype | None = None
         """The dtype every server holds its weights in (None: they differ, or cannot be told);
         wider floating-point weights are cast to it before they leave (buckets.wire_tensor)."""
+        self.run_token = run_token
+        """The run's token (None outside a run): IPC buffers carry a tag made with it, by which
+        the built-in server knows them for this run's (ipc.py)."""
 
     async def connect(self) -> None:
         """Ask every server what it is (TP size: how many ranks it takes; dtype) and, for a
@@ -133,7 +142,22 @@ class WeightSender:
                 j.cancel()
             await asyncio.gather(*joins, return_exceptions=True)
             raise
-        await asyncio.gather(*joins)
+        try:
+            await asyncio.gather(*joins)
+        except BaseException:
+            self._close_store()  # a group that did not form needs its store no more
+            raise
+        self._formed()
+
+    def _formed(self) -> None:
+        """Every server has joined: the group's store takes no new connection, and closes now,
+        unless NCCL still needs it: it makes its communicator at the first broadcast (store.py)."""
+        seal_store(self.group)
+        if self.backend != "nccl":
+            self._close_store()
+
+    def _close_store(self) -> None:
+        close_store(self.group)
 
     async def _ask_to_join(self, client, rank_offset: int) -> None:
         """One server's part of forming the group (it joins while we do)."""
@@ -149,8 +173,15 @@ class WeightSender:
 
     def _maker(self, weights: Iterable[tuple[str, torch.Tensor]]) -> BucketMaker:
         staging = "cpu" if self.backend == "gloo" else None  # None: where the weights are
-        return BucketMaker(weights, self.bucket_bytes, self.flattened, self.server_dtype,
-                           staging=staging, share=self.backend == "ipc", buffers=self.buffers)
+        if self.backend != "ipc":
+            return BucketMaker(weights, self.bucket_bytes, self.flattened, self.server_dtype,
+                               staging=staging, buffers=self.buffers)
+        from rlctl.engines.weightsync import ipc
+
+        key = ipc.ipc_key(self.run_token)
+        return BucketMaker(weights, self.bucket_bytes, self.flattened, self.server_dtype, staging=staging,
+                           share=True, buffers=self.buffers, trailer=ipc.TAG_BYTES,
+                           seal=lambda buf: ipc.tag_buffer(buf, key))
 
     def _next(self, maker: BucketMaker) -> Bucket | None:
         """The next bucket, and for IPC its payloads: one per TP rank of every server (each
@@ -253,6 +284,7 @@ class WeightSender:
             if failed[0] is broadcast:
                 raise RunError(f"weight broadcast to the servers failed: {error}") from error
             raise error
+        self._close_store()  # every rank has its NCCL communicator now (a no-op once closed)
 
     async def _announce(self, client, bucket: Bucket, version: str | None) -> None:
         await client.update_weights_from_distributed(

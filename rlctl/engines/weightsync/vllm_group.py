@@ -68,11 +68,15 @@ def packed_chunks(sizes: list[int], buffer_bytes: int) -> list[list[int]]:
 
 class StoreGroup:
     """The metadata part of vLLM's StatelessProcessGroup: a TCPStore and broadcast_obj's keys.
-    Rank 0 hosts the store on master_address only (a socket bound there, handed to TCPStore,
-    as vLLM's create() does)."""
+    Rank 0 hosts the store on master_address only (store.HostedStore: a socket bound there,
+    handed to TCPStore, as vLLM's create() does), and ends it once the group is formed (close).
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+    The values are pickles, as vLLM's are; what is read back is unpickled with no global at all
+    (plain_loads): a key someone else set in the store gives data, never a call."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, hosted: Any = None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.hosted = hosted
         self.sent = 0
         self.received = [0] * world_size
 
@@ -81,16 +85,14 @@ class StoreGroup:
                timeout_s: float = STORE_TIMEOUT_S) -> StoreGroup:
         import torch.distributed as dist
 
-        from rlctl.door import listening_socket
+        from rlctl.engines.weightsync.store import HostedStore
 
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0:
-            fd = listening_socket(host, port).detach()  # the store owns and closes it
-            store = dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=True,
-                                  timeout=timeout, use_libuv=False, master_listen_fd=fd)
-        else:
-            store = dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=False,
-                                  timeout=timeout, use_libuv=False)
+            hosted = HostedStore(host, port, world_size, timeout)
+            return cls(hosted.client, rank, world_size, hosted)
+        store = dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=False,
+                              timeout=timeout, use_libuv=False)
         return cls(store, rank, world_size)
 
     def broadcast_obj(self, obj: Any, src: int) -> Any:
@@ -100,7 +102,33 @@ class StoreGroup:
             return obj
         key = f"broadcast_from/{src}/{self.received[src]}"
         self.received[src] += 1
-        return pickle.loads(self.store.get(key))  # noqa: S301 - the run's own trainer, behind its door
+        return plain_loads(self.store.get(key), key)
+
+    def seal(self) -> None:
+        """Every rank has joined: the store rank 0 hosts takes no new connection (store.py)."""
+        if self.hosted is not None:
+            self.hosted.seal()
+
+    def close(self) -> None:
+        """No rank reads the store any more: rank 0 ends it and its port closes."""
+        if self.hosted is not None:
+            self.hosted.close()
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a weight-transfer store value may hold plain data only, not {module}.{name}")
+
+
+def plain_loads(data: bytes, key: str) -> Any:
+    """A store value as vLLM pickles it (str, bytes, numbers, lists, dicts: what its
+    broadcast_obj carries), with every global refused: nothing in it is called."""
+    import io
+
+    try:
+        return _NoGlobals(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+        raise ValueError(f"weight-transfer store key {key!r}: {e}") from None
 
 
 class TransferGroup:
@@ -128,9 +156,16 @@ class TransferGroup:
         import torch.distributed as dist
 
         store = StoreGroup.create(master_address, master_port, rank, world_size, timeout_s)
-        store.broadcast_obj("gloo" if rank == 0 else None, src=0)  # where vLLM publishes NCCL's unique id
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_PREFIX, store.store), rank, world_size,
-                                   datetime.timedelta(seconds=timeout_s))
+        try:
+            said = store.broadcast_obj("gloo" if rank == 0 else None, src=0)  # where vLLM publishes NCCL's unique id
+            if said != "gloo":
+                raise ValueError(f"the weight-transfer group's rank 0 published {str(said)[:80]!r}, not 'gloo': "
+                                 "this is not an rlctl trainer's emulated group")
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_PREFIX, store.store), rank, world_size,
+                                       datetime.timedelta(seconds=timeout_s))
+        except BaseException:
+            store.close()
+            raise
         return cls("gloo", pg, store)
 
     def broadcast(self, tensor: Any) -> None:
@@ -142,9 +177,26 @@ class TransferGroup:
             return
         self.comm.broadcast(tensor, 0).wait()
 
+    def seal_store(self) -> None:
+        """Every rank has joined (the servers have answered): no new connection to the store."""
+        if self.store is not None:
+            self.store.seal()
+
+    def close_store(self) -> None:
+        """The group is formed and its store is needed no more: rank 0's is ended, its port
+        closed. gloo's ranks connected when the process group was made; vLLM's communicator
+        made NCCL's at once (and warmed it up with an all_reduce), so every rank has read the id.
+        vLLM's own StatelessProcessGroup, the store's only holder, is dropped: vLLM leaves it
+        None for a communicator made without one (PyNcclCommunicator.from_unique_id_bytes)."""
+        if self.store is not None:
+            self.store.close()
+        if self.backend == "nccl" and getattr(self.comm, "group", None) is not None:
+            self.comm.group = None
+
     def close(self) -> None:
         if self.backend == "nccl":
             destroy = getattr(self.comm, "destroy", None)
             if destroy is not None:
                 destroy()
+        self.close_store()
         self.comm = None

@@ -60,6 +60,16 @@ class VllmWeightSender(WeightSender):
         return TransferGroup.join(self.backend, master_address=self.master_address, master_port=self.master_port,
                                   rank=0, world_size=self.world_size, device=self.device)
 
+    def _formed(self) -> None:
+        """Every server has joined, and vLLM's communicator is made as the group forms (gloo's
+        process group likewise): the store is sealed and closed at once (vllm_group.py)."""
+        self.group.seal_store()
+        self.group.close_store()
+
+    def _close_store(self) -> None:
+        if self.group is not None:
+            self.group.close_store()
+
     async def _begin(self, everyone: list, in_session: list, pause_mode: str) -> None:
         await asyncio.gather(*(c.pause_generation(pause_mode) for c in everyone))
         await asyncio.gather(*(c.start_weight_update() for c in everyone))

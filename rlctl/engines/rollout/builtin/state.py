@@ -39,6 +39,19 @@ class ServerState:
         """The parameters are off the device (memory_routes.py): nothing may read or write them."""
         return self.memory is not None and "weights" in self.memory.released
 
+    def foreign_master(self, address: Any, port: Any) -> str | None:
+        """Why a weight group whose store is at address:port is not the run's trainer's, or None
+        when it is (or the server was started without --weight-group-master: open, for ad-hoc use).
+        With HOST:PORT both must be those; with HOST alone, the host."""
+        want = self.args.weight_group_master
+        if not want:
+            return None
+        host, _, pinned = want.rpartition(":") if want.rpartition(":")[2].isdigit() else (want, "", "")
+        if address == host and (not pinned or str(port) == pinned):
+            return None
+        return (f"master_address {address}:{port} is not this run's trainer ({want}); refused "
+                "(--weight-group-master)")
+
     def sessions_required(self) -> bool:
         """SGLang >= 0.5.21 refuses weight updates outside a session; older versions have none."""
         if not self.args.emulate_sglang:

@@ -6,7 +6,8 @@ vLLM's source): /v1/completions with token-id prompts, per-token log-probs and w
 spans; /pause?mode=, /resume, /is_paused, /abort_requests; the weight-transfer routes, received
 the way vLLM's NCCL backend receives (packed chunks, vllm_group.packed_chunks) but over gloo on
 the host (vllm_group.TransferGroup). As in vLLM, the dev routes exist only when the server starts
-with VLLM_SERVER_DEV_MODE=1; without it they answer 404.
+with VLLM_SERVER_DEV_MODE=1; without it they answer 404. The door is the one a run's vLLM servers
+have (vllm_door): every route but /health, OPTIONS included, asks for the token.
 
 Differences that remain: one process generates (a TP size only changes the ranks the server takes
 in the group, and the emulation takes TP 1), and replies carry no text field worth reading.
@@ -39,6 +40,27 @@ def dev_mode() -> bool:
         return bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
     except ValueError:
         return False
+
+
+def vllm_door(token: str | None):
+    """The door of a server emulating vLLM: TokenDoor (rlctl/engines/rollout/vllm_door.py), the one
+    a run puts in front of its real vLLM servers, decides, so the emulation refuses what they
+    refuse: every route but /health, whatever the method (OPTIONS included), without the token or
+    with a wrong one, 401 {"error": "Unauthorized"} as vLLM answers. No handler runs for a refused
+    request. Without a token (a server started by hand) the door is open, as vLLM's without a key."""
+    from rlctl.engines.rollout.vllm_door import TokenDoor
+
+    door = TokenDoor(None, token) if token else None
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        given = request.headers.get("Authorization")
+        headers = [(b"authorization", given.encode("latin-1", "replace"))] if given is not None else []
+        if door is not None and not door.allowed({"path": request.path, "method": request.method, "headers": headers}):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
 
 
 def error_response(message: str, status: int, kind: str) -> web.Response:
@@ -215,13 +237,12 @@ class VllmRoutes:
         if not isinstance(info, dict):
             return unprocessable("init_info")
         unknown = set(info) - set(INIT_INFO_KEYS) - {"nccl_unique_id_b64", "use_load_plan", "metadata"}
-        trainer = self.state.args.weight_group_master
         if unknown or not info.get("packed", False):
             return error_response(f"the emulation takes packed NCCL init_info only; unexpected {sorted(unknown)}",
                                   500, "InternalServerError")
-        if trainer and info.get("master_address") != trainer:  # only the run's own trainer sends weights
-            return error_response(f"master_address {info.get('master_address')!r} is not this run's trainer "
-                                  f"({trainer}); refused", 500, "InternalServerError")
+        foreign = self.state.foreign_master(info.get("master_address"), info.get("master_port"))
+        if foreign:  # only the run's own trainer sends weights, from the port it announced: refused before any connect
+            return error_response(foreign, 400, "BadRequestError")
         rank = int(info["rank_offset"])  # + dp_rank * TP * PP + rank: one worker, rank 0 of dp 0
         try:
             group = await asyncio.get_running_loop().run_in_executor(None, lambda: TransferGroup.join(

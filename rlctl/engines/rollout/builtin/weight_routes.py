@@ -39,6 +39,8 @@ class WeightRoutes:
         self.weight_device = None
         self.scratch: list = []
         """The buffer flattened buckets arrive in, kept from one bucket to the next (receive_bucket)."""
+        self.ipc_key: bytes | None = None
+        """The key of the run's IPC tags (weightsync/ipc.py), from --api-key-file's token once read."""
         # Weight loads are one at a time, in arrival order, like SGLang's tokenizer manager lock.
         self.update_lock = asyncio.Lock()
 
@@ -56,10 +58,9 @@ class WeightRoutes:
             rank_offset = int(body["rank_offset"])
         except (KeyError, TypeError, ValueError) as e:
             return fail(f"bad request: {e}")
-        trainer = self.state.args.weight_group_master
-        if trainer and body["master_address"] != trainer:  # only the run's own trainer sends weights
-            return fail(f"Failed to initialize custom process group: master_address {body['master_address']!r} "
-                        f"is not this run's trainer ({trainer}); refused.")
+        foreign = self.state.foreign_master(body["master_address"], int(body["master_port"]))
+        if foreign:  # only the run's own trainer sends weights, from the port it announced
+            return fail(f"Failed to initialize custom process group: {foreign}.")
         engine = self.state.engine
         on_gpu = engine is not None and engine.device.type == "cuda"
         if group["backend"] == "nccl" and not on_gpu:
@@ -131,8 +132,10 @@ class WeightRoutes:
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """One bucket handed over in place (rlctl/engines/weightsync/ipc.py): the tensors are the
         sender's memory, mapped here, and are copied into the parameters before the reply, after
-        which the sender may reuse that memory. Served by TP-1 servers (the payload of TP rank 0)."""
-        from rlctl.engines.weightsync import ipc
+        which the sender may reuse that memory. Served by TP-1 servers (the payload of TP rank 0).
+        Only this run's trainer's buffers are opened, and only tensors that fit the model's
+        parameters are taken (weightsync/ipc_open.py); anything else is refused, 400."""
+        from rlctl.engines.weightsync import ipc_open
 
         body = await request.json()
         if self.state.sessions_required() and not self.in_update_session:
@@ -147,18 +150,25 @@ class WeightRoutes:
         async with self.update_lock:
             if self.state.weights_released():
                 return fail(f"Failed to update weights from tensor: {RELEASED}")
-            try:
-                named = await self._in_executor(ipc.loads, payloads[0])
-            except Exception as e:  # noqa: BLE001 - an unreadable payload is the sender's error
-                return fail(f"Failed to update weights from tensor: {e}")
             state = engine.model.state_dict()
-            unknown = [n for n, _ in named if n not in state]
-            if unknown:
-                return fail(f"unknown parameter names: {unknown[:5]}")
+            try:
+                key = self._ipc_key()
+                named = await self._in_executor(lambda: ipc_open.loads(payloads[0], key=key, params=state))
+            except Exception as e:  # noqa: BLE001 - an unreadable or refused payload is the sender's error
+                return fail(f"Failed to update weights from tensor: {e}")
             await self._in_executor(self._copy, self._as_one_slice(named) or [(state[n], t) for n, t in named])
             if body.get("weight_version") is not None:
                 engine.weight_version = str(body["weight_version"])
         return ok("Success")
+
+    def _ipc_key(self) -> bytes:
+        if self.ipc_key is None:
+            from rlctl.door import read_token_file
+            from rlctl.engines.weightsync.ipc import ipc_key
+
+            path = self.state.args.api_key_file
+            self.ipc_key = ipc_key(read_token_file(path) if path else None)
+        return self.ipc_key
 
     def _as_one_slice(self, named: list) -> list | None:
         """Tensors that lie back to back in the sender's memory, and whose places in this
