@@ -3,17 +3,23 @@
 Every run has a token, random and its own, in the 0600 file `token` of its (0700) run directory,
 written when the directory is created. A process of the run finds it through the environment
 variable RLCTL_TOKEN_FILE (the path of the file, never the token) or in its run directory; the
-token itself never goes on a command line, into a log, run.json or the recipe. Every HTTP
-endpoint of the run's servers but /health asks for `Authorization: Bearer <token>` (401 without
-it, 403 with a wrong one), SGLang's servers included: they get it as their api key from a 0600
-YAML file of options (`--config`). Listening sockets are bound to the address the others reach
-them at (127.0.0.1 in a local run), never to all addresses.
+token itself never goes on a command line, into a log, run.json or the recipe, nor over the
+wire to a rollout server or the trainer: each start of each of those processes has its own key
+(role_key: derived from the token and a key_id the process draws when it starts, after it has
+bound its port, and records in run.json), and a request carries only the key of the process it
+goes to. Every HTTP endpoint of the run's servers but the probes (/health) asks for
+`Authorization: Bearer <key>` (401 without it, 403 with a wrong one), SGLang's and vLLM's
+servers included: they get their key as their api key from a 0600 YAML file of options
+(`--config`) or their environment. Probes carry no credential. Listening sockets are bound to
+the address the others reach them at (127.0.0.1 in a local run), never to all addresses.
 
 Nothing here imports torch or aiohttp: `rlctl launch` creates the token through this module.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -34,6 +40,8 @@ OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 """Paths answered without a token: probes. SGLang leaves exactly these prefixes open
 (sglang/srt/utils/auth.py; tests/test_sglang_contract.py reads them from its wheels)."""
 REDACTED = b"<run token>"
+LEASE_ROLE = "pool-lease"
+"""The role whose key (role_key(token, LEASE_ROLE, job)) a pooled run asks its pool for slices with."""
 
 log = logging.getLogger("rlctl.door")
 
@@ -87,6 +95,32 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
 
 def read_token(run_dir: Path | None = None) -> str:
     return read_token_file(token_path(run_dir))
+
+
+def new_key_id() -> str:
+    """A fresh name for the credential of one process start (not secret: run.json holds it)."""
+    return secrets.token_hex(8)
+
+
+def role_key(token: str, role: str, key_id: str) -> str:
+    """The credential of one start of one process of the run (`role` as the run plan names it,
+    `key_id` drawn when that process started): HMAC-SHA256 of the run's token over `role/key_id`.
+    It opens that process only. A request carries the key of the process it is meant for, never
+    the run's token: whoever answers in that process's place (a process that took a dead server's
+    port before its restart) learns a key that opens nothing else, and nothing once the process
+    restarts under a new key_id. The prefix keeps the first character off '-' (SGLang's parser)."""
+    mac = hmac.new(token.encode(), f"{role}/{key_id}".encode(), hashlib.sha256).digest()
+    return "rk_" + base64.urlsafe_b64encode(mac).decode().rstrip("=")
+
+
+def key_of(token: str, processes: dict, role: str) -> str:
+    """`role`'s current key, from the key_id its newest start recorded in run.json's processes;
+    a RunError when it recorded none (another process answering on its port, or one started
+    before it had bound its port)."""
+    key_id = (processes.get(role) or {}).get("key_id")
+    if not isinstance(key_id, str) or not key_id:
+        raise RunError(f"{role} has recorded no key in run.json: a process that is not the run's may be on its port")
+    return role_key(token, role, key_id)
 
 
 def bearer(token: str | None) -> dict[str, str]:

@@ -12,7 +12,12 @@ kernel), or a server whose engine died (the built-in server's /health is 503 the
   Slurm its own srun step (scancel --signal=KILL JOB.STEP); the supervisor
   (rlctl/launchers/local.py) or the batch script (rlctl/launchers/slurm/script.py) starts a
   dead one again, up to rollout.max_restarts times.
-A lost server that answers /health again rejoins at the next weight sync: the trainer forms
+A server that was started again while nobody noticed (a new key_id in run.json: every start of
+a server draws one once it holds its port, rlctl/door.py) is lost too: the new process holds
+none of the run's weights. A lost server rejoins once it has been started again and answers
+/health; one that answers under its old key_id is not the run's (the process it was is dead,
+someone else holds its port) and gets nothing but keyless probes. It rejoins at the next weight
+sync: the trainer forms
 the weight-sync group anew with the servers then in it (a group cannot take new members), the
 sync gives it the current weights, and only then does it get requests again. Until then every
 sync goes to the servers left. Events: server_lost, server_rejoined.
@@ -54,9 +59,22 @@ class ServerWatch:
         self.stall_s = recipe.rollout.stall_timeout_s
         self.last_ok = {c.name: clock.now() for c in clients}
         self.probes: dict[str, asyncio.Task] = {}
+        self.probed_key_id: dict[str, str | None] = {}
+        """The key_id in run.json when each server's probe now out was sent."""
         self.back: set[str] = set()
-        """Lost servers that answer /health again: they rejoin at the next sync."""
+        """Lost servers started again that answer /health: they rejoin at the next sync."""
+        self.key_ids, self.pids = self._starts()
+        """The key_id (rlctl/door.py) of the start each client's key belongs to, and the pid of
+        that start. A server with another pid or key_id in run.json has been started again: a
+        new process, which holds no weights of the run yet. And a lost server that answers
+        /health under its old key_id is no start of the run's: a dead process cannot answer, so
+        someone else is on its port."""
         pool.on_lost = self._on_lost
+
+    def _starts(self) -> tuple[dict[str, str | None], dict[str, int | None]]:
+        processes = self.rd.read().get("processes", {})
+        found = {c.name: processes.get(c.name) or {} for c in self.clients}
+        return {n: p.get("key_id") for n, p in found.items()}, {n: p.get("pid") for n, p in found.items()}
 
     def _on_lost(self, name: str, reason: str, in_flight: int) -> None:
         log.warning("%s lost (%s); %d requests in flight go to the other servers", name, reason, in_flight)
@@ -89,28 +107,38 @@ class ServerWatch:
 
     async def _probe(self, c: RolloutClient) -> bool:
         try:
-            async with c.session.get(c.url + "/health", headers=c.headers,
-                                     timeout=aiohttp.ClientTimeout(total=self.stall_s)) as resp:
+            # No credential: whoever answers on a lost server's port learns nothing from a probe.
+            async with c.session.get(c.url + "/health", timeout=aiohttp.ClientTimeout(total=self.stall_s)) as resp:
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
 
     def check_once(self) -> None:
         """One tick: start a /health probe where none is out, take in those that finished, and
-        lose the servers not seen healthy for stall_timeout_s. A probe that hangs (a frozen
-        process) does not delay the verdict: it is judged by the time since the last 200."""
+        lose the servers not seen healthy for stall_timeout_s or started again since their key.
+        A probe that hangs (a frozen process) does not delay the verdict: it is judged by the
+        time since the last 200. A lost server is back when it answers /health and its newest
+        start has recorded a new key_id (it binds its port first)."""
         now = self.clock.now()
+        key_ids, pids = self._starts()
         for c in self.clients:
+            restarted = key_ids[c.name] != self.key_ids[c.name] or pids[c.name] != self.pids[c.name]
+            if restarted and c.name not in self.pool.lost:
+                self.pool.lose(c.name, "started again: the new process holds none of the run's weights yet")
             probe = self.probes.get(c.name)
             if probe is not None and probe.done():
                 if not probe.cancelled() and probe.result():
                     self.last_ok[c.name] = now
-                    if c.name in self.pool.lost and c.name not in self.back:
+                    # Back: a probe sent after the new start had recorded its key_id (so after it
+                    # had bound the port) answered; an earlier one may have reached someone else.
+                    new = self.probed_key_id.get(c.name) not in (None, self.key_ids[c.name])
+                    if c.name in self.pool.lost and c.name not in self.back and new:
                         self.back.add(c.name)
                         self.emit("server_back", now, server=c.name)
                 probe = None
             if probe is None:
                 self.probes[c.name] = asyncio.create_task(self._probe(c))
+                self.probed_key_id[c.name] = key_ids[c.name]
             if c.name not in self.pool.lost and now - self.last_ok[c.name] > self.stall_s:
                 self.pool.lose(c.name, f"/health has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
                 self._kill(c.name)  # frozen, not dead: it is restarted once it is
@@ -145,7 +173,8 @@ class FailoverTrainer:
     def __init__(self, trainer: Any, watch: ServerWatch, connect: Any) -> None:
         self.trainer, self.watch = trainer, watch
         self.connect = connect
-        """connect(clients): has the trainer form the weight-sync group anew with those servers."""
+        """connect(clients): has the trainer form the weight-sync group anew with those servers,
+        each client given its current key; returns the key_id of each."""
         self.members = [c.name for c in watch.clients]
 
     def __getattr__(self, name: str) -> Any:  # accumulate, train, weight_checksums ...
@@ -180,13 +209,16 @@ class FailoverTrainer:
         if not targets:
             raise RunError("every rollout server is lost; see their logs")
         names = [c.name for c in targets]
+        used: dict[str, str] = {}
         if names != self.members:
-            await self.connect(targets)
+            used = await self.connect(targets)  # each client gets its start's key
             self.members = names
             self.watch.emit("weight_group_formed", self.watch.clock.now(), servers=names, version=version)
         stats = await self.trainer.sync_weights(version, pause_mode)
         for name in [n for n in names if n in self.watch.back]:
             self.watch.back.discard(name)
+            self.watch.key_ids[name] = used[name]  # the start that holds the run's weights now
+            self.watch.pids[name] = self.watch._starts()[1][name]
             self.watch.pool.rejoin(name)
             self.watch.emit("server_rejoined", self.watch.clock.now(), server=name, version=version)
         return stats

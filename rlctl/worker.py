@@ -17,11 +17,13 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 from rlctl.checkpoint import PREEMPTED_EXIT, Preempted
-from rlctl.door import listen_address, read_token, redact_output, sglang_config, token_path
+from rlctl.door import (listen_address, listening_socket, new_key_id, read_token, redact_output, role_key,
+                        sglang_config, token_path)
 from rlctl.errors import RlctlError, RunError
 from rlctl.plan import Role, RunPlan
 from rlctl.recipe import Device, Launcher, PipelineMode, Recipe, RolloutEngine, TrainEngine, recipe_from_yaml
@@ -113,9 +115,13 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         _exec_sglang(rd, recipe, role, info["model_path"])
     if recipe.rollout.engine is RolloutEngine.VLLM:
         _exec_vllm(rd, recipe, role, info["model_path"])
+    sock = _bound(role)
+    key_id = new_key_id()  # drawn once the port is ours: a key in run.json is never that of a process without it
+    rd.record_process(role.name, key_id=key_id)
     args = server.parser().parse_args([  # a list in this process: the token file's path only, never the token
         "--model-path", info["model_path"], "--host", listen_address(role.listen), "--port", str(role.port),
-        "--api-key-file", str(token_path(rd.path)), "--weight-group-master", plan.trainers[0].host,
+        "--api-key-file", str(token_path(rd.path)), "--key-scope", f"{role.name}/{key_id}",
+        "--weight-group-master", plan.trainers[0].host,
         "--random-seed", str(recipe.run.seed * 1000 + index),
         "--max-running-requests", str(recipe.rollout.max_running_requests),
         "--threads", str(recipe.run.threads_per_process),
@@ -126,7 +132,17 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     ])
     if recipe.rollout.builtin.emulate_vllm:  # as a vLLM server rlctl starts (vllm.launch_env), unless told otherwise
         os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
-    server.serve(args)
+    server.serve(args, sock)
+
+
+def _bound(role: Role) -> socket.socket:
+    """This process's listening socket, before it draws its key: a port someone else holds ends
+    the process here (EADDRINUSE), and the launcher starts it again (rlctl/launchers/local.py)."""
+    try:
+        return listening_socket(role.listen, role.port)
+    except OSError as e:
+        raise RunError(f"{role.name} cannot listen on {role.listen}:{role.port}: {e.strerror or e}; "
+                       "another process holds the port") from None
 
 
 def _exec_sglang(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> None:
@@ -139,12 +155,12 @@ def _exec_sglang(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> Non
     if recipe.launcher is Launcher.LOCAL:  # under Slurm the batch script has bound the task's GPUs
         os.environ["CUDA_VISIBLE_DEVICES"] = sglang_gpus(recipe.rollout.gpus, recipe.rollout.sglang.tp_size, role.index)
         log.info("rollout server %d on GPUs %s", role.index, os.environ["CUDA_VISIBLE_DEVICES"])
-    token = _run_token(rd)
-    config = sglang_config(rd.path / f"sglang-{role.name}.yaml", token)
+    key = _own_key(rd, role)
+    config = sglang_config(rd.path / f"sglang-{role.name}.yaml", key)
     cmd = sglang.launch_command(sys.executable, model_path, recipe.rollout.sglang, host=listen_address(role.listen),
                                 port=role.port, seed=recipe.run.seed * 1000 + role.index, config=str(config))
     log.info("exec %s", " ".join(cmd))
-    redact_output(token)
+    redact_output(key)
     os.execv(cmd[0], cmd)
 
 
@@ -158,15 +174,23 @@ def _exec_vllm(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> None:
     if recipe.launcher is Launcher.LOCAL:  # under Slurm the batch script has bound the task's GPUs
         os.environ["CUDA_VISIBLE_DEVICES"] = sglang_gpus(recipe.rollout.gpus, recipe.rollout.vllm.tp_size, role.index)
         log.info("rollout server %d on GPUs %s", role.index, os.environ["CUDA_VISIBLE_DEVICES"])
-    token = _run_token(rd)
-    env = vllm.launch_env(token)
+    key = _own_key(rd, role)
+    env = vllm.launch_env(key)
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", env.pop("VLLM_SERVER_DEV_MODE"))
     os.environ.update(env)
     cmd = vllm.launch_command(sys.executable, model_path, recipe.rollout.vllm, host=listen_address(role.listen),
                               port=role.port, seed=recipe.run.seed * 1000 + role.index)
     log.info("exec %s", " ".join(cmd))
-    redact_output(token)
+    redact_output(key)
     os.execv(cmd[0], cmd)
+
+
+def _own_key(rd: RunDir, role: Role) -> str:
+    """An engine that binds its port itself (SGLang, vLLM) gets its key before it starts: the
+    key_id is recorded before the port is bound (docs/security.md says what that leaves open)."""
+    key_id = new_key_id()
+    rd.record_process(role.name, key_id=key_id)
+    return role_key(_run_token(rd), role.name, key_id)
 
 
 def _run_token(rd: RunDir) -> str:
@@ -219,8 +243,11 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
                                   device=device, algo=recipe.algo, behaviour_versions=behaviour_versions(recipe))
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
-        service = TrainerService(engine, world, token=token)
-        web.run_app(service.app(), host=listen_address(role.listen), port=role.port, print=None, access_log=None)
+        sock = _bound(role)
+        key_id = new_key_id()  # once the port is ours, as a rollout server's
+        rd.record_process(role.name, key_id=key_id)
+        service = TrainerService(engine, world, token=token, key=role_key(token, role.name, key_id), run_dir=rd.path)
+        web.run_app(service.app(), sock=sock, print=None, access_log=None)
     else:
         follower_loop(engine)
     if dist.is_initialized():

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import sglang_source
-from conftest import FAST, QUICKSTART, ensure_wheel, free_port, rlctl, rlctl_here, wait_for
-from rlctl.door import TOKEN_FILE, new_token, read_token, sglang_config
+from conftest import FAST, QUICKSTART, descendants, ensure_wheel, free_port, rlctl, rlctl_here, wait_for
+from rlctl.errors import RunError
+from rlctl.door import TOKEN_FILE, key_of, new_token, read_token, role_key, sglang_config
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.weightsync import WeightSender
 from rlctl.errors import RecipeError
@@ -96,7 +97,8 @@ def _listen_addresses(port: int) -> list[str]:
 
 
 @pytest.mark.process
-def test_with_the_token_a_sync_loads_weights_and_the_store_listens_on_loopback(keyed_server, tiny_model_dir):
+def test_with_the_token_a_sync_loads_weights_and_the_store_listens_on_loopback_until_the_group_forms(
+        keyed_server, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     url, token = keyed_server
@@ -109,35 +111,23 @@ def test_with_the_token_a_sync_loads_weights_and_the_store_listens_on_loopback(k
         async with aiohttp.ClientSession() as s:
             sender = WeightSender([RolloutClient(url, s, token)], master_address="127.0.0.1", master_port=port,
                                   backend="gloo", bucket_bytes=1 << 20)
-            await sender.connect()
-            listening = _listen_addresses(port)
+            joining = asyncio.create_task(sender.connect())
+            while not (listening := _listen_addresses(port)) and not joining.done():
+                await asyncio.sleep(0.005)  # polls /proc while the group forms
+            await joining
+            formed = _listen_addresses(port)
             await sender.send(weights, version="1")
             await sender.close()
-            return listening
+            return listening, formed
 
-    listening = asyncio.run(scenario())
+    listening, formed = asyncio.run(scenario())
     assert listening == ["0100007F"]  # the group's store: 127.0.0.1 only, not every address of the host
+    assert formed == []  # and closed once the group is formed (rlctl/engines/weightsync/store.py)
     status, reply = call(url + "/get_weights_by_name", {"name": "model.norm.weight"}, token=token)
     assert status == 200 and json.loads(reply)[:3] == [42.0, 42.0, 42.0]
 
 
 # -- a whole local run ---------------------------------------------------------------------------
-
-
-def _descendants(pids: set[int]) -> set[int]:
-    """pids and every live process below them (the scorer pool, SGLang's workers, ...)."""
-    parent = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-    found, grew = {p for p in pids if p in parent}, True
-    while grew:
-        more = {c for c, pp in parent.items() if pp in found} - found
-        grew, found = bool(more), found | more
-    return found
 
 
 def _listeners(pids: set[int]) -> list[tuple[int, str, int]]:
@@ -166,11 +156,13 @@ LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFF
 
 def _check_live_run(rd: RunDir, token: str) -> None:
     info = rd.read()
-    pids = _descendants({p["pid"] for p in info["processes"].values() if p.get("pid")})
+    pids = descendants({p["pid"] for p in info["processes"].values() if p.get("pid")})
     listeners = _listeners(pids)
     plan = info["plan"]
-    ports = {r["port"] for r in plan["rollout"]} | {plan["trainers"][0]["port"], plan["weight_sync_port"]}
+    ports = {r["port"] for r in plan["rollout"]} | {plan["trainers"][0]["port"]}
     assert ports <= {port for _, _, port in listeners}, listeners  # every server of the run was found
+    # the weight-sync group's store is closed once the group is formed (rlctl/engines/weightsync/store.py)
+    assert plan["weight_sync_port"] not in {port for _, _, port in listeners}, listeners
     outside = [(pid, a, port) for pid, a, port in listeners if a not in LOOPBACK]
     assert not outside, f"listening outside loopback: {outside}"
     for pid in pids:
@@ -180,13 +172,21 @@ def _check_live_run(rd: RunDir, token: str) -> None:
             continue
         assert token.encode() not in cmdline, pid
     trainer = f"http://127.0.0.1:{plan['trainers'][0]['port']}"
-    server = f"http://127.0.0.1:{plan['rollout'][0]['port']}"
+    servers = [f"http://127.0.0.1:{r['port']}" for r in plan["rollout"]]
+    keys = {role: key_of(token, info["processes"], role) for role in ("trainer-0", "rollout-0", "rollout-1")}
     assert call(trainer + "/health")[0] == 200
     assert call(trainer + "/shutdown", {})[0] == 401
     assert call(trainer + "/shutdown", {}, token=token[::-1])[0] == 403
-    assert call(trainer + "/weight_checksums", token=token)[0] == 200
-    assert call(server + "/rlctl/weight_checksums")[0] == 401
-    assert call(server + "/rlctl/weight_checksums", token=token)[0] == 200
+    assert call(trainer + "/weight_checksums", token=keys["trainer-0"])[0] == 200
+    assert call(servers[0] + "/rlctl/weight_checksums")[0] == 401
+    assert call(servers[0] + "/rlctl/weight_checksums", token=keys["rollout-0"])[0] == 200
+    # Each process takes its own key only: not the run's token (which never goes over the wire),
+    # not another process's key.
+    assert call(trainer + "/weight_checksums", token=token)[0] == 403
+    assert call(trainer + "/weight_checksums", token=keys["rollout-0"])[0] == 403
+    assert call(servers[0] + "/rlctl/weight_checksums", token=token)[0] == 403
+    assert call(servers[0] + "/rlctl/weight_checksums", token=keys["rollout-1"])[0] == 403
+    assert call(servers[1] + "/rlctl/weight_checksums", token=keys["rollout-0"])[0] == 403
 
 
 @pytest.mark.e2e
@@ -201,8 +201,9 @@ def test_a_local_run_keeps_its_door_shut(tmp_path):
     try:
         wait_for(lambda: len(rd.metrics()) >= 1, 300, "the run's first step")
         _check_live_run(rd, token)
-        status, _ = call(f"http://127.0.0.1:{rd.read()['plan']['trainers'][0]['port']}/shutdown", {}, token=token)
-        assert status == 200  # with the token, the trainer does shut down, and the run with it
+        key = key_of(token, rd.read()["processes"], "trainer-0")
+        status, _ = call(f"http://127.0.0.1:{rd.read()['plan']['trainers'][0]['port']}/shutdown", {}, token=key)
+        assert status == 200  # with its key, the trainer does shut down, and the run with it
         wait_for(lambda: rd.read()["state"] == "failed", 60, "the run to end without its trainer")
     finally:
         rlctl("cancel", str(rd.path), cwd=tmp_path)
@@ -287,3 +288,17 @@ def test_redacted_output_hides_the_token_from_the_log(tmp_path):
     wait_for(lambda: log.read_text().count("\n") >= 2, 10, "the filter to write both lines")
     text = log.read_text()
     assert token not in text and text.count("<run token>") == 2 and "server_args api_key=<run token>" in text
+
+
+def test_each_start_of_each_process_has_its_own_key_and_none_opens_another():
+    token = new_token()
+    keys = {(role, kid): role_key(token, role, kid) for role in ("rollout-0", "rollout-1", "trainer-0")
+            for kid in ("a1", "b2")}
+    assert len(set(keys.values())) == len(keys)  # per role and per start
+    assert all(k.startswith("rk_") and token not in k for k in keys.values())
+    assert role_key(token, "rollout-0", "a1") == keys[("rollout-0", "a1")]  # derived, not stored
+    assert role_key(new_token(), "rollout-0", "a1") != keys[("rollout-0", "a1")]  # and only from this run's token
+    processes = {"rollout-0": {"pid": 1, "key_id": "b2"}, "rollout-1": {"pid": 2}}
+    assert key_of(token, processes, "rollout-0") == keys[("rollout-0", "b2")]
+    with pytest.raises(RunError, match="rollout-1 has recorded no key in run.json"):
+        key_of(token, processes, "rollout-1")

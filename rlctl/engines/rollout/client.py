@@ -55,6 +55,10 @@ class RolloutClient:
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.session = session
+        self.set_key(api_key)
+
+    def set_key(self, api_key: str | None) -> None:
+        """The credential every request but the probes carries (this server's own key in a run)."""
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def __repr__(self) -> str:

@@ -7,7 +7,8 @@
                                               (master_port 0: one free now on this host)
     POST /sync_weights   {"version": "3"}     broadcast the working copy to every rollout server (and
                                               keep it as that version's behaviour weights)
-    POST /save_checkpoint, /load_checkpoint {"dir": D}   the trainer's part of a checkpoint
+    POST /save_checkpoint, /load_checkpoint {"dir": D}   the trainer's part of a checkpoint (D: a
+                                              directory of the run's own checkpoints/ only)
     POST /release_memory_occupation {"tags": ["weights", "optimizer"] | null}
     POST /resume_memory_occupation  {"tags": ...}   give the device memory back, take it again
     GET  /health, /info, /weight_checksums;  POST /shutdown
@@ -19,9 +20,16 @@ bit (the engine's release_memory; null = both). The reply is {"released": [tags 
 tag is released, the commands that need it are refused with HTTP 400 (train and checkpoints need
 both, accumulate and weight reads the weights); /info gives the footprint under `memory`.
 
-Given the run's token, every route but /health asks for `Authorization: Bearer <token>` (401
-without it, 403 with a wrong one; rlctl/door.py), and the service's own clients of the rollout
-servers send it too.
+Given the run's token, every route but /health asks for `Authorization: Bearer <key>`, the key
+of this start of the trainer (401 without it, 403 with a wrong one; rlctl/door.py role_key), and
+the service's own clients of the rollout servers send each server its own key, derived here
+from the token and the role and key_id the controller names.
+
+The checkpoint routes touch the run's own checkpoints only: /save_checkpoint writes only into
+RUN/checkpoints/.tmp-step-NNNNNN-PID and /load_checkpoint reads only RUN/checkpoints/step-NNNNNN,
+with symbolic links and `..` resolved (rlctl/checkpoint.py: confined_checkpoint_dir); any other
+path is refused with 403, naming the path and the rule. /load_checkpoint first checks the
+checkpoint against its manifest (rlctl/ckpt_manifest.py: 400 and the first file that differs).
 
 Rank 0 forwards each train command (and memory release or resume) to the other ranks with
 broadcast_object_list, then every rank runs it; a command refused for released memory is refused
@@ -40,12 +48,15 @@ import logging
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from aiohttp import web
 
-from rlctl.door import token_middleware
+from rlctl.checkpoint import CheckpointPathRefused, confined_checkpoint_dir
+from rlctl.ckpt_manifest import check_manifest
+from rlctl.door import role_key, token_middleware
 from rlctl.engines.train.base import TrainEngine, TrainSample
 from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, WeightSender, as_served, tensor_sha256
 from rlctl.errors import RunError
@@ -79,16 +90,21 @@ def follower_loop(engine: TrainEngine) -> None:
             getattr(engine, COMMANDS[command][0])(payload)
 
 
-def refused(message: str) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=400)
+def refused(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=status)
 
 
 class TrainerService:
-    def __init__(self, engine: TrainEngine, world_size: int, token: str | None = None) -> None:
+    def __init__(self, engine: TrainEngine, world_size: int, token: str | None = None, key: str | None = None,
+                 run_dir: str | Path | None = None) -> None:
+        self.run_dir = Path(run_dir).resolve() if run_dir is not None else None
+        """The run directory, whose checkpoints/ holds every checkpoint this service writes or reads."""
         self.engine = engine
         self.world_size = world_size
         self.token = token
-        """The run's token: asked of every request but /health, and sent to the rollout servers."""
+        """The run's token: never sent; each server's key is derived from it (rlctl/door.py role_key)."""
+        self.key = key if key is not None else token
+        """What every request but /health must carry: this process's own key."""
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.sender: WeightSender | None = None
         self.session = None
@@ -181,6 +197,12 @@ class TrainerService:
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
         return await self._memory("resume_memory", request)
 
+    def _key_of(self, server: dict[str, Any]) -> str | None:
+        """A server's own key, from the role and key_id the controller names (it never sends keys)."""
+        if not self.token:
+            return None
+        return role_key(self.token, str(server["role"]), str(server["key_id"]))
+
     async def init_weight_sync(self, request: web.Request) -> web.Response:
         import aiohttp
 
@@ -190,7 +212,7 @@ class TrainerService:
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         protocol = body.get("protocol", "sglang")
-        clients = [rollout_client(protocol, url, self.session, self.token) for url in body["servers"]]
+        clients = [rollout_client(protocol, s["url"], self.session, self._key_of(s)) for s in body["servers"]]
         group = {}
         if self.sender is not None:  # formed anew (failover: a server lost or back): leave the old group
             old, self.sender = self.sender, None
@@ -205,7 +227,7 @@ class TrainerService:
 
             port = free_ports(1, listen_address(body["master_address"]))[0]
         common = dict(master_address=body["master_address"], master_port=port, backend=body.get("backend", "gloo"),
-                      bucket_bytes=int(float(body["bucket_mb"]) * 2**20), **group)
+                      bucket_bytes=int(float(body["bucket_mb"]) * 2**20), run_token=self.token, **group)
         if protocol == "vllm":
             from rlctl.engines.weightsync.vllm_sender import VllmWeightSender
 
@@ -245,23 +267,46 @@ class TrainerService:
         return web.json_response({"success": True, "seconds": stats.seconds, "bytes": stats.bytes,
                                   "buckets": stats.buckets, "tensors": stats.tensors})
 
+    def _checkpoint_dir(self, body: Any, purpose: str) -> Path:
+        """The body's "dir", resolved, if the service may use it for `purpose` ("save" or "load");
+        CheckpointPathRefused otherwise (RunError for a body without one)."""
+        if self.run_dir is None:
+            raise CheckpointPathRefused("this trainer was started without its run directory (python -m rlctl.worker "
+                                        "trainer --run-dir DIR), so it writes and reads no checkpoint")
+        path = body.get("dir") if isinstance(body, dict) else None
+        if not isinstance(path, str):
+            raise RunError(f"the body is {{\"dir\": \"<path>\"}}, not {body!r}"[:300])
+        return confined_checkpoint_dir(self.run_dir, path, purpose)
+
     async def save_checkpoint(self, request: web.Request) -> web.Response:
         """{"dir": D}: write the trainer's part of a checkpoint into D (rlctl/engines/train/ckpt_files.py)."""
-        body = await request.json()
+        try:
+            target = self._checkpoint_dir(await request.json(), "save")
+        except CheckpointPathRefused as e:
+            return refused(str(e), status=403)
+        except RunError as e:
+            return refused(str(e))
         start = asyncio.get_running_loop().time()
         try:
-            stats = await self._run(self._command, "save_checkpoint", str(body["dir"]))
+            stats = await self._run(self._command, "save_checkpoint", str(target))
         except RunError as e:
             return refused(str(e))
         return web.json_response({"success": True, "seconds": asyncio.get_running_loop().time() - start, **stats})
 
     async def load_checkpoint(self, request: web.Request) -> web.Response:
-        """{"dir": D}: continue from the checkpoint in D; replies with its weight version."""
-        body = await request.json()
+        """{"dir": D}: continue from the checkpoint in D once it matches its manifest; replies with
+        its weight version."""
         try:
-            stats = await self._run(self._command, "load_checkpoint", str(body["dir"]))
+            target = self._checkpoint_dir(await request.json(), "load")
+        except CheckpointPathRefused as e:
+            return refused(str(e), status=403)
         except RunError as e:
-            return web.json_response({"success": False, "message": str(e)}, status=400)
+            return refused(str(e))
+        try:
+            await self._run(check_manifest, target)
+            stats = await self._run(self._command, "load_checkpoint", str(target))
+        except RunError as e:
+            return refused(str(e))
         return web.json_response({"success": True, **stats})
 
     async def weight_checksums(self, request: web.Request) -> web.Response:
@@ -289,7 +334,7 @@ class TrainerService:
         self.worker.shutdown(wait=True)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30, middlewares=[token_middleware(self.token)])
+        app = web.Application(client_max_size=1 << 30, middlewares=[token_middleware(self.key)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/info", self.info)
         app.router.add_post("/accumulate", self.accumulate)

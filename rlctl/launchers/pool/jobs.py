@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlctl.door import read_token
+from rlctl.door import key_of, read_token
 from rlctl.errors import RunError
 from rlctl.models.hf_config import declared_dtype, read_config
 from rlctl.plan import Role, RunPlan
@@ -199,10 +199,13 @@ class EngineMover:
         from rlctl.engines.rollout.client import RolloutClient
         from rlctl.engines.train.client import TrainerClient
 
+        processes = job.rd.read().get("processes", {})  # each engine's own key (rlctl/door.py role_key)
         if model.name == "trainer":
-            return TrainerClient(job.plan.trainer_url, self.session(), job.token)
-        url = job.plan.server_urls[int(model.name.rsplit("-", 1)[1])]
-        return RolloutClient(url, self.session(), job.token)
+            return TrainerClient(job.plan.trainer_url, self.session(),
+                                 key_of(job.token, processes, job.plan.trainers[0].name))
+        index = int(model.name.rsplit("-", 1)[1])
+        return RolloutClient(job.plan.server_urls[index], self.session(),
+                             key_of(job.token, processes, job.plan.rollout[index].name))
 
 
 async def wait_healthy(urls: list[str], job: PoolJob, timeout_s: float) -> None:

@@ -10,8 +10,10 @@ weight_routes.py (the weight-update group and sessions), memory_routes.py (relea
 resuming the model's memory); engine.py is the generation loop.
 
 With `--api-key-file FILE` (every rlctl run gives its token file) every route but /health asks for
-`Authorization: Bearer <token>`, 401 without it and 403 with a wrong one, and
-`--weight-group-master` names the only trainer address it joins a weight group at (rlctl/door.py).
+`Authorization: Bearer <token>`, or with `--key-scope ROLE/KEY_ID` too for this process's own key
+derived from that token (what an rlctl run does: rlctl/door.py role_key), 401 without it and 403
+with a wrong one, and
+`--weight-group-master HOST[:PORT]` names the only trainer address (and port) it joins a weight group at.
 Without them the server is open, as SGLang is without --api-key: for ad-hoc use on one's own host.
 """
 
@@ -22,17 +24,18 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 
 from aiohttp import web
 
-from rlctl.door import read_token_file, token_middleware
+from rlctl.door import read_token_file, role_key, token_middleware
 from rlctl.engines.rollout.builtin.engine import Engine
 from rlctl.engines.rollout.builtin.generation_routes import GenerationRoutes
 from rlctl.engines.rollout.builtin.memory_routes import MemoryRoutes
 from rlctl.engines.rollout.builtin.state import ServerState
-from rlctl.engines.rollout.builtin.vllm_routes import VllmRoutes
+from rlctl.engines.rollout.builtin.vllm_routes import VllmRoutes, vllm_door
 from rlctl.engines.rollout.builtin.weight_routes import WeightRoutes
 from rlctl.engines.weightsync.flat import flatten_parameters
 
@@ -82,8 +85,12 @@ class BuiltinServer:
         self.weights = WeightRoutes(self.state)
         self.memory = MemoryRoutes(self.state, self.weights)
         self.vllm = VllmRoutes(self.state)
-        # --api-key-file: every route but /health asks for this token (rlctl/door.py); none = open
+        # --api-key-file: every route but /health asks for this token, or with --key-scope for
+        # the key derived from it (rlctl/door.py); none = open
         self.token = read_token_file(args.api_key_file) if args.api_key_file else None
+        if self.token and args.key_scope:
+            role, _, key_id = args.key_scope.rpartition("/")
+            self.token = role_key(self.token, role, key_id)
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -191,7 +198,8 @@ class BuiltinServer:
         return table
 
     def app(self) -> web.Application:
-        middlewares = [token_middleware(self.token)] + ([self._record] if self.args.record_requests else [])
+        door = vllm_door(self.token) if self.args.emulate_vllm else token_middleware(self.token)  # as vLLM's
+        middlewares = [door] + ([self._record] if self.args.record_requests else [])
         app = web.Application(client_max_size=1 << 30, middlewares=middlewares)
         for method, path, handler in self.routes():
             add = app.router.add_get if method == "GET" else app.router.add_post  # GET answers HEAD too, as before
@@ -225,22 +233,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default="", metavar="FILE",
                    help="every route but /health asks for `Authorization: Bearer` + the token in FILE (an rlctl "
                         "run's token file); without it the server is open to anyone who reaches it")
+    p.add_argument("--key-scope", default="", metavar="ROLE/KEY_ID",
+                   help="ask for the key derived from the --api-key-file token for this process (rlctl/door.py "
+                        "role_key) instead of the token itself")
     p.add_argument("--offload-dir", default="", metavar="DIR",
                    help="where a CPU server's released weights wait (a private directory made inside DIR); "
                         "default: the system's temporary directory")
-    p.add_argument("--weight-group-master", default="", metavar="ADDRESS",
-                   help="join weight-update groups whose master_address is this one only (the run's trainer)")
+    p.add_argument("--weight-group-master", default="", metavar="HOST[:PORT]",
+                   help="join weight-update groups at this master_address (and master_port, when given) only: "
+                        "the run's trainer; any other is refused with 400")
     return p
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
+    """`sock`: a socket already listening (an rlctl run binds it before it draws the key), else
+    --host and --port."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = BuiltinServer(args)
     except ValueError as e:  # an unreadable --api-key-file
         print(f"error: --api-key-file: {e}; give the run's token file", file=sys.stderr)
         raise SystemExit(2) from None
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    where = {"sock": sock} if sock is not None else {"host": args.host, "port": args.port}
+    web.run_app(server.app(), print=None, access_log=None, **where)
 
 
 if __name__ == "__main__":
