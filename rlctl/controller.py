@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from rlctl.checkpoint import Checkpoint, Preempted, resume_point, save_checkpoint, should_save
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.train.client import TrainerClient
+from rlctl.door import key_of
 from rlctl.errors import RunError
 from rlctl.failover import FailoverTrainer, ServerWatch
 from rlctl.metrics import Recorder
@@ -40,6 +41,7 @@ from rlctl.recipe import Device, Launcher, Recipe, RolloutEngine, SyncBackend
 from rlctl.rewards.verifiers import make_verifier
 from rlctl.rundir import HOST, PROCESS_CLOCK, EventLog, RunDir
 from rlctl.tracking import make_tracker
+from rlctl.watchdog import HEARTBEAT_FILE, CallTimer, beat
 
 if TYPE_CHECKING:
     import aiohttp
@@ -67,11 +69,13 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
         before = [m for m in rd.metrics() if m.get("step") == start - 1]
         if before:
             recorder.steps.carry(before[-1])
+    beating = asyncio.create_task(beat(rd.path / HEARTBEAT_FILE))  # the supervisor's watchdog reads it
     try:
         async with _http_session() as session:
             token = _run_token(rd)
-            servers = await connect_servers(recipe, plan, session, token)
-            trainer: TrainerClient | CheckedTrainer = await connect_trainer(recipe, plan, session, token)
+            keys = RunKeys(rd, token)
+            servers = await connect_servers(recipe, plan, session, keys)
+            trainer: TrainerClient | CheckedTrainer = await connect_trainer(recipe, plan, session, keys, servers)
             await scorer.ready()
             recorder.emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode, host=HOST,
                           **({"resumed_from": start} if resume_from else {}))
@@ -82,7 +86,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
                 servers, pooled_trainer = pooled(rd.read()["pool"], servers, None, session, token)
             pool = RolloutPool(servers)
             watch = ServerWatch(pool, servers, recipe, rd, recorder.emit, clock)
-            failover = FailoverTrainer(trainer, watch, weight_group_former(trainer, recipe, plan))
+            failover = FailoverTrainer(trainer, watch, weight_group_former(trainer, recipe, plan, keys))
             trainer = failover
             if recipe.pipeline.check_weights:
                 trainer = CheckedTrainer(failover, failover.synced, recorder.emit, clock, watch.lose_silent)
@@ -103,6 +107,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             finally:
                 watching.cancel()
     finally:
+        beating.cancel()
         scorer.close()
         recorder.close(completed=start + recorder.recorded == recipe.run.steps)
 
@@ -255,15 +260,38 @@ def _run_token(rd: RunDir) -> str:
         raise RunError(str(e)) from None
 
 
+class RunKeys:
+    """What the controller sends each process of the run: that process's own key (rlctl/door.py
+    role_key), from the run's token and the key_id its newest start recorded in run.json."""
+
+    def __init__(self, rd: RunDir, token: str) -> None:
+        self.rd, self.token = rd, token
+
+    def key(self, role: str) -> str:
+        return key_of(self.token, self.rd.read().get("processes", {}), role)
+
+    def servers(self, clients: list[RolloutClient]) -> list[dict[str, str]]:
+        """The servers as the trainer is told of them: URL, role and key_id (it derives their keys
+        itself), each client given its current key on the way."""
+        processes = self.rd.read().get("processes", {})
+        named = []
+        for c in clients:
+            c.set_key(key_of(self.token, processes, c.name))
+            named.append({"url": c.url, "role": c.name, "key_id": processes[c.name]["key_id"]})
+        return named
+
+
 async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession,
-                          token: str) -> list[RolloutClient]:
-    """A client per rollout server, named by its role, once every server answers /health."""
+                          keys: RunKeys) -> list[RolloutClient]:
+    """A client per rollout server, named by its role, once every server answers /health (which
+    asks for no key); each then gets the key its start recorded."""
     from rlctl.engines.rollout.vllm_client import rollout_client
 
-    clients = [rollout_client(recipe.rollout.protocol, url, session, token, name=role.name)
+    clients = [rollout_client(recipe.rollout.protocol, url, session, None, name=role.name)
                for role, url in zip(plan.rollout, plan.server_urls)]
     for c in clients:
         await c.wait_healthy(READY_TIMEOUT_S)
+        c.set_key(keys.key(c.name))
     if recipe.rollout.protocol == "vllm":
         from rlctl.engines.rollout.vllm import check_version
 
@@ -281,11 +309,13 @@ async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.Client
     return clients
 
 
-async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession, token: str) -> TrainerClient:
+async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession, keys: RunKeys,
+                          servers: list[RolloutClient]) -> TrainerClient:
     """The trainer service, once it answers /health and has formed the weight-sync group."""
-    trainer = TrainerClient(plan.trainer_url, session, token)
+    trainer = TrainerClient(plan.trainer_url, session, timer=CallTimer(recipe.run.stall_timeout_s))
     await trainer.wait_healthy(READY_TIMEOUT_S)
-    await trainer.init_weight_sync(plan.server_urls, plan.trainers[0].host, plan.weight_sync_port,
+    trainer.set_key(keys.key(plan.trainers[0].name))
+    await trainer.init_weight_sync(keys.servers(servers), plan.trainers[0].host, plan.weight_sync_port,
                                    backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
                                    **protocol_of(recipe, plan))
     return trainer
@@ -304,14 +334,16 @@ def protocol_of(recipe: Recipe, plan: RunPlan) -> dict[str, Any]:
     return {"protocol": recipe.rollout.protocol}
 
 
-def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan):
+def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan, keys: RunKeys):
     """connect(clients): the trainer forms the weight-sync group anew with these servers, on a
     port it finds free on its host (port 0: the controller need not run there, as in a pool on
-    Slurm)."""
-    async def connect(clients: list[RolloutClient]) -> None:
-        await trainer.init_weight_sync([c.url for c in clients], plan.trainers[0].host, 0,
+    Slurm). A server back from the dead has a new key: every client gets its current one."""
+    async def connect(clients: list[RolloutClient]) -> dict[str, str]:
+        named = keys.servers(clients)
+        await trainer.init_weight_sync(named, plan.trainers[0].host, 0,
                                        backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
                                        **protocol_of(recipe, plan))
+        return {s["role"]: s["key_id"] for s in named}
     return connect
 
 

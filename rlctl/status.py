@@ -41,8 +41,21 @@ def effective_state(rd: RunDir, info: dict[str, Any]) -> tuple[RunState, str | N
             return state, None
         return RunState.FAILED, f"no supervisor ever started; see {rd.log_path('supervisor')}"
     if not pid_alive(supervisor, expect_in_cmdline=rd.id):
-        return RunState.FAILED, f"supervisor (pid {supervisor}) is gone; see {rd.log_path('supervisor')}"
+        reason = f"supervisor (pid {supervisor}) is gone; see {rd.log_path('supervisor')}"
+        _record_failed(rd, reason)
+        return RunState.FAILED, reason
     return state, None
+
+
+def _record_failed(rd: RunDir, reason: str) -> None:
+    """run.json says what status found: a run whose supervisor died (a SIGKILL, the machine's
+    OOM killer) cannot write its own end. Best effort: a run directory this user may only read
+    is left as it is, and status still shows the verdict."""
+    try:
+        rd.set_state(RunState.FAILED, reason)
+        rd.event("run_end", state=RunState.FAILED.value, reason=reason)
+    except OSError:
+        pass
 
 
 def _elapsed(info: dict[str, Any]) -> float:
@@ -182,8 +195,7 @@ def sweep_summaries(runs_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str
     and how many are in each state, from `rows` (the runs' summaries: no run is read again). A
     point not started yet counts as `not started`, a run gone from runs_dir as `missing`; a sweep
     record that cannot be read is a row with `unreadable: why`."""
-    from rlctl.errors import UsageError
-    from rlctl.sweep import list_sweeps
+    from rlctl.sweep import UnreadableSweep, list_sweeps
 
     state_of = {r["id"]: r["state"] for r in rows}
     out = []
@@ -194,7 +206,7 @@ def sweep_summaries(runs_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str
             states = [state_of.get(r, "missing") if r else "not started" for r in runs]
             out.append({"id": sw.id, "recipe": data["recipe"], "grid": list(data["grid"]), "points": len(runs),
                         "states": {s: states.count(s) for s in sorted(set(states))}})
-        except UsageError as e:
+        except UnreadableSweep as e:
             out.append({"id": sw.id, "unreadable": one_line(str(e), 200)})
         except (KeyError, TypeError, AttributeError) as e:
             out.append({"id": sw.id, "unreadable": f"{e.__class__.__name__}: {one_line(str(e), 80)}"})

@@ -244,6 +244,22 @@ def rlctl_here(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Com
     return subprocess.CompletedProcess(args, code or 0, *text)
 
 
+def descendants(pids: set[int]) -> set[int]:
+    """pids and every live process below them (the scorer pool, SGLang's workers, ...)."""
+    parent = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                parent[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+    found, grew = {p for p in pids if p in parent}, True
+    while grew:
+        more = {c for c, pp in parent.items() if pp in found} - found
+        grew, found = bool(more), found | more
+    return found
+
+
 def processes_mentioning(text: str) -> list[int]:
     """Live (non-zombie) pids whose command line mentions text."""
     out = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, wait_for
+from conftest import FAST, QUICKSTART, descendants, processes_mentioning, rlctl, wait_for
 from rlctl.metrics import chrome_trace
 from rlctl.rundir import RunDir
 from test_metrics import assert_slices_nest
@@ -158,12 +158,19 @@ def test_cancel_and_status_of_a_crashed_supervisor(tmp_path):
     assert launch(tmp_path, "run.steps=1000", "run.name=crash", detach=True).returncode == 0
     crash = next(RunDir(p) for p in (tmp_path / "runs").iterdir() if p.name.startswith("crash"))
     wait_for(lambda: crash.read()["state"] == "running", 180, "running")
+    wait_for(lambda: any(e["event"] == "run_start" for e in crash.events()), 180, "the controller to start")
+    tree = descendants({crash.read()["processes"]["supervisor"]["pid"]})
+    controller = crash.read()["processes"]["controller"]["pid"]
+    assert descendants({controller}) - {controller}, "the controller's scoring workers"
     os.kill(crash.read()["processes"]["supervisor"]["pid"], signal.SIGKILL)
     wait_for(lambda: not processes_mentioning(crash.id), 10, "orphans to exit")
+    # Its grandchildren too: the scoring workers and their resource tracker, which name no run.
+    wait_for(lambda: not [p for p in tree if Path(f"/proc/{p}").exists()], 30, "the scoring workers to exit")
     status = json.loads(rlctl("status", "--runs-dir", runs, "--json", cwd=tmp_path).stdout)
     by_id = {r["id"]: r for r in status}
     assert by_id[crash.id]["state"] == "failed"
     assert "supervisor.log" in by_id[crash.id]["exit_reason"]
+    assert crash.read()["state"] == "failed"  # status wrote what it found into run.json
     assert by_id[rd.id]["state"] == "cancelled"
 
 

@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 
 from conftest import FAST, QUICKSTART, rlctl
+from rlctl.errors import RunError
 from rlctl.recipe import load_recipe
 from rlctl.rundir import RunDir
 from rlctl.sim.run import simulate_run
@@ -148,3 +149,11 @@ def test_async_staleness_is_bounded(tmp_path, inflight):
         assert set(segments) == {1}
     else:
         assert max(segments) >= 2, "no request was aborted and resumed at an update"
+
+
+@pytest.mark.parametrize("mode", ["sync", "rolloutpipe", "async"])
+def test_dynamic_sampling_with_every_reward_equal_fails_saying_so_instead_of_drawing_for_ever(mode):
+    recipe = load_recipe(QUICKSTART, [*FAST, f"pipeline.mode={mode}", "rollout.dynamic_sampling=true",
+                                      "sim.reward_rate=0", "rollout.max_gen_batches=3"], check_paths=False)
+    with pytest.raises(RunError, match=r"dynamic sampling dropped 24 groups in a row whose rewards were all equal"):
+        simulate_run(recipe)

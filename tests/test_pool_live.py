@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, REPO, rejoined, rlctl, wait_for
-from rlctl.door import bearer, read_token
+from rlctl.door import LEASE_ROLE, bearer, key_of, read_token, role_key
 from rlctl.rundir import RunDir, pid_alive, read_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 # The FAST model's weights are ~90 kB: a server active is counted ~112 kB, a trainer ~358 kB
 # (rlctl/launchers/pool/jobs.py), and each device gets a trainer and two servers (582 kB). 500 kB
 # holds any one call's models, never all three active: the test checks this from the pool's events.
-POOL = ["pool.devices.count=2", "pool.devices.memory_gb=0.0005", "pool.quantum_s=0.5"]
+POOL = ["pool.devices.count=2", "pool.devices.memory_gb=0.0005", "pool.quantum_s=0.5", "pool.lease_s=5"]
 
 
 @pytest.fixture
@@ -61,10 +61,8 @@ def status(url: str, path: str, token: str, body: dict | None = None) -> int:
         return e.code
 
 
-def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
-    a = launch(tmp_path, "a", "run.steps=4", "run.seed=1")
-    b = launch(tmp_path, "b", "run.steps=4", "run.seed=2", "pipeline.mode=rolloutpipe")
-    wait_for(lambda: a.read()["state"] == "running" and b.read()["state"] == "running", 300, "both runs to run")
+def check_the_doors(pool: Path, a: RunDir, b: RunDir) -> None:
+    """While runs a and b run in the pool: what each can reach of the other's, and a kept slice."""
     url = json.loads((pool / "pool.json").read_text())["url"]
     ta, tb, tp = read_token(a.path), read_token(b.path), (pool / "token").read_text().strip()
     assert len({ta, tb, tp}) == 3
@@ -75,10 +73,25 @@ def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
     assert status(url, f"/jobs/{b.id}/slice", tp, needs) == 403  # the pool's token is not the run's
     assert status(url, "/status", ta) == 403
     assert status(url, "/status", tp) == 200
-    # Nor reach the other's engines, which the pool started with the other's token.
+    # Nor reach the other's engines, which the pool started with keys derived from the other's
+    # token; an engine takes its own key only, not even its run's token.
     b_server = b.read()["processes"]["rollout-0"]["port"]
-    assert status(f"http://127.0.0.1:{b_server}", "/get_model_info", ta) == 403
-    assert status(f"http://127.0.0.1:{b_server}", "/get_model_info", tb) == 200
+    ka, kb = (key_of(t, rd.read()["processes"], "rollout-0") for t, rd in ((ta, a), (tb, b)))
+    assert status(f"http://127.0.0.1:{b_server}", "/get_model_info", ka) == 403
+    assert status(f"http://127.0.0.1:{b_server}", "/get_model_info", tb) == 403
+    assert status(f"http://127.0.0.1:{b_server}", "/get_model_info", kb) == 200
+    # A client that takes a slice with a's lease key and keeps it holds the devices for
+    # pool.lease_s only: the pool takes it back, and both runs go on to the end.
+    assert status(url, f"/jobs/{a.id}/slice", role_key(ta, LEASE_ROLE, a.id), needs) == 200
+    wait_for(lambda: [e for e in read_jsonl(pool / "events.jsonl") if e["event"] == "lease_expired"], 60,
+             "the kept slice to be taken back")
+
+
+def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
+    a = launch(tmp_path, "a", "run.steps=4", "run.seed=1")
+    b = launch(tmp_path, "b", "run.steps=4", "run.seed=2", "pipeline.mode=rolloutpipe")
+    wait_for(lambda: a.read()["state"] == "running" and b.read()["state"] == "running", 300, "both runs to run")
+    check_the_doors(pool, a, b)
     for rd in (a, b):
         info = wait_for(lambda rd=rd: ended(rd), 600, f"{rd.id} to end")
         assert info["state"] == "completed", info["exit_reason"]

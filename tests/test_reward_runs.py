@@ -5,17 +5,21 @@ is stopped in its spawned scoring process, which is replaced."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, QUICKSTART, processes_mentioning, rlctl
+from conftest import FAST, QUICKSTART, descendants, processes_mentioning, rlctl, wait_for
 from rlctl.pipelines.scoring import PooledScorer
 from rlctl.recipe import RewardConfig
 from rlctl.rewards.failures import VerifierFailed
 from rlctl.rundir import RunDir
 
 RAISES = "def score(response, answer):\n    return 1 / 0\n"
+SLEEPS = ("import pathlib, time\n\ndef score(response, answer):\n"
+          "    pathlib.Path(__file__).with_suffix('.called').touch()\n    time.sleep(3600)\n    return 1.0\n")
 LOOPS = "def score(response, answer):\n    while answer == 'loop':\n        pass\n    return 1.0\n"
 
 
@@ -90,3 +94,29 @@ def test_a_verifier_that_loops_is_stopped_in_its_process_and_replaced(tiny_model
     assert failure.error.startswith("did not return within 1 s (reward.timeout_s)")
     assert replaced != first and not Path(f"/proc/{first[0]}").exists()
     assert after == ("", 1.0)  # the new process scores
+
+
+@pytest.mark.e2e
+def test_a_supervisor_killed_outright_takes_scoring_workers_busy_in_a_verifier_with_it(tmp_path):
+    (tmp_path / "sleeping_reward.py").write_text(SLEEPS)
+    runs = tmp_path / "runs"
+    res = rlctl("launch", "--detach", str(QUICKSTART), *FAST, "reward.verifier=function",
+                "reward.function=sleeping_reward:score", f"reward.module_dir={tmp_path}", "reward.timeout_s=3000",
+                f"run.output_dir={runs}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rd = RunDir(runs / res.stdout.strip().splitlines()[-1])
+    tree: set[int] = set()
+    try:
+        # A worker in the verifier reads nothing from its pipe: only the kernel can end it with the controller.
+        wait_for((tmp_path / "sleeping_reward.called").exists, 300, "a scoring worker to be in the verifier")
+        controller = rd.read()["processes"]["controller"]["pid"]
+        assert len(descendants({controller})) >= 3  # the controller, its scoring workers, their resource tracker
+        tree = descendants({rd.read()["processes"]["supervisor"]["pid"]})
+        os.kill(rd.read()["processes"]["supervisor"]["pid"], signal.SIGKILL)
+        wait_for(lambda: not [p for p in tree if Path(f"/proc/{p}").exists()], 30, "every process of the run to exit")
+    finally:
+        for pid in tree | descendants({rd.read()["processes"]["supervisor"]["pid"]}):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

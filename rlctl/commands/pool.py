@@ -205,4 +205,9 @@ def render_status(s: dict[str, Any]) -> str:
     for job, u in s["jobs"].items():
         lines.append(f"{job:<34}{u['share']:>6g}{u['wall_s']:>9.1f}{u['used_device_s']:>12.1f}"
                      f"{u['dedicated_device_s']:>17.1f}")
+    for h in s.get("held", []):  # who holds a slice, and until when unless renewed (pool.lease_s)
+        lines.append(f"held: {h['job']} ({h['kind']}) for {h['held_s']:.1f} s, lease {h['lease_left_s']:.1f} s left")
+    for w in s.get("waiting", []):  # who waits, for whom
+        by = ", ".join(w["blocked_by"]) or "moves"
+        lines.append(f"waiting: {w['job']} ({w['kind']}) for device(s) {w['devices']}, held by {by}")
     return "\n".join(lines)

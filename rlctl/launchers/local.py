@@ -10,7 +10,6 @@ the supervisor leaves no orphans.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -22,12 +21,14 @@ from typing import Any
 
 from rlctl.checkpoint import PREEMPTED_EXIT
 from rlctl.door import TOKEN_FILE, TOKEN_FILE_ENV
+from rlctl import lifetime
 from rlctl.launchers.health import healthy
 from rlctl.errors import RunError
 from rlctl.plan import Role, RunPlan
 from rlctl.recipe import Launcher, Recipe, recipe_from_yaml
 from rlctl.rundir import RunDir, RunState
 from rlctl.tail import last_log_line
+from rlctl.watchdog import HEARTBEAT_FILE, heartbeat_age
 
 POLL_S = 0.2
 TERM_GRACE_S = 5.0
@@ -35,11 +36,6 @@ FAIL_GRACE_S = 2.0
 SERVER_START_TIMEOUT_S = 300.0
 POOL_NOTICE_S = 2.0
 """How long a pooled run that failed here waits for its pool to say whether it let the run go."""
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def worker_command(role: str, run_dir: Path, index: int | None = None) -> list[str]:
@@ -53,7 +49,7 @@ def spawn(cmd: list[str], log: Path, *, die_with_parent: bool, env: dict[str, st
     with log.open("ab") as out:
         return subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None,
+            start_new_session=True, preexec_fn=lifetime.die_with_parent if die_with_parent else None,
             env={**os.environ, **(env or {})},
         )
 
@@ -123,6 +119,8 @@ class Supervisor:
         return 0 if state is RunState.COMPLETED else 1
 
     def _start(self, role: Role) -> Child:
+        if role.kind == "controller":  # an earlier attempt's heartbeat says nothing of this one
+            (self.rd.path / HEARTBEAT_FILE).unlink(missing_ok=True)
         child = Child(role, spawn(worker_command(role.kind, self.rd.path, role.index),
                                   self.rd.log_path(role.name), die_with_parent=True))
         self.children.append(child)
@@ -202,7 +200,7 @@ class Supervisor:
         self.rd.set_state(RunState.RUNNING)
         self.running = True
         while True:
-            failure = self._failure()
+            failure = self._failure() or self._stalled(controller)
             if failure:
                 ended = pool_said(now=True)
                 return (RunState.FAILED, ended) if ended else failure
@@ -212,6 +210,21 @@ class Supervisor:
             if ended:
                 return RunState.FAILED, ended
             time.sleep(POLL_S)
+
+    def _stalled(self, controller: Child) -> tuple[RunState, str] | None:
+        """run.stall_timeout_s: a controller whose heartbeat stopped is frozen or hung: it is
+        killed, and the run fails saying so (rlctl/watchdog.py)."""
+        age = heartbeat_age(self.rd.path / HEARTBEAT_FILE)
+        if age is None or age <= self.recipe.run.stall_timeout_s:
+            return None
+        self.rd.event("controller_stalled", seconds=round(age, 1))
+        try:
+            os.killpg(controller.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return RunState.FAILED, (f"controller (pid {controller.proc.pid}) made no progress for {age:.0f} s (its "
+                                 f"heartbeat stopped; run.stall_timeout_s): frozen or hung; see "
+                                 f"{self.rd.log_path('controller')}")
 
     def _run_in_pool(self) -> tuple[RunState, str]:
         """launcher=pool: the pool starts the servers and trainers on its devices (attach waits

@@ -43,7 +43,8 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
         reward_errors=RewardErrors.of(recipe.reward),
     )
     producer = GroupProducer(runner, prompt_stream(recipe.data, recipe.run.seed),
-                             dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit)
+                             dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit,
+                             max_equal_in_a_row=recipe.rollout.max_gen_batches * recipe.rollout.batch_size or None)
     common = dict(batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,
                   clock=clock, emit=emit, on_step_end=on_step_end, over_provision=recipe.rollout.over_provision)
     pipeline: Pipeline

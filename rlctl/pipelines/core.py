@@ -241,8 +241,11 @@ class GroupProducer:
     """
 
     def __init__(self, runner: GroupRunner, prompts: Iterator[Prompt], *, dynamic_sampling: bool,
-                 clock: Clock, emit: EventSink) -> None:
+                 clock: Clock, emit: EventSink, max_equal_in_a_row: int | None = None) -> None:
         self.runner = runner
+        self.max_equal_in_a_row = max_equal_in_a_row
+        """Dynamic sampling: this many groups in a row dropped for all-equal rewards end the run."""
+        self.equal_in_a_row = 0
         self.prompts = prompts
         self.dynamic_sampling = dynamic_sampling
         self.clock = clock
@@ -316,9 +319,18 @@ class GroupProducer:
         )
         if self.dynamic_sampling and group.all_equal:
             self.emit("group_dropped", now, step=group.step, group=group.id, reason="all_equal")
+            self.equal_in_a_row += 1
+            if self.max_equal_in_a_row and self.equal_in_a_row >= self.max_equal_in_a_row and self.failure is None:
+                self.failure = RunError(
+                    f"dynamic sampling dropped {self.equal_in_a_row} groups in a row whose rewards were all equal "
+                    f"(reward {group.rewards[0]:g}; rollout.max_gen_batches): the policy may have collapsed (a too "
+                    "high train.lr) or the reward gives every response the same score")
+                self._ready.put_nowait(self.failure)
         elif self.target is not None and self.delivered >= self.target:
+            self.equal_in_a_row = 0
             self.emit("group_dropped", now, step=group.step, group=group.id, reason="surplus")
         else:
+            self.equal_in_a_row = 0
             self.delivered += 1
             self._ready.put_nowait(group)
 

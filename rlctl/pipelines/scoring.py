@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlctl.errors import RunError
+from rlctl.lifetime import die_with_parent
 from rlctl.rewards.failures import VerifierFailed
 
 if TYPE_CHECKING:
@@ -191,7 +192,7 @@ class ScoringWorker:
         ctx = multiprocessing.get_context("spawn")
         conn, theirs = ctx.Pipe()
         # Not a daemon, so that a verifier may start processes of its own (a code sandbox).
-        process = ctx.Process(target=_serve_recipe, args=(theirs, model_path, reward), name="rlctl-scoring")
+        process = ctx.Process(target=_serve_recipe, args=(theirs, model_path, reward, os.getpid()), name="rlctl-scoring")
         process.start()
         theirs.close()
         return cls(conn, process)
@@ -250,8 +251,10 @@ def serve(conn: Connection, load: Callable[[], tuple[Callable[[list[int]], str],
             conn.send(message)
 
 
-def _serve_recipe(conn: Connection, model_path: str, reward: RewardConfig) -> None:
-    """A spawned scoring process: the model's tokenizer and the recipe's verifier."""
+def _serve_recipe(conn: Connection, model_path: str, reward: RewardConfig, parent: int) -> None:
+    """A spawned scoring process: the model's tokenizer and the recipe's verifier. It dies with
+    the controller that spawned it, however that ends (a SIGKILL included: rlctl/lifetime.py)."""
+    die_with_parent(parent)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # decoding needs no thread pool; the cores are the engines'
 
     def load() -> tuple[Callable[[list[int]], str], Callable[[str, str], float]]:

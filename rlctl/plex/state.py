@@ -137,3 +137,11 @@ def snapshot(sched) -> dict[str, Any]:
         "models": [{"job": m.job, "name": m.name, "devices": list(m.devices), "state": m.state.value}
                    for m in sched.models.values()],
     }
+
+
+def waiting(sched) -> list[dict[str, Any]]:
+    """The calls waiting for a slice, and the jobs holding the devices they wait for: who blocks
+    whom, for `rlctl pool status`."""
+    return [{"job": w.job, "kind": w.kind, "devices": sorted(w.devices),
+             "blocked_by": sorted({sched.holder[d] for d in w.devices if sched.holder[d] not in (None, w.job)})}
+            for w in sched._waiting.values()]

@@ -48,14 +48,20 @@ class RunConfig(Section):
     resume` continues from and `rlctl export` exports (run_dir/checkpoints/step-NNNNNN/)."""
     keep_checkpoints: int = 2
     """How many checkpoints to keep, the newest (0 = all)."""
+    stall_timeout_s: float = 600.0
+    """The watchdog of the controller and the trainer (rollout servers have rollout.stall_timeout_s):
+    the run fails, saying which, when the controller's heartbeat has stopped this long (the
+    supervisor checks it), or when a call to the trainer has taken this long and 10x the slowest
+    call of its kind so far (rlctl/watchdog.py)."""
 
     def check(self) -> None:
         positive("steps", self.steps)
         at_most("steps", self.steps, MAX_STEPS)
         positive("threads_per_process", self.threads_per_process)
         at_most("threads_per_process", self.threads_per_process, 1024)
-        positive("save_every", self.save_every, zero_ok=True)
-        positive("keep_checkpoints", self.keep_checkpoints, zero_ok=True)
+        within("save_every", self.save_every, 0, MAX_STEPS)
+        within("keep_checkpoints", self.keep_checkpoints, 0, 10_000)
+        within("stall_timeout_s", self.stall_timeout_s, 1.0, 7 * 86400.0)
         if not RUN_NAME.fullmatch(self.name):
             raise FieldError("name", f"'{self.name}' is not a usable name; use up to 100 letters, digits and _.+- "
                                      "(not - or . first)")
@@ -92,7 +98,7 @@ class ModelInit(Section):
     warmup_correct_prob: float = 1.0
     """Fraction of warm-up answers that are correct; the rest are random answers of the right form."""
     warmup_lr: float = 3e-3
-    """AdamW learning rate of the supervised warm-up."""
+    """AdamW learning rate of the supervised warm-up, in (0, 1]."""
     warmup_batch_size: int = 64
     """Samples per warm-up step."""
 
@@ -108,6 +114,7 @@ class ModelInit(Section):
         positive("warmup_batch_size", self.warmup_batch_size)
         at_most("warmup_batch_size", self.warmup_batch_size, 65_536)
         within("warmup_correct_prob", self.warmup_correct_prob, 0.0, 1.0)
+        within("warmup_lr", self.warmup_lr, 0.0, 1.0, open_low=True)
 
 
 @dataclass(kw_only=True)

@@ -16,8 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlctl.recipe.checks import FieldError, Section
+from rlctl.recipe.checks import FieldError, Section, at_most, within
 from rlctl.recipe.choices import Device, GpuKind, Launcher
+
+
+MAX_SHARE = 1000.0
+"""A job's share of contended devices at most (1000x another job's time is as good as all of it)."""
+MAX_MEMORY_GB = 10_000.0
+"""Memory figures of a pool (per device, per engine) at most: 10 TB, past any device or host."""
 
 
 @dataclass(kw_only=True)
@@ -43,8 +49,22 @@ class PoolDevices(Section):
             raise FieldError("gpus", f"lists {len(self.gpus)} GPUs for count={self.count} devices; list one per device")
         if self.gpus and self.kind is not Device.CUDA:
             raise FieldError("gpus", "GPU lists are for kind=cuda")
-        if self.memory_gb < 0:
-            raise FieldError("memory_gb", f"must be >= 0, got {self.memory_gb}")
+        at_most("count", self.count, 65_536)
+        at_most("cpus_per_device", self.cpus_per_device, 4096)
+        within("memory_gb", self.memory_gb, 0.0, MAX_MEMORY_GB)
+
+
+POOL_SBATCH_MANAGED = {
+    "--job-name": ("-J", "pool.name"), "--output": ("-o", "the pool's directory (logs/pool.log)"),
+    "--error": ("-e", "the pool's directory (logs/pool.log)"), "--open-mode": ("", "the pool's directory"),
+    "--nodes": ("-N", "pool.slurm.nodes"), "--ntasks": ("-n", "the pool's service"),
+    "--ntasks-per-node": ("", "the pool's service"), "--gpus-per-node": ("", "pool.slurm.gpus_per_node"),
+    "--partition": ("-p", "pool.slurm.partition"), "--account": ("-A", "pool.slurm.account"),
+    "--qos": ("-q", "pool.slurm.qos"), "--time": ("-t", "pool.slurm.time"),
+    "--requeue": ("", "the pool (never requeued)"), "--no-requeue": ("", "the pool (never requeued)"),
+}
+"""sbatch flags a pool's batch script sets itself (rlctl/launchers/pool/slurm.py), as
+cluster.SBATCH_MANAGED says them for a run's."""
 
 
 @dataclass(kw_only=True)
@@ -79,9 +99,9 @@ class PoolSlurm(Section):
 
         if self.nodes < 1:
             raise FieldError("nodes", f"must be >= 1, got {self.nodes}")
-        if self.gpus_per_node < 0:
-            raise FieldError("gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
-        check_job_lines(self)
+        at_most("nodes", self.nodes, 16_384)
+        within("gpus_per_node", self.gpus_per_node, 0, 64)
+        check_job_lines(self, POOL_SBATCH_MANAGED)
         if not 1024 <= self.port_base <= 60000:
             raise FieldError("port_base", f"must be in 1024..60000, got {self.port_base}")
 
@@ -105,8 +125,10 @@ class PoolSimConfig(Section):
     def check(self) -> None:
         if self.gpus < 1:
             raise FieldError("gpus", f"must be >= 1, got {self.gpus}")
-        if self.host_bytes_per_s <= 0:
-            raise FieldError("host_bytes_per_s", f"must be > 0, got {self.host_bytes_per_s}")
+        at_most("gpus", self.gpus, 65_536)
+        within("host_bytes_per_s", self.host_bytes_per_s, 0.0, 1e13, open_low=True)  # 10 TB/s
+        within("move_overhead_s", self.move_overhead_s, 0.0, 3600.0)
+        within("activation_gb", self.activation_gb, 0.0, MAX_MEMORY_GB)
 
 
 @dataclass(kw_only=True)
@@ -124,6 +146,10 @@ class PoolSpec(Section):
     quantum_s: float = 5.0
     """A device's time slice: once a job has held a device this long (times its share) while
     another waits, its new generates there wait for the other's turn."""
+    lease_s: float = 60.0
+    """A slice a run holds is a lease: the run's controller renews it every lease_s / 4 while its
+    call runs. One not renewed for lease_s (a frozen run, a client that keeps its slice) is taken
+    back, so that the other runs go on; `rlctl pool status` shows who holds what, for how long."""
     switch_overhead: float = 0.1
     """The largest fraction of a device's time spent moving models to hand it from one job to
     another: a turn lasts at least the moves its switch needs (as measured last time) / this."""
@@ -139,8 +165,8 @@ class PoolSpec(Section):
     def check(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name) or self.name.startswith("."):
             raise FieldError("name", f"'{self.name}' must be letters, digits, '-', '_' or '.', not starting with '.'")
-        if self.quantum_s <= 0:
-            raise FieldError("quantum_s", f"must be > 0, got {self.quantum_s}")
+        within("quantum_s", self.quantum_s, 0.0, 86_400.0, open_low=True)
+        within("lease_s", self.lease_s, 1.0, 86_400.0)
         if not 0 < self.switch_overhead <= 1:
             raise FieldError("switch_overhead", f"must be in (0, 1], got {self.switch_overhead}")
         if self.launcher is Launcher.POOL:
@@ -170,8 +196,7 @@ class PoolJob(Section):
     def check(self) -> None:
         if not self.recipe:
             raise FieldError("recipe", "name a recipe file")
-        if self.share <= 0:
-            raise FieldError("share", f"must be > 0, got {self.share}")
+        within("share", self.share, 0.0, MAX_SHARE, open_low=True)
 
 
 @dataclass(kw_only=True)
@@ -190,7 +215,7 @@ class PoolConfig(Section):
     dir: str = "pools"
     """Where pools' directories are (a pool is `DIR/NAME`)."""
     share: float = 1.0
-    """Its share of contended devices (2: twice the device time of a share-1 job)."""
+    """Its share of contended devices (2: twice the device time of a share-1 job), in (0, 1000]."""
     rollout_memory_gb: float = 0.0
     """What one rollout server holds on its device when active (0: estimated from the weights,
     rlctl/launchers/pool/jobs.py). Set it from a dedicated run's peak when the estimate is short."""
@@ -198,8 +223,6 @@ class PoolConfig(Section):
     """The same for one trainer rank."""
 
     def check(self) -> None:
-        if self.share <= 0:
-            raise FieldError("share", f"must be > 0, got {self.share}")
+        within("share", self.share, 0.0, MAX_SHARE, open_low=True)
         for key in ("rollout_memory_gb", "trainer_memory_gb"):
-            if getattr(self, key) < 0:
-                raise FieldError(key, f"must be >= 0, got {getattr(self, key)}")
+            within(key, getattr(self, key), 0.0, MAX_MEMORY_GB)

@@ -39,6 +39,10 @@ MAX_BATCH = 65_536
 """rollout.batch_size (groups), concurrency and max_running_requests (requests per server)."""
 MAX_NEW_TOKENS = 1 << 20
 """rollout.sampling.max_new_tokens: 2^20 tokens, 8x the longest context of today's models."""
+MAX_TOKEN_ID = (1 << 24) - 1
+"""A token id (stop_token_ids) at most: vocabularies are below 2^24 (16.7M) entries."""
+MAX_TEMPERATURE = 10.0
+"""rollout.sampling.temperature at most: past a few, sampling is uniform noise."""
 
 
 @dataclass(kw_only=True)
@@ -58,25 +62,24 @@ class LongTailConfig(Section):
     median_fraction: float = 0.095
     """Median of the lognormal body as a fraction of max_new_tokens."""
     sigma: float = 0.5
-    """Log-standard-deviation of the body."""
+    """Log-standard-deviation of the body, in [0, 10]."""
     truncated_fraction: float = 0.05
     """Share of requests that run to max_new_tokens (the runs that hit the length cap)."""
     min_tokens: int = 1
-    """The shortest length drawn."""
+    """The shortest length drawn, at least 1 (at most MAX_NEW_TOKENS)."""
 
     def check(self) -> None:
-        if not self.enabled:
-            return
+        """Checked enabled or not: a value that cannot work is a typo either way."""
         within("median_fraction", self.median_fraction, 0.0, 1.0, open_low=True, open_high=True)
-        positive("sigma", self.sigma, zero_ok=True)
+        within("sigma", self.sigma, 0.0, 10.0)  # e^10: a body wider than any cap
         within("truncated_fraction", self.truncated_fraction, 0.0, 1.0, open_high=True)
-        positive("min_tokens", self.min_tokens)
+        within("min_tokens", self.min_tokens, 1, MAX_NEW_TOKENS)
 
 
 @dataclass(kw_only=True)
 class SamplingConfig(Section):
     temperature: float = 1.0
-    """Sampling temperature; 0 is greedy."""
+    """Sampling temperature, in [0, 10]; 0 is greedy."""
     top_p: float = 1.0
     """Nucleus sampling: sample among the most likely tokens whose probabilities add up to this (1.0 = all)."""
     top_k: int = -1
@@ -84,16 +87,19 @@ class SamplingConfig(Section):
     max_new_tokens: int = 8
     """Most tokens a response may have; at most MAX_NEW_TOKENS (2^20)."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end a response, besides the model's end-of-sequence tokens."""
+    """Token ids that end a response, besides the model's end-of-sequence tokens (each below 2^24)."""
     long_tail: LongTailConfig = field(default_factory=LongTailConfig)
 
     def check(self) -> None:
-        positive("temperature", self.temperature, zero_ok=True)
+        within("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         within("top_p", self.top_p, 0.0, 1.0, open_low=True)
         if self.top_k == 0 or self.top_k < -1:
             raise FieldError("top_k", f"must be -1 (all) or >= 1, got {self.top_k}")
+        at_most("top_k", self.top_k, MAX_TOKEN_ID + 1, "(a vocabulary's size)")
         positive("max_new_tokens", self.max_new_tokens)
         at_most("max_new_tokens", self.max_new_tokens, MAX_NEW_TOKENS)
+        for i, token in enumerate(self.stop_token_ids):
+            within(f"stop_token_ids[{i}]", token, 0, MAX_TOKEN_ID)
 
 
 # The SGLang releases rlctl's adapter speaks, oldest and newest (tests/test_sglang_contract.py
@@ -199,7 +205,7 @@ class VllmConfig(Section):
         positive("tp_size", self.tp_size)
         at_most("tp_size", self.tp_size, 64, "(GPUs per server)")
         within("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, open_low=True)
-        positive("max_model_len", self.max_model_len, zero_ok=True)
+        within("max_model_len", self.max_model_len, 0, 4 * MAX_NEW_TOKENS)
         for i, arg in enumerate(self.extra_args):
             if arg.split("=")[0] in VLLM_MANAGED_FLAGS:
                 raise FieldError(f"extra_args[{i}]", f"'{arg}' is set by rlctl; use the rollout.vllm keys or the plan")
@@ -224,6 +230,11 @@ class RolloutConfig(Section):
     over_provision: float = 0.0
     """With dynamic sampling: open this fraction more groups than still needed, so that drops do
     not leave the rollout batch waiting for late replacements. Leftovers are aborted."""
+    max_gen_batches: int = 10
+    """With dynamic sampling: how many rollout batches' worth of groups in a row may be dropped for
+    all-equal rewards before the run fails saying so (0: no bound). A policy that has collapsed
+    (NaN weights) or a reward that gives every response the same score would otherwise make the
+    run draw groups for ever (verl's max_num_gen_batches)."""
     stall_timeout_s: float = 60.0
     """A server whose /health has not answered 200 for this long is lost: its requests go to the
     other servers, and a local one is killed and restarted (rlctl/failover.py)."""
@@ -270,6 +281,7 @@ class RolloutConfig(Section):
             at_most(name, getattr(self, name), MAX_BATCH)
         positive("over_provision", self.over_provision, zero_ok=True)
         at_most("over_provision", self.over_provision, 10.0)
+        within("max_gen_batches", self.max_gen_batches, 0, 1_000_000)
         within("stall_timeout_s", self.stall_timeout_s, 1.0, 86400.0)
         within("max_restarts", self.max_restarts, 0, 1000)
         if self.engine is not RolloutEngine.BUILTIN and self.device is not Device.CUDA:

@@ -4,6 +4,7 @@ twin of rlctl/engines/rollout/client.py."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -11,43 +12,61 @@ import aiohttp
 from rlctl.door import bearer
 from rlctl.engines.rollout.client import wait_healthy
 from rlctl.errors import RunError
+from rlctl.watchdog import CallTimer
 
 
 class TrainerClient:
-    def __init__(self, url: str, session: aiohttp.ClientSession, token: str | None = None) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, token: str | None = None,
+                 timer: CallTimer | None = None) -> None:
         self.url = url
         self.session = session
-        self.headers = bearer(token)
-        """The run's token (rlctl/door.py), asked by every route of the service but /health."""
+        self.set_key(token)
+        self.timer = timer
+        """Each call's deadline (rlctl/watchdog.py); None: calls wait as long as they take."""
+
+    def set_key(self, key: str | None) -> None:
+        """The trainer's own key (rlctl/door.py role_key), asked by every route but /health."""
+        self.headers = bearer(key)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return json.loads(await self._call("POST", path, body))
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> str:
+        """The reply's text; RunError when the trainer refuses, cannot be reached, or does not
+        answer before the call's deadline (a frozen or hung trainer)."""
+        timeout = self.timer.timeout(path) if self.timer else None
+        start = time.monotonic()
         try:
-            async with self.session.post(self.url + path, json=body, headers=self.headers) as resp:
+            async with self.session.request(method, self.url + path, json=body, headers=self.headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 text = await resp.text()
                 if resp.status != 200:  # the trainer's own errors are JSON, aiohttp's 500 page is not
                     raise RunError(f"trainer {path}: HTTP {resp.status}: {text.strip()[:300]}; see the trainer's log")
-                return json.loads(text)
         except aiohttp.ClientError as e:
             raise RunError(f"trainer {self.url}{path}: unreachable ({e})") from None
+        except TimeoutError:
+            assert self.timer is not None and timeout is not None
+            raise RunError(f"trainer {path}: no answer within {timeout:.0f} s ({self.timer.explain(path)}): the "
+                           "trainer is frozen or hung; see its log") from None
+        if self.timer:
+            self.timer.observe(path, time.monotonic() - start)
+        return text
 
     async def wait_healthy(self, timeout_s: float) -> None:
         await wait_healthy(self.session, self.url, timeout_s)
 
     async def info(self) -> dict[str, Any]:
         """{version, ranks, parameters, memory: {weights_bytes, optimizer_bytes, resident: {weights, optimizer}}}."""
-        async with self.session.get(self.url + "/info", headers=self.headers) as resp:
-            if resp.status != 200:
-                raise RunError(f"trainer /info: HTTP {resp.status}: {(await resp.text()).strip()[:300]}")
-            return await resp.json()
+        return json.loads(await self._call("GET", "/info"))
 
     async def weight_checksums(self) -> dict[str, Any]:
-        async with self.session.get(self.url + "/weight_checksums", headers=self.headers) as resp:
-            return await resp.json()
+        return json.loads(await self._call("GET", "/weight_checksums"))
 
-    async def init_weight_sync(self, servers: list[str], master_address: str, master_port: int,
+    async def init_weight_sync(self, servers: list[dict[str, str]], master_address: str, master_port: int,
                                backend: str, bucket_mb: float, protocol: str = "sglang",
                                server: dict[str, Any] | None = None) -> None:
-        """`protocol`: what the servers speak ("sglang" or "vllm"); `server`: for vLLM, what they
+        """`servers`: each one's url, role and key_id (rlctl/controller.py RunKeys.servers);
+        `protocol`: what the servers speak ("sglang" or "vllm"); `server`: for vLLM, what they
         hold their weights as ({"dtype", "model_path"}), which vLLM has no route to tell."""
         await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,
                                                "master_port": master_port, "backend": backend,

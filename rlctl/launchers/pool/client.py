@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -13,9 +14,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from rlctl.door import bearer
+from rlctl.door import LEASE_ROLE, bearer, role_key
 from rlctl.errors import RunError
 from rlctl.launchers.pool.pooldir import PoolDir
+
+log = logging.getLogger("rlctl.pool")
 
 
 def request(pd: PoolDir, method: str, path: str, body: dict[str, Any] | None = None,
@@ -51,7 +54,8 @@ def detach(pd: PoolDir, job: str, reason: str) -> dict[str, Any]:
 
 class PoolLease:
     """The pool as one run's controller sees it: `slice` asks for the devices of a call, with the
-    run's own token, and gives them back when the call is done (also when it fails).
+    run's lease key (derived from its token: the token itself never goes to the pool's port), and
+    gives them back when the call is done (also when it fails).
 
     Calls that need the same models join a slice already granted (one round trip to the pool
     for a batch of generates, not two per generate) while it is younger than the job's quantum;
@@ -83,6 +87,8 @@ class PoolLease:
         try:
             granted = await asyncio.shield(shared.task)
             shared.join_until = min(shared.join_until, time.monotonic() + float(granted.get("join_s", 0.0)))
+            if shared.renewing is None:
+                shared.renewing = asyncio.ensure_future(self._renew(job, granted["call"], float(granted["lease_s"])))
             yield
         finally:
             shared.users -= 1
@@ -90,10 +96,24 @@ class PoolLease:
                 shared.closing = True
                 if self.open.get(key) is shared:
                     del self.open[key]
+                if shared.renewing is not None:
+                    shared.renewing.cancel()
                 if shared.task.done():
                     await self._give_back(job, shared.task)
                 else:  # every caller left before the grant: give it back when it comes
                     shared.task.add_done_callback(lambda t: asyncio.ensure_future(self._give_back(job, t)))
+
+    async def _renew(self, job: str, call: str, lease_s: float) -> None:
+        """Renew the lease of a granted slice while its calls run (pool.lease_s: one not renewed
+        is taken back). A lease the pool has taken back is not renewed again: the calls go on,
+        and the next one asks for a slice anew."""
+        while True:
+            await asyncio.sleep(lease_s / 4)
+            try:
+                await self._post(f"/jobs/{job}/renew", {"call": call})
+            except RunError as e:
+                log.warning("%s; its calls go on without it", e)
+                return
 
     async def _give_back(self, job: str, task: asyncio.Future) -> None:
         if not task.cancelled() and task.exception() is None:
@@ -106,6 +126,8 @@ class _Shared:
         self.users = 0
         self.closing = False
         self.join_until = float("inf")
+        self.renewing: asyncio.Future | None = None
+        """Renews the lease of the slice once it is granted."""
 
 
 def pooled(pool: dict[str, Any], servers: list, trainer: Any, session, token: str) -> tuple[list, Any]:
@@ -113,7 +135,7 @@ def pooled(pool: dict[str, Any], servers: list, trainer: Any, session, token: st
     by the pool when it attached the run)."""
     from rlctl.plex.gates import PooledRollout, PooledTrainer
 
-    lease = PoolLease(pool["url"], session, token)
+    lease = PoolLease(pool["url"], session, role_key(token, LEASE_ROLE, pool["job"]))
     names = [f"rollout-{i}" for i in range(len(servers))]
     wrapped = [PooledRollout(s, lease, pool["job"], n) for s, n in zip(servers, names, strict=True)]
     return wrapped, PooledTrainer(trainer, lease, pool["job"], "trainer", names)

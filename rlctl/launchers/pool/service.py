@@ -7,13 +7,15 @@ Routes (every one but /health asks for a token):
     POST   /jobs                 {run_dir}            pool token: attach a run (place, start its engines)
     GET    /jobs/{job}                                pool token: its state and usage
     DELETE /jobs/{job}                                pool token: detach it (stop its engines)
-    POST   /jobs/{job}/slice     {needs, kind}        the run's own token: wait for a slice -> {call}
-    POST   /jobs/{job}/release   {call}               the run's own token: the call is done
+    POST   /jobs/{job}/slice     {needs, kind}        the run's lease key: wait for a slice -> {call}
+    POST   /jobs/{job}/release   {call}               the run's lease key: the call is done
+    POST   /jobs/{job}/renew     {call}               the run's lease key: the call still runs (pool.lease_s)
     GET    /status                                    pool token: devices, jobs, usage
     POST   /shutdown                                  pool token: detach every job and stop
 
-A run's calls carry the run's token, which only that run (and the pool that started its engines)
-can read: one run cannot take or give back another's slices.
+A run's calls carry its lease key, derived from the run's token (rlctl/door.py role_key with
+LEASE_ROLE), which only that run (and the pool that started its engines) can read: one run cannot
+take or give back another's slices, and the token itself never goes to the pool's port.
 """
 
 from __future__ import annotations
@@ -24,24 +26,26 @@ import logging
 import os
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from rlctl.door import listen_address, listening_socket, refusal
+from rlctl.door import LEASE_ROLE, listen_address, listening_socket, refusal, role_key
 from rlctl.errors import RlctlError, RunError
 from rlctl.launchers.pool.engines import EngineStarter
+from rlctl.launchers.pool.slices import Leases, SliceRoutes
 from rlctl.launchers.pool.jobs import EngineMover, PoolJob, device_memory, job_blocks
 from rlctl.launchers.pool.pooldir import PoolDir
 from rlctl.launchers.pool.slurm import PortBook, job_nodes
 from rlctl.launchers.pool.warm import Forker
 from rlctl.plex.placement import Layout
 from rlctl.plex.scheduler import SliceScheduler, State
-from rlctl.plex.state import MonotonicClock, snapshot
+from rlctl.plex.state import MonotonicClock, snapshot, waiting
 from rlctl.recipe import Device, Launcher, TrainEngine
 from rlctl.recipe.load import load_pool_file
 
 log = logging.getLogger("rlctl.pool")
+
+
 USAGE_EVERY_S = 2.0
 
 
@@ -66,7 +70,8 @@ class PoolService:
                                     switch_overhead=self.spec.pool.switch_overhead,
                                     beside=frozenset({"sync"} if self.spec.pool.overlap_syncs and
                                                      self.spec.pool.devices.kind is Device.CPU else ()))
-        self.calls: dict[str, tuple[str, asyncio.Event, asyncio.Task]] = {}
+        self.leases = Leases(self.spec.pool.lease_s)
+        self.slices = SliceRoutes(self)
         self.stopping = asyncio.Event()
         self.restarting: set[asyncio.Task] = set()
         self.forker: Forker | None = None
@@ -86,9 +91,10 @@ class PoolService:
         async def door(request: web.Request, handler):
             parts = request.path.strip("/").split("/")
             token = self.token
-            if len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("slice", "release"):
+            if len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("slice", "release", "renew"):
                 job = self.jobs.get(parts[1])
-                token = job.token if job else self.token  # an unknown job: refused below, or 404
+                # the job's lease key (rlctl/door.py LEASE_ROLE); an unknown job: refused below, or 404
+                token = role_key(job.token, LEASE_ROLE, job.name) if job else self.token
             status = refusal(request.path, request.headers.get("Authorization"), token)
             if status is not None:
                 return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
@@ -208,10 +214,7 @@ class PoolService:
         if job.ended is None:
             job.ended = reason
             try:
-                for call_id, (owner, _, task) in list(self.calls.items()):
-                    if owner == job.name:
-                        task.cancel()
-                        self.calls.pop(call_id, None)
+                self.leases.drop_job(job.name)
                 usage = self._usage(job)
                 self.sched.remove_job(job.name)
                 self.layout.forget(job.name)
@@ -247,59 +250,16 @@ class PoolService:
             return web.json_response({"error": "no such job"}, status=404)
         return web.json_response({"job": job.name, "ended": job.ended, "usage": self._usage(job)})
 
-    # -- slices --------------------------------------------------------------------------------
-
-    async def slice(self, request):
-        from aiohttp import web
-
-        name = request.match_info["job"]
-        if name not in self.jobs:
-            return web.json_response({"error": f"job {name} is not in the pool"}, status=404)
-        body = await request.json()
-        needs = [(m, State(s)) for m, s in body["needs"]]
-        entered, done = asyncio.Event(), asyncio.Event()
-
-        async def hold() -> None:
-            async with self.sched.slice(name, needs, str(body.get("kind", "call"))):
-                entered.set()
-                await done.wait()
-
-        task = asyncio.create_task(hold())
-        waiter = asyncio.create_task(entered.wait())
-        try:
-            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not entered.is_set():
-                task.cancel()  # the caller left, or the slice failed
-            waiter.cancel()
-        if not entered.is_set():
-            error = task.exception() if task.done() and not task.cancelled() else None
-            return web.json_response({"error": str(error or "cancelled")}, status=409)
-        call_id = uuid.uuid4().hex
-        self.calls[call_id] = (name, done, task)
-        job = self.sched.jobs.get(name)
-        join_s = self.spec.pool.quantum_s * (job.share if job else 1.0)  # a slice stays joinable this long
-        return web.json_response({"call": call_id, "join_s": join_s})
-
-    async def release(self, request):
-        from aiohttp import web
-
-        body = await request.json()
-        entry = self.calls.pop(str(body.get("call")), None)
-        if entry is None or entry[0] != request.match_info["job"]:
-            return web.json_response({"error": "no such call"}, status=404)
-        entry[1].set()
-        await asyncio.gather(entry[2], return_exceptions=True)
-        return web.json_response({})
-
     # -- the service ---------------------------------------------------------------------------
 
     async def status(self, request):
         from aiohttp import web
 
         snap = snapshot(self.sched)
-        return web.json_response({"name": self.pd.name, "uptime_s": time.monotonic() - self.t0, "devices": snap["devices"],
-                                  "models": snap["models"], "jobs": {n: self._usage(j) for n, j in self.jobs.items()}})
+        now = time.monotonic()
+        return web.json_response({"name": self.pd.name, "uptime_s": now - self.t0, "devices": snap["devices"],
+                                  "models": snap["models"], "jobs": {n: self._usage(j) for n, j in self.jobs.items()},
+                                  "held": self.leases.held(), "waiting": waiting(self.sched)})
 
     async def shutdown(self, request):
         from aiohttp import web
@@ -314,6 +274,7 @@ class PoolService:
         last = 0.0
         while True:
             await asyncio.sleep(0.5)
+            self.slices.expire()
             for job in list(self.jobs.values()):
                 died = job.exited() if job.started else None
                 if died and job.ended is None and not await self._restart(job, *died):
@@ -333,8 +294,9 @@ class PoolService:
         app.router.add_post("/jobs", self.attach)
         app.router.add_get("/jobs/{job}", self.job_state)
         app.router.add_delete("/jobs/{job}", self.detach)
-        app.router.add_post("/jobs/{job}/slice", self.slice)
-        app.router.add_post("/jobs/{job}/release", self.release)
+        app.router.add_post("/jobs/{job}/slice", self.slices.slice)
+        app.router.add_post("/jobs/{job}/release", self.slices.release)
+        app.router.add_post("/jobs/{job}/renew", self.slices.renew)
         app.router.add_post("/shutdown", self.shutdown)
         return app
 

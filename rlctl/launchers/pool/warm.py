@@ -71,13 +71,13 @@ class Forker:
     """The pool's end: starts the forker and asks it for processes."""
 
     def __init__(self, log: Path, ready_timeout_s: float = 300.0) -> None:
-        from rlctl.launchers.local import _die_with_parent
+        from rlctl.lifetime import die_with_parent
 
         self.ready_timeout_s = ready_timeout_s
         with log.open("ab") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "rlctl.launchers.pool.warm"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._started: dict[int, tuple[threading.Event, list[WarmProcess]]] = {}
@@ -148,9 +148,9 @@ def _child(req: dict) -> None:
     try:
         signal.set_wakeup_fd(-1)  # the forker's, closed below
         os.setsid()
-        from rlctl.launchers.local import _die_with_parent
+        from rlctl.lifetime import die_with_parent
 
-        _die_with_parent()
+        die_with_parent()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         out = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

@@ -32,6 +32,7 @@ import shlex
 from pathlib import Path
 
 from rlctl.checkpoint import PREEMPTED_EXIT
+from rlctl.launchers.slurm.values import refuse_control_characters, sbatch_value
 from rlctl.recipe import Device, Recipe, RolloutEngine, SlurmConfig, TrainEngine, slurm_rollout_nodes
 
 CPUS_PER_GPU = 4
@@ -174,6 +175,7 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
 
     `python` is the interpreter of `rlctl launch`, used on the nodes only when the recipe has
     neither slurm.python nor slurm.setup lines (`python_lines`)."""
+    refuse_control_characters(recipe, run_dir, run_id, python)
     sl = recipe.slurm
     n_servers, n_ranks = recipe.rollout.servers, recipe.train.ranks
     r_nodes, t_nodes = slurm_rollout_nodes(recipe), sl.trainer.nodes
@@ -199,7 +201,7 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
         f"# rlctl run {run_id}: one heterogeneous Slurm job, written by `rlctl launch` (launcher=slurm).",
         f"#   component 0: {t_nodes} trainer node(s), {n_ranks} trainer rank(s); the controller runs on the first",
         f"#   component 1: {r_nodes} rollout node(s), {n_servers} rollout server(s), {spn} per node",
-        f"#SBATCH --output={run_dir}/logs/slurm-%j.out",
+        f"#SBATCH --output={sbatch_value(str(run_dir).replace('%', '%%') + '/logs/slurm-%j.out')}",
         "#SBATCH --open-mode=append",
         f"#SBATCH --time={sl.time}",
         *([f"#SBATCH --signal=B:USR1@{sl.signal_before_s}", "#SBATCH --requeue"] if sl.requeue else ["#SBATCH --no-requeue"]),
@@ -224,6 +226,7 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
     )
     rq = _requeue_parts(sl.requeue)
     max_restarts = recipe.rollout.max_restarts
+    stall_s = int(recipe.run.stall_timeout_s)
     body = f"""\
 set -uo pipefail
 
@@ -332,6 +335,7 @@ srun --het-group=0 --nodes={t_nodes} --ntasks={n_ranks} --ntasks-per-node={ranks
   --export=ALL --kill-on-bad-exit=1 --output="$RLCTL_LOGS/trainer-%t.log" \\
   "$PY" -m rlctl.worker trainer --run-dir "$RUN_DIR" 2>"$RLCTL_LOGS/trainer.srun.log" &
 TRAINER=$!
+rm -f "$RUN_DIR/heartbeat"  # the controller's loop touches it every 2 s (rlctl/watchdog.py)
 {rq['controller_start']}
 CONTROLLER=$!
 rlctl_step state --state running
@@ -344,9 +348,18 @@ step_exited() {{  # step_exited COMPONENT PID: end the run if that srun step has
     end_run failed "$1" "its srun step exited with code $?"
   fi
 }}
+# run.stall_timeout_s: a controller whose heartbeat stopped is frozen or hung.
+heartbeat_check() {{
+  local beat
+  beat=$(stat -c %Y "$RUN_DIR/heartbeat" 2>/dev/null) || return 0
+  if (( $(date +%s) - beat > {stall_s} )); then
+    end_run failed controller "made no progress for {stall_s} s (its heartbeat stopped; run.stall_timeout_s): frozen or hung; see $RLCTL_LOGS/controller.log"
+  fi
+}}
 while sleep 1; do
   {rq['requeue_resend']}server_check
   step_exited trainer "$TRAINER"
+  heartbeat_check
   if ! kill -0 "$CONTROLLER" 2>/dev/null; then
     wait "$CONTROLLER"
     code=$?
