@@ -83,12 +83,12 @@ def check_the_doors(pool: Path, a: RunDir, b: RunDir) -> None:
     # A client that takes a slice with a's lease key and keeps it holds the devices for
     # pool.lease_s only: the pool takes it back, and both runs go on to the end.
     assert status(url, f"/jobs/{a.id}/slice", role_key(ta, LEASE_ROLE, a.id), needs) == 200
-    wait_for(lambda: [e for e in read_jsonl(pool / "events.jsonl") if e["event"] == "lease_expired"], 60,
-             "the kept slice to be taken back")
+    wait_for(lambda: [e for e in read_jsonl(pool / "events.jsonl") if e["event"] == "lease_expired"
+                      and e["job"] == a.id and e["held_s"] >= 5], 60, "the kept slice to be taken back")
 
 
 def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
-    a = launch(tmp_path, "a", "run.steps=4", "run.seed=1")
+    a = launch(tmp_path, "a", "run.steps=40", "run.seed=1")  # long enough to outlive a kept slice's lease
     b = launch(tmp_path, "b", "run.steps=4", "run.seed=2", "pipeline.mode=rolloutpipe")
     wait_for(lambda: a.read()["state"] == "running" and b.read()["state"] == "running", 300, "both runs to run")
     check_the_doors(pool, a, b)

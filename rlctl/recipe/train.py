@@ -69,8 +69,9 @@ class TrainConfig(Section):
     sync_bucket_mb: float = 512.0
     """Size of one weight-sync bucket in MiB; at most 16,384 (TRAIN_BOUNDS). Each bucket is one
     HTTP announce (and one broadcast, or one IPC handle) per server; the sender keeps two pack
-    buffers, grown to the largest bucket it packed (none for a bucket that is a slice of the
-    trainer's parameters as they lie: rlctl/engines/weightsync/flat.py)."""
+    buffers, grown to the largest bucket it packed (none for a broadcast of a bucket that is a
+    slice of the trainer's parameters as they lie: rlctl/engines/weightsync/flat.py; IPC always
+    packs, into a buffer tagged for the server's check: docs/security.md)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     sync_backend: SyncBackend = SyncBackend.AUTO
     """How weights reach the servers: gloo (a broadcast from host memory), nccl (a broadcast GPU to
