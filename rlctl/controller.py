@@ -291,7 +291,7 @@ async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.Client
                for role, url in zip(plan.rollout, plan.server_urls)]
     for c in clients:
         await c.wait_healthy(READY_TIMEOUT_S)
-        c.set_key(keys.key(c.name))
+    keys.servers(clients)  # each gets the key its start recorded
     if recipe.rollout.protocol == "vllm":
         from rlctl.engines.rollout.vllm import check_version
 

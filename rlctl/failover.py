@@ -143,6 +143,15 @@ class ServerWatch:
                 self.pool.lose(c.name, f"/health has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
                 self._kill(c.name)  # frozen, not dead: it is restarted once it is
 
+    def rejoin(self, name: str, key_id: str, version: int) -> None:
+        """A server back from the dead has the run's weights (version): it gets requests again,
+        and the start it is (key_id, pid) is the one watched from now on."""
+        self.back.discard(name)
+        self.key_ids[name] = key_id
+        self.pids[name] = self._starts()[1][name]
+        self.pool.rejoin(name)
+        self.emit("server_rejoined", self.clock.now(), server=name, version=version)
+
     async def lose_silent(self, names: list[str]) -> None:
         """After a failed sync: lose at once each of these servers that does not answer /health."""
         members = [c for c in self.clients if c.name in names]
@@ -216,9 +225,5 @@ class FailoverTrainer:
             self.watch.emit("weight_group_formed", self.watch.clock.now(), servers=names, version=version)
         stats = await self.trainer.sync_weights(version, pause_mode)
         for name in [n for n in names if n in self.watch.back]:
-            self.watch.back.discard(name)
-            self.watch.key_ids[name] = used[name]  # the start that holds the run's weights now
-            self.watch.pids[name] = self.watch._starts()[1][name]
-            self.watch.pool.rejoin(name)
-            self.watch.emit("server_rejoined", self.watch.clock.now(), server=name, version=version)
+            self.watch.rejoin(name, used[name], version)
         return stats

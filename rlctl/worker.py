@@ -116,8 +116,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     if recipe.rollout.engine is RolloutEngine.VLLM:
         _exec_vllm(rd, recipe, role, info["model_path"])
     sock = _bound(role)
-    key_id = new_key_id()  # drawn once the port is ours: a key in run.json is never that of a process without it
-    rd.record_process(role.name, key_id=key_id)
+    key_id = _new_key_id(rd, role)  # once the port is ours: a key in run.json is never that of a process without it
     args = server.parser().parse_args([  # a list in this process: the token file's path only, never the token
         "--model-path", info["model_path"], "--host", listen_address(role.listen), "--port", str(role.port),
         "--api-key-file", str(token_path(rd.path)), "--key-scope", f"{role.name}/{key_id}",
@@ -133,6 +132,13 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     if recipe.rollout.builtin.emulate_vllm:  # as a vLLM server rlctl starts (vllm.launch_env), unless told otherwise
         os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     server.serve(args, sock)
+
+
+def _new_key_id(rd: RunDir, role: Role) -> str:
+    """This start's key_id (rlctl/door.py role_key), recorded in run.json for the others."""
+    key_id = new_key_id()
+    rd.record_process(role.name, key_id=key_id)
+    return key_id
 
 
 def _bound(role: Role) -> socket.socket:
@@ -188,9 +194,7 @@ def _exec_vllm(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> None:
 def _own_key(rd: RunDir, role: Role) -> str:
     """An engine that binds its port itself (SGLang, vLLM) gets its key before it starts: the
     key_id is recorded before the port is bound (docs/security.md says what that leaves open)."""
-    key_id = new_key_id()
-    rd.record_process(role.name, key_id=key_id)
-    return role_key(_run_token(rd), role.name, key_id)
+    return role_key(_run_token(rd), role.name, _new_key_id(rd, role))
 
 
 def _run_token(rd: RunDir) -> str:
@@ -244,8 +248,7 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
         sock = _bound(role)
-        key_id = new_key_id()  # once the port is ours, as a rollout server's
-        rd.record_process(role.name, key_id=key_id)
+        key_id = _new_key_id(rd, role)  # once the port is ours, as a rollout server's
         service = TrainerService(engine, world, token=token, key=role_key(token, role.name, key_id), run_dir=rd.path)
         web.run_app(service.app(), sock=sock, print=None, access_log=None)
     else:

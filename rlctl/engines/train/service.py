@@ -278,14 +278,21 @@ class TrainerService:
             raise RunError(f"the body is {{\"dir\": \"<path>\"}}, not {body!r}"[:300])
         return confined_checkpoint_dir(self.run_dir, path, purpose)
 
-    async def save_checkpoint(self, request: web.Request) -> web.Response:
-        """{"dir": D}: write the trainer's part of a checkpoint into D (rlctl/engines/train/ckpt_files.py)."""
+    async def _checkpoint_target(self, request: web.Request, purpose: str) -> Path | web.Response:
+        """The checkpoint directory a request names, or its refusal: 403 outside the run's own
+        checkpoints/, 400 for a body that names none."""
         try:
-            target = self._checkpoint_dir(await request.json(), "save")
+            return self._checkpoint_dir(await request.json(), purpose)
         except CheckpointPathRefused as e:
             return refused(str(e), status=403)
         except RunError as e:
             return refused(str(e))
+
+    async def save_checkpoint(self, request: web.Request) -> web.Response:
+        """{"dir": D}: write the trainer's part of a checkpoint into D (rlctl/engines/train/ckpt_files.py)."""
+        target = await self._checkpoint_target(request, "save")
+        if isinstance(target, web.Response):
+            return target
         start = asyncio.get_running_loop().time()
         try:
             stats = await self._run(self._command, "save_checkpoint", str(target))
@@ -296,12 +303,9 @@ class TrainerService:
     async def load_checkpoint(self, request: web.Request) -> web.Response:
         """{"dir": D}: continue from the checkpoint in D once it matches its manifest; replies with
         its weight version."""
-        try:
-            target = self._checkpoint_dir(await request.json(), "load")
-        except CheckpointPathRefused as e:
-            return refused(str(e), status=403)
-        except RunError as e:
-            return refused(str(e))
+        target = await self._checkpoint_target(request, "load")
+        if isinstance(target, web.Response):
+            return target
         try:
             await self._run(check_manifest, target)
             stats = await self._run(self._command, "load_checkpoint", str(target))
