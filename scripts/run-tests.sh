@@ -30,6 +30,13 @@ for version in 0.33.0 0.34.0; do
   fi
 done
 
+# Megatron-core's wheel, the same way for the Megatron trainer's contract tests
+# (tests/megatron_source.py). A cp312 wheel (2.4 MB): --python-version fetches it on any Python.
+wheels="${RLCTL_MEGATRON_CORE_WHEELS:-$HOME/.cache/rlctl/megatron_core-wheels}"
+if ! compgen -G "$wheels/megatron_core-0.19.2-*.whl" >/dev/null; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 "megatron-core==0.19.2" -d "$wheels"
+fi
+
 if [ "$(id -u)" = 0 ]; then
   if ! command -v shellcheck >/dev/null 2>&1; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null

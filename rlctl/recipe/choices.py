@@ -64,6 +64,28 @@ class MegatronDtype(enum.StrEnum):
     FLOAT32 = "float32"
 
 
+class MegatronAttention(enum.StrEnum):
+    """The Megatron trainer's core attention (rlctl/engines/train/megatron_attention.py)."""
+
+    SDPA = "sdpa"
+    LOCAL = "local"
+
+
+class Recompute(enum.StrEnum):
+    """Megatron-core's recompute_granularity ("none" is its None)."""
+
+    FULL = "full"
+    SELECTIVE = "selective"
+    NONE = "none"
+
+
+class RecomputeMethod(enum.StrEnum):
+    """Megatron-core's recompute_method."""
+
+    UNIFORM = "uniform"
+    BLOCK = "block"
+
+
 class Launcher(enum.StrEnum):
     LOCAL = "local"
     SLURM = "slurm"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, at_most, divides, positive, within
-from rlctl.recipe.choices import Admission, Device, InflightAtUpdate, MegatronDtype, PipelineMode, SyncBackend, TrainEngine
+from rlctl.recipe.choices import (Admission, Device, InflightAtUpdate, MegatronAttention, MegatronDtype, PipelineMode, Recompute,
+                                  RecomputeMethod, SyncBackend, TrainEngine)
 
 
 TRAIN_BOUNDS = {
@@ -34,10 +35,30 @@ class MegatronConfig(Section):
     Megatron trainer")."""
     dtype: MegatronDtype = MegatronDtype.BFLOAT16
     """Parameter dtype: bfloat16 (fp32 master weights in the optimizer) or float32."""
+    attention: MegatronAttention = MegatronAttention.SDPA
+    """Core attention. sdpa: torch's scaled_dot_product_attention (flash or memory-efficient
+    kernels, causal, GQA; never the S x S scores). local: Megatron-core's unfused
+    DotProductAttention, which keeps every layer's S x S scores for the backward pass (a 1.7B
+    model runs out of an H200's memory at 8k tokens: results/gpu_long_samples.json). Transformer
+    Engine is not used even where it is installed (docs/engines.md, "Long samples")."""
+    recompute_granularity: Recompute = Recompute.FULL
+    """Activation recompute, Megatron-core's recompute_granularity. full: keep only the input of
+    every recompute_num_layers layers and run their forward again in the backward pass (about a
+    third more compute; what long responses need). selective: recompute the core attention only
+    (it saves memory with attention=local alone). none: keep every activation."""
+    recompute_method: RecomputeMethod = RecomputeMethod.UNIFORM
+    """full recompute, Megatron-core's recompute_method. uniform: every layer is in a recompute
+    unit of recompute_num_layers layers. block: the first recompute_num_layers layers are
+    recomputed and the rest keep their activations."""
+    recompute_num_layers: int = 1
+    """full recompute: layers per recompute unit (uniform) or layers recomputed (block); 1 to the
+    model's number of layers."""
 
     def check(self) -> None:
         positive("tp", self.tp)
         at_most("tp", self.tp, 64)
+        positive("recompute_num_layers", self.recompute_num_layers)
+        at_most("recompute_num_layers", self.recompute_num_layers, 1024, "(layers)")
         if self.pp != 1:
             raise FieldError("pp", "pipeline parallelism is not supported yet; use pp=1 (and tp for large models)")
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlctl.engines.train.behaviour import Behaviour
-from rlctl.engines.train.megatron_engine import optimizer_step, wrap_for_training
+from rlctl.engines.train.megatron_optim import optimizer_step, wrap_for_training
 
 
 def _value_model_class():

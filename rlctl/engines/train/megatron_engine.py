@@ -26,6 +26,7 @@ checkpoint gather TP shards only; a PP stage would need each of those split by s
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -37,12 +38,17 @@ from rlctl.algos.losses import kl_penalty, loss_normalizer
 from rlctl.algos.objective import SUM_KEYS, Objective, Prepared
 from rlctl.engines.train.base import PieceTraining, TrainSample, new_accumulator, padded_batch
 from rlctl.engines.train.megatron_ckpt import MegatronCheckpoint
+from rlctl.engines.train.megatron_layers import layer_spec, recompute_options, transformer_engine_note
 from rlctl.engines.train.megatron_memory import MegatronMemory
+from rlctl.engines.train.megatron_optim import optimizer_step, wrap_for_training
 from rlctl.engines.train.behaviour import Behaviour
 from rlctl.engines.train.megatron_convert import (BACKBONE_ONLY, Layout, check_mcore_names, gather, hf_to_mcore, iter_mcore_to_hf,
                                                   shard, tp_dim)
 from rlctl.errors import RunError
 from rlctl.recipe import AlgoConfig, KlIn, MegatronDtype, TrainConfig
+
+ENTROPY_CHUNK = 4096
+"""Positions per entropy pass: 4096 x a 152k vocabulary is 2.5 GB of fp32 temporaries."""
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -83,6 +89,8 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
                            "set train.megatron.tp to a divisor of it")
         self.dtype = torch.bfloat16 if cfg.megatron.dtype is MegatronDtype.BFLOAT16 else torch.float32
         self.tconfig = self._transformer_config(hf_cfg)
+        if note := transformer_engine_note(cfg.megatron.attention):
+            logging.getLogger("rlctl.trainer").info(note)
         model = self._build_model(hf_cfg)
         hf_state = load_hf_state(model_path)
         self._load_hf(model, hf_state)
@@ -149,18 +157,20 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
             params_dtype=self.dtype, pipeline_dtype=self.dtype, tensor_model_parallel_size=self.tp_size,
             attention_softmax_in_fp32=True, apply_rope_fusion=False, bias_dropout_fusion=False,
             masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+            **recompute_options(self.cfg.megatron, L.num_layers),
         )
 
     def _build_model(self, hf_cfg: PretrainedConfig, post_process: bool = True) -> GPTModel:
-        """An uninitialized GPTModel on this GPU with the local layer spec (no Transformer Engine);
-        post_process=False: without its final norm and output layer (a critic's backbone)."""
+        """An uninitialized GPTModel on this GPU with the local layer spec (no Transformer Engine)
+        and train.megatron.attention's core attention; post_process=False: without its final norm
+        and output layer (a critic's backbone). The policy, its reference and behaviour copies
+        and the critic are all built here, so all of them attend and recompute alike."""
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         L = self.layout
         return GPTModel(
             config=self.tconfig,
-            transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=L.qk_norm, normalization="RMSNorm"),
+            transformer_layer_spec=layer_spec(L.qk_norm, self.cfg.megatron.attention),
             vocab_size=L.vocab_size, max_sequence_length=hf_cfg.max_position_embeddings,
             pre_process=True, post_process=post_process, parallel_output=True,
             share_embeddings_and_output_weights=L.tied and post_process, position_embedding_type="rope",
@@ -213,7 +223,9 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
         """Logits at the sampling temperature, [B, T-1, V / tp] (each TP rank a vocabulary slice)."""
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         logits = (model or self.ddp)(ids, positions, None)[:, :-1].float()  # causal mask, right padding
-        return logits / self.temperature if self.temperature not in (0.0, 1.0) else logits
+        # In place: the fp32 copy is new, and dividing by a number needs no saved input. At 32k
+        # tokens and a 152k vocabulary one fp32 copy of the logits is 20 GB.
+        return logits.div_(self.temperature) if self.temperature not in (0.0, 1.0) else logits
 
     def _token_logprobs(self, ids: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """log p(ids[:, t+1] | ids[:, :t+1]), [B, T-1], via the vocab-parallel cross entropy."""
@@ -223,16 +235,25 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), ids[:, 1:].contiguous())
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-position entropy over the whole vocabulary: log Z - E_p[z], from the TP slices."""
+        """Per-position entropy over the whole vocabulary: log Z - E_p[z], from the TP slices,
+        ENTROPY_CHUNK positions at a time (the temporaries of the whole sequence at once would be
+        two more fp32 copies of the logits)."""
         with torch.no_grad():
-            top = logits.max(-1, keepdim=True).values
-            if self.tp_size > 1:
-                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.tp_group)
-            e = torch.exp(logits - top)
-            parts = torch.cat([e.sum(-1, keepdim=True), (e * logits).sum(-1, keepdim=True)], -1)
-            if self.tp_size > 1:
-                dist.all_reduce(parts, group=self.tp_group)
-            return (top.squeeze(-1) + parts[..., 0].log() - parts[..., 1] / parts[..., 0])
+            flat = logits.reshape(-1, logits.shape[-1])
+            out = torch.empty(flat.shape[0], device=logits.device, dtype=torch.float32)
+            for start in range(0, flat.shape[0], ENTROPY_CHUNK):
+                out[start : start + ENTROPY_CHUNK] = self._entropy_rows(flat[start : start + ENTROPY_CHUNK])
+            return out.view(logits.shape[:-1])
+
+    def _entropy_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        top = rows.max(-1, keepdim=True).values
+        if self.tp_size > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.tp_group)
+        e = torch.exp(rows - top)
+        parts = torch.cat([e.sum(-1, keepdim=True), (e * rows).sum(-1, keepdim=True)], -1)
+        if self.tp_size > 1:
+            dist.all_reduce(parts, group=self.tp_group)
+        return top.squeeze(-1) + parts[..., 0].log() - parts[..., 1] / parts[..., 0]
 
     def _ref_logprobs(self, ids: torch.Tensor) -> torch.Tensor | None:
         if self.ref_model is None:
@@ -328,50 +349,3 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
             "update_ok": float(bool(ok)),
         }
 
-
-def wrap_for_training(model, config: TransformerConfig, cfg: TrainConfig, dtype: torch.dtype, lr: float):
-    """(Megatron's DDP around `model`, its distributed optimizer) with `config`'s hooks set so that
-    gradients are reduced once per optimizer step, in optimizer_step(), not at the end of every
-    forward-backward call: a train batch may arrive in several accumulate() calls."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False), module=model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=cfg.weight_decay, bf16=dtype == torch.bfloat16,
-                        params_dtype=dtype, use_distributed_optimizer=True, clip_grad=cfg.grad_clip,
-                        adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8),
-        [ddp])
-    config.finalize_model_grads_func = None
-    config.no_sync_func = ddp.no_sync
-    config.grad_scale_func = optimizer.scale_loss
-    return ddp, optimizer
-
-
-def optimizer_step(model, ddp, optimizer, scale: float) -> tuple[bool, float]:
-    """Reduce the accumulated gradients over DP ranks (Megatron's finalize: reduce-scatter for the
-    distributed optimizer, scaled by 1/dp), multiply them by `scale` and take the step; returns
-    (whether the weights were updated, the gradient norm). A step whose gradients are not finite on
-    some rank is skipped on every rank: without loss scaling (bf16, fp32) Megatron would apply it."""
-    from megatron.core.distributed import finalize_model_grads
-
-    finalize_model_grads([ddp])
-    ddp.scale_gradients(scale)
-    ok, norm = False, float("nan")
-    if _all_finite(p.main_grad for p in model.parameters() if getattr(p, "main_grad", None) is not None):
-        ok, grad_norm, _ = optimizer.step()
-        norm = float(grad_norm or 0.0)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    return bool(ok), norm
-
-
-def _all_finite(tensors, group=None) -> bool:
-    """Whether every tensor is finite on every rank of `group` (one all-reduce)."""
-    bad = torch.zeros(1, device="cuda")
-    for t in tensors:
-        bad += (~torch.isfinite(t)).any()
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-    return not bool(bad.item())
