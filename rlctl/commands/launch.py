@@ -23,6 +23,7 @@ def launch(
     from rlctl.recipe import Launcher, load_recipe
 
     r = load_recipe(recipe, overrides or [])
+    _check_trainer_fits(r, recipe)
     if resume and not dry_run:
         from rlctl.commands.resume import resume_recipe
 
@@ -65,6 +66,17 @@ def _run_info(r, recipe: Path, overrides: list[str], plan: dict | None) -> dict:
         "model_path": str(Path(os.path.expanduser(r.model.path)).resolve()) if r.model.path else None,
         "plan": plan,
     }
+
+
+def _check_trainer_fits(r, recipe: Path) -> None:
+    """The Megatron trainer's largest micro-batch fits its GPU, by the planner's memory model
+    (rlctl/planner/fit.py); else a recipe error naming the key to change."""
+    from rlctl.errors import RecipeError
+    from rlctl.planner.fit import micro_batch_problem
+
+    problem = micro_batch_problem(r)
+    if problem is not None:
+        raise RecipeError(str(recipe), *problem)
 
 
 def _check_engines_importable(r) -> None:

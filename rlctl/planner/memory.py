@@ -13,7 +13,8 @@ Trainer, per GPU of a tp x pp x dp layout (parameters split over tp x pp):
 - activations of one micro-batch, all of them alive at the end of its forward pass
   (ModelShape.activation_values_per_token, in the training dtype, split over tp; with 1F1B the
   first pipeline stage holds pp micro-batches of its 1/pp of the layers: the same total), and
-  its fp32 logits (ModelShape.logits_values_per_token, split over tp).
+  its fp32 logits (ModelShape.logits_values_per_token, split over tp); for the megatron engine,
+  what train.megatron's attention and recompute keep instead (planner/activations.py).
 Server, per GPU of a tp-way server: its weights in the serving dtype and the KV cache of the
 requests it runs, split over tp; for the built-in server also its decode step's attention
 working set (server_memory).
@@ -24,8 +25,9 @@ Not counted: the CUDA context, NCCL buffers, allocator fragmentation and cuBLAS 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from rlctl.planner.activations import megatron_activations, megatron_logits
 from rlctl.recipe import AlgoName, MegatronDtype, PipelineMode, Recipe, TrainEngine
 from rlctl.sim.cost import DEFAULT_KV_DIM, CostModel, ModelShape
 
@@ -95,6 +97,12 @@ def micro_batch_tokens(recipe: Recipe, layout: TrainLayout, train_tokens: float)
     return min(float(layout.micro_batch_tokens), max(1.0, piece / layout.dp))
 
 
+def longest_sample(recipe: Recipe) -> int:
+    """Tokens of the longest sample the trainer may get: sim.prompt_tokens of prompt (the prompt
+    length the planner prices) and rollout.sampling.max_new_tokens of response."""
+    return recipe.sim.prompt_tokens + recipe.rollout.sampling.max_new_tokens
+
+
 def trainer_memory(recipe: Recipe, shape: ModelShape, layout: TrainLayout, micro_tokens: float) -> Breakdown:
     """Bytes per trainer GPU (module docstring)."""
     param_b, grad_b, opt_full, opt_sharded = _train_bytes(recipe)
@@ -107,8 +115,13 @@ def trainer_memory(recipe: Recipe, shape: ModelShape, layout: TrainLayout, micro
     copies = behaviour_copies(recipe)
     parts["behaviour copies"] = copies * shard * param_b
     parts["critic"] = state + copies * shard * param_b if algo.name is AlgoName.PPO else 0.0
-    parts["activations"] = shape.activation_values_per_token() * micro_tokens * param_b / layout.tp
-    parts["logits"] = shape.logits_values_per_token() * micro_tokens * 4 / layout.tp
+    if recipe.train.engine is TrainEngine.MEGATRON:
+        megatron = replace(recipe.train.megatron, tp=layout.tp)
+        parts.update(megatron_activations(megatron, shape, micro_tokens, param_b, longest_sample(recipe)))
+        parts["logits"] = megatron_logits(shape, micro_tokens, layout.tp)
+    else:
+        parts["activations"] = shape.activation_values_per_token() * micro_tokens * param_b / layout.tp
+        parts["logits"] = shape.logits_values_per_token() * micro_tokens * 4 / layout.tp
     return Breakdown(parts)
 
 

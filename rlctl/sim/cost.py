@@ -80,6 +80,7 @@ class ModelShape:
     intermediate: int | None = None
     q_dim: int | None = None
     vocab: int | None = None
+    heads: int | None = None
 
     @classmethod
     def from_params_b(cls, params_b: float, bytes_per_param: float = 2.0, layers: int | None = None,
@@ -98,7 +99,7 @@ class ModelShape:
         inter, vocab = int(config["intermediate_size"]), int(config["vocab_size"])
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h + 2 * head_dim
         embeddings = vocab * h * (1 if config.get("tie_word_embeddings", True) else 2)
-        return cls(float(layers * per_layer + embeddings + h), bytes_per_param, layers, kv, h, inter, q, vocab)
+        return cls(float(layers * per_layer + embeddings + h), bytes_per_param, layers, kv, h, inter, q, vocab, heads)
 
     @property
     def weight_bytes(self) -> float:
@@ -128,8 +129,18 @@ class ModelShape:
 
     def logits_values_per_token(self) -> float:
         """The fp32 logits, their log-softmax and its gradient: three vocabulary-wide rows per
-        token at the peak of the loss (vocab 128k when not given: Llama-3's, near Qwen's 152k)."""
-        return 3 * (self.vocab or 128_000)
+        token at the peak of the loss."""
+        return 3 * self.n_vocab
+
+    @property
+    def n_vocab(self) -> int:
+        """`vocab`, or 128k when not given (Llama-3's, near Qwen's 152k)."""
+        return self.vocab or 128_000
+
+    @property
+    def n_heads(self) -> float:
+        """`heads`, or the query width in heads of 128 (the common head size)."""
+        return self.heads or (self.q_dim or self.d_hidden) / 128
 
     @property
     def kv_bytes_per_token(self) -> float:
