@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from gpu_checks import TWO_LAYERS, build_model, megatron_engine, report, run_checks, samples, torch_engine  # noqa: E402
+from gpu_common import TWO_LAYERS, build_model, megatron_engine, report, run_checks, samples, torch_engine  # noqa: E402
 from rlctl.recipe import AlgoConfig  # noqa: E402
 
 VARIANTS = {

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpu_checks import REPO, build_model, free_port, report, run_checks  # noqa: E402  (beside this script)
+from gpu_common import REPO, build_model, free_port, report, run_checks  # noqa: E402  (beside this script)
 
 
 def _plain_receiver(rank: int, world: int, port: int, nbytes: int, device: str, backend: str, reps: int) -> None:
