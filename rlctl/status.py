@@ -1,10 +1,10 @@
 """What `rlctl status` shows, read from the run directories; rlctl/commands/status.py renders it
 and `--json` prints it as it is.
 
-A run's state is what run.json says, unless run.json says it is still going while its
-supervisor is gone: then it is failed, with the supervisor's log to read. Slurm runs are joined
-with Slurm's own state first (one batched squeue for all of them, rlctl/launchers/slurm/), and
-the job's state goes beside the run's.
+A run's state is the one reading rlctl/launchers/liveness.py gives (what run.json says, unless
+run.json says it is still going while its supervisor is gone: then it is failed, with the
+supervisor's log to read). Slurm runs are joined with Slurm's own state first (one batched
+squeue for all of them, rlctl/launchers/slurm/), and the job's state goes beside the run's.
 
 One damaged run directory never stops the listing: a run whose run.json cannot be read is a row
 with state `unreadable` and `unreadable: why`; lines of events.jsonl or metrics.jsonl that are
@@ -17,45 +17,14 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from rlctl.rundir import RunDir, RunState, UnreadableRun, find_run, list_runs, pid_alive
+from rlctl.launchers.liveness import is_run_process, read_run
+from rlctl.rundir import RunDir, UnreadableRun, find_run, list_runs
 from rlctl.runcheck import one_line
 from rlctl.tail import jsonl_tail
 
-STARTING_GRACE_S = 30.0
-"""A local run with no supervisor pid yet is still starting for this long, then failed."""
 ROW_TAIL_BYTES = 8192
 """How much of the end of metrics.jsonl a row reads for its last record at first (a record is
 about 1 KiB); jsonl_tail widens the window when no whole record fits in it."""
-
-
-def effective_state(rd: RunDir, info: dict[str, Any]) -> tuple[RunState, str | None]:
-    """The run's state and why it ended, with a vanished supervisor counted as a failure."""
-    state = RunState(info["state"])
-    if state.finished or info.get("launcher") == "slurm":
-        return state, info.get("exit_reason")  # a Slurm run was joined with Slurm's state before
-    supervisor = (info.get("processes") or {}).get("supervisor", {}).get("pid")
-    if supervisor is None:
-        created = dt.datetime.fromisoformat(info["created"])
-        age = (dt.datetime.now(dt.UTC) - created).total_seconds()
-        if age < STARTING_GRACE_S:
-            return state, None
-        return RunState.FAILED, f"no supervisor ever started; see {rd.log_path('supervisor')}"
-    if not pid_alive(supervisor, expect_in_cmdline=rd.id):
-        reason = f"supervisor (pid {supervisor}) is gone; see {rd.log_path('supervisor')}"
-        _record_failed(rd, reason)
-        return RunState.FAILED, reason
-    return state, None
-
-
-def _record_failed(rd: RunDir, reason: str) -> None:
-    """run.json says what status found: a run whose supervisor died (a SIGKILL, the machine's
-    OOM killer) cannot write its own end. Best effort: a run directory this user may only read
-    is left as it is, and status still shows the verdict."""
-    try:
-        rd.set_state(RunState.FAILED, reason)
-        rd.event("run_end", state=RunState.FAILED.value, reason=reason)
-    except OSError:
-        pass
 
 
 def _elapsed(info: dict[str, Any]) -> float:
@@ -70,8 +39,8 @@ def _number(value: Any) -> float | None:
 
 def summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """One row of `rlctl status`. `info`: run.json, when the caller has read it already."""
-    info = info if info is not None else rd.read()
-    state, reason = effective_state(rd, info)
+    now = read_run(rd, info)
+    info, state, reason = now.info, now.state, now.reason
     records, problems = jsonl_tail(rd.metrics_path, 1, ROW_TAIL_BYTES)
     last = records[-1] if records else {}
     step = last.get("step")
@@ -140,7 +109,7 @@ def detail(rd: RunDir) -> dict[str, Any]:
         procs.append({"role": role, "pid": p.get("pid"), "host": p.get("host"), "port": p.get("port"),
                       # a Slurm run's processes live on other nodes: no pid to check from here
                       "alive": None if info.get("launcher") == "slurm" else
-                      pid_alive(p.get("pid"), expect_in_cmdline=rd.id) if p.get("pid") else False,
+                      is_run_process(rd, p.get("pid")),
                       "log": p.get("log", str(rd.log_path(role)))})
     out["processes"] = procs
     out["last_events"], events_problems = jsonl_tail(rd.events_path, 10)  # not the whole log: it can be GBs

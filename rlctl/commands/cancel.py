@@ -23,38 +23,67 @@ def cancel(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
     """Cancel a run: its supervisor (or Slurm: scancel) ends every process; waits until they are gone."""
-    from rlctl.rundir import RunState, UnreadableRun, find_run, pid_alive
+    from rlctl.launchers.liveness import read_run
+    from rlctl.rundir import RunState, UnreadableRun, find_run
 
     rd = find_run(run, runs_dir)
     try:
         info = rd.read()
     except UnreadableRun as e:
         raise UnreadableRun(e.run_id, f"{e.why}; not cancelled: which processes are the run's is not known") from None
-    if RunState(info["state"]).finished:
-        print(f"{rd.id} already {info['state']}")
+    now = read_run(rd, info)  # the reading `rlctl status` gives: a run whose supervisor is gone has failed
+    on_slurm = info.get("launcher") == "slurm"
+    if not on_slurm and not RunState(info["state"]).finished:
+        stop_local(rd, now.info)  # a failed run's processes too, should any outlive its supervisor
+    if now.state.finished:
+        print(f"{rd.id} already {now.state.value}")
         return
-    if info.get("launcher") == "slurm":
-        _cancel_slurm(rd, info)
+    if on_slurm:
+        _cancel_slurm(rd, now.info)
         return
-    procs = info.get("processes") or {}
-    supervisor = procs.get("supervisor", {}).get("pid")
-    if supervisor and pid_alive(supervisor, expect_in_cmdline=rd.id):
-        os.kill(supervisor, signal.SIGTERM)
-        deadline = time.monotonic() + WAIT_S
-        while pid_alive(supervisor) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if pid_alive(supervisor):
+    rd.set_state(RunState.CANCELLED, "cancelled by rlctl cancel")
+    print(f"{rd.id} {rd.read()['state']}")
+
+
+def stop_local(rd: RunDir, info: dict) -> None:
+    """End every process of a local (or pooled) run: SIGTERM to its supervisor, which ends the
+    others and records the run's end, then SIGKILL to the process group of any role still there.
+    A run just launched is given until its supervisor records its pid (liveness.STARTING_GRACE_S).
+    Each wait is at most WAIT_S; a supervisor still running after it is a RunError. A pid that is
+    no longer the run's (liveness.is_run_process) is never signalled."""
+    from rlctl.launchers.liveness import is_run_process, let_go, supervisor_pid
+
+    supervisor = supervisor_pid(info) or _recorded_supervisor(rd, WAIT_S)
+    if supervisor and is_run_process(rd, supervisor):
+        try:
+            os.kill(supervisor, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # it exited meanwhile
+        if let_go(rd, WAIT_S, poll_s=0.1):
             raise RunError(f"supervisor (pid {supervisor}) of {rd.id} still running after {WAIT_S:.0f} s; see {rd.log_path('supervisor')}")
     # Whatever is left (the supervisor was already gone): end it ourselves.
-    for role, p in procs.items():
+    for role, p in (rd.read().get("processes") or {}).items():
         pid = p.get("pid")
-        if role != "supervisor" and pid and pid_alive(pid, expect_in_cmdline=rd.id):
+        if role != "supervisor" and is_run_process(rd, pid):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    rd.set_state(RunState.CANCELLED, "cancelled by rlctl cancel")
-    print(f"{rd.id} {rd.read()['state']}")
+
+
+def _recorded_supervisor(rd: RunDir, wait_s: float) -> int | None:
+    """The supervisor pid of a run so new that its supervisor has not recorded it yet: run.json
+    read again until it has, while the reading says the run is still starting, at most wait_s.
+    None: no supervisor will (the reading says the run failed), or none did in time."""
+    from rlctl.launchers.liveness import read_run, supervisor_pid
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = read_run(rd)
+        pid = supervisor_pid(now.info)
+        if pid or now.state.finished or time.monotonic() >= deadline:
+            return pid
+        time.sleep(0.1)
 
 
 def _cancel_slurm(rd: RunDir, info: dict) -> None:

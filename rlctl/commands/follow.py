@@ -10,13 +10,14 @@ plain line per phase and per tenth of the run. No line is wider than 80 columns.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlctl.errors import RunError
-from rlctl.rundir import RunDir, RunState, pid_alive
+from rlctl.rundir import RunDir, RunState
+
+if TYPE_CHECKING:
+    from rlctl.launchers.liveness import Reading
 
 HEAD_BYTES = 1 << 16
 """How much of events.jsonl the phases are read from: the events before the first step's."""
@@ -60,94 +61,87 @@ def _first_events(rd: RunDir) -> tuple[list[str], int]:
     return kinds, len(up)
 
 
-def _supervisor_pid(rd: RunDir, wait_s: float = 10.0) -> int | None:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        pid = rd.read()["processes"].get("supervisor", {}).get("pid")
-        if pid:
-            return pid
-        time.sleep(0.05)
-    return None
+POLL_S = 0.5
+"""How often the run directory is read again."""
+SLURM_ASK_S = 2.0
+"""How often a Slurm run's job is asked about (squeue is the whole cluster's)."""
+LET_GO_S = 60.0
+"""How long, after the run's end, follow waits for its supervisor to exit or its job to let go of
+its nodes; then it says what still holds on, and reports the run's end all the same."""
 
 
-class _LocalWatch:
-    """The local run's driver is its supervisor process."""
+class _Watch:
+    """The run as the one reading (rlctl/launchers/liveness.py) finds it, every poll."""
 
-    def __init__(self, rd: RunDir) -> None:
-        self.rd, self.pid = rd, _supervisor_pid(rd)
+    def __init__(self, rd: RunDir, info: dict[str, Any]) -> None:
+        self.rd, self.on_slurm, self.asked = rd, info.get("launcher") == "slurm", float("-inf")
 
-    def check(self) -> str | None:
-        """A note for the progress line; ends the run in run.json if its driver is gone."""
-        if self.pid and not pid_alive(self.pid):
-            time.sleep(0.5)  # it may have just written its final state
-            self.rd.set_state(RunState.FAILED, f"supervisor (pid {self.pid}) is gone; see {self.rd.log_path('supervisor')}")
-        return None
+    def read(self) -> Reading:
+        from rlctl.launchers.liveness import read_run
 
-    def done(self) -> bool:
-        return True
+        ask = self.on_slurm and time.monotonic() - self.asked >= SLURM_ASK_S
+        if ask:
+            self.asked = time.monotonic()
+        return read_run(self.rd, ask_slurm=ask)
+
+    def note(self, info: dict[str, Any]) -> str | None:
+        """A Slurm run's job, as Slurm was last seen to say, for the progress line."""
+        if not self.on_slurm:
+            return None
+        from rlctl.launchers.slurm import JobInfo
+
+        sl = info.get("slurm") or {}
+        try:
+            return f"job {sl.get('job_id')} {JobInfo(**sl['last']).describe()}"
+        except (KeyError, TypeError):  # not seen by squeue yet, or slurm.last with keys a JobInfo does not have
+            return f"job {sl.get('job_id')}"
 
     def cancel(self) -> None:
-        if self.pid:
-            os.kill(self.pid, signal.SIGTERM)
-            while pid_alive(self.pid):
-                time.sleep(0.1)
+        """End the run: its supervisor (rlctl cancel's way, bounded) or its Slurm job (scancel)."""
+        if not self.on_slurm:
+            from rlctl.commands.cancel import stop_local
 
-
-class _SlurmWatch:
-    """A Slurm run's driver is its job: Slurm's state is joined with the run's every 2 s."""
-
-    def __init__(self, rd: RunDir) -> None:
+            stop_local(self.rd, self.rd.read())
+            return
         from rlctl.launchers import slurm
 
-        self.rd, self.slurm, self.job_id = rd, slurm, rd.read()["slurm"]["job_id"]
-        self.job, self.asked = None, 0.0
-
-    def check(self) -> str | None:
-        if time.monotonic() - self.asked >= 2.0:
-            self.asked = time.monotonic()
-            self.job = self.slurm.refresh([self.rd]).get(self.rd.id)
-        return f"job {self.job_id} {self.job.describe()}" if self.job else f"job {self.job_id}"
-
-    def done(self) -> bool:
-        """The run has ended: wait until its job has let go of its nodes too."""
-        job = self.slurm.query([self.job_id]).get(self.job_id)
-        return job is None or not job.active
-
-    def cancel(self) -> None:
-        self.slurm.cancel(self.job_id)
-        self.rd.set_state(RunState.CANCELLED, f"cancelled from rlctl launch (scancel {self.job_id})")
+        job_id = slurm.job_id_of(self.rd.read())
+        slurm.cancel(job_id)
+        self.rd.set_state(RunState.CANCELLED, f"cancelled from rlctl launch (scancel {job_id})")
 
 
 def follow(rd: RunDir) -> int:
     """Show the run's phases and steps until it ends; Ctrl-C cancels the run. Returns the exit code."""
     from rich.console import Console
 
+    from rlctl.launchers.liveness import let_go
+
     err = Console(stderr=True)
     info = rd.read()
     err.print(f"run [bold]{rd.id}[/] ({info['mode']}, {info['launcher']})", highlight=False)
     err.print(f"  in {rd.path}", highlight=False, markup=False, soft_wrap=True)  # a path is not cut in two
-    watch = _SlurmWatch(rd) if info["launcher"] == "slurm" else _LocalWatch(rd)
+    watch = _Watch(rd, info)
     shown = _Bar(err, info["steps_total"]) if err.is_terminal else _Lines(err, info["steps_total"])
     try:
         with shown:
             while True:
-                note = watch.check()
-                info = rd.read()
+                now = watch.read()
                 metrics = rd.metrics()
                 if metrics:
                     shown.step(metrics[-1], len(metrics))
                 else:
-                    shown.phase(note or phase(rd, info))
-                if RunState(info["state"]).finished:
+                    shown.phase(watch.note(now.info) or phase(rd, now.info))
+                if now.state.finished:
                     break
-                time.sleep(0.5)
-            while not watch.done():
-                time.sleep(0.5)
+                time.sleep(POLL_S)
+        held = let_go(rd, LET_GO_S, poll_s=POLL_S if watch.on_slurm else 0.1)
+        if held:
+            err.print(f"{held} still holds on {LET_GO_S:.0f} s after the run ended", highlight=False, markup=False)
     except KeyboardInterrupt:
         err.print("cancelling...")
         watch.cancel()
         return 130
-    return _ended(rd, err)
+    return _ended(rd, err, now)
 
 
 class _Bar:
@@ -203,11 +197,11 @@ class _Lines:
             self._say(f"step {done}/{self.total}  reward {m['reward_mean']:.3f}  {m['step_time']:.2f} s/step")
 
 
-def _ended(rd: RunDir, err) -> int:
+def _ended(rd: RunDir, err, now: Reading) -> int:
+    """The run's end as the reading gave it: completed (exit 0), failed (an error, exit 1), else 1."""
     from rlctl.commands.status import progress_lines
 
-    info = rd.read()
-    state = RunState(info["state"])
+    state = now.state
     if state is RunState.COMPLETED:
         metrics = rd.metrics()
         err.print(f"[green]completed[/] {rd.id}")
@@ -221,6 +215,6 @@ def _ended(rd: RunDir, err) -> int:
         print(rd.id)
         return 0
     if state is RunState.FAILED:
-        raise RunError(f"run {rd.id} failed: {info.get('exit_reason')}")
-    err.print(f"[yellow]{state.value}[/] {rd.id}: {info.get('exit_reason')}")
+        raise RunError(f"run {rd.id} failed: {now.reason}")
+    err.print(f"[yellow]{state.value}[/] {rd.id}: {now.reason}")
     return 1

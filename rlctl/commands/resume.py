@@ -27,22 +27,19 @@ def resume(
 
 def resumable(rd: RunDir) -> tuple[RunState, str | None, dict]:
     """The run's state, joined with its Slurm job's; a usage error unless it ran locally or on
-    Slurm and has ended. Returns the state, why it is in it (effective_state), and run.json."""
-    from rlctl.status import effective_state
+    Slurm and has ended. Returns the state, why it is in it (the reading of
+    rlctl/launchers/liveness.py, as `rlctl status` gives it), and run.json."""
+    from rlctl.launchers.liveness import read_run
 
     info = rd.read()
     if info.get("launcher") not in ("local", "slurm", "pool"):
         raise UsageError(f"run {rd.id} ran with launcher={info.get('launcher')}; rlctl resume continues local, "
                          "Slurm and pooled runs")
-    if info.get("launcher") == "slurm":
-        from rlctl.launchers.slurm import refresh
-
-        refresh([rd])  # Slurm's word on the job first: a run whose job ended unrecorded is ended now
-        info = rd.read()
-    state, why = effective_state(rd, info)
-    if not state.finished:
-        raise UsageError(f"run {rd.id} is still {state.value}; `rlctl cancel {rd.id}` first to resume it from a checkpoint")
-    return state, why, info
+    # Slurm's word on the job first: a run whose job ended unrecorded is ended now
+    now = read_run(rd, info, ask_slurm=True)
+    if not now.state.finished:
+        raise UsageError(f"run {rd.id} is still {now.state.value}; `rlctl cancel {rd.id}` first to resume it from a checkpoint")
+    return now.state, now.reason, now.info
 
 
 def resume_run(rd: RunDir, detach: bool) -> int:
