@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlctl.checkpoint import Checkpoint, Preempted, resume_point, save_checkpoint, should_save
 from rlctl.engines.rollout.client import RolloutClient
+from rlctl.engines.rollout.registry import rollout_adapter, rollout_client
 from rlctl.engines.train.client import TrainerClient
 from rlctl.door import key_of
 from rlctl.errors import RunError
@@ -37,7 +38,7 @@ from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.pool import RolloutPool
 from rlctl.pipelines.scoring import PooledScorer
 from rlctl.plan import RunPlan
-from rlctl.recipe import Device, Launcher, Recipe, RolloutEngine, SyncBackend
+from rlctl.recipe import Device, Launcher, Recipe, SyncBackend
 from rlctl.rewards.verifiers import make_verifier
 from rlctl.rundir import HOST, PROCESS_CLOCK, EventLog, RunDir
 from rlctl.tracking import make_tracker
@@ -284,28 +285,13 @@ class RunKeys:
 async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession,
                           keys: RunKeys) -> list[RolloutClient]:
     """A client per rollout server, named by its role, once every server answers /health (which
-    asks for no key); each then gets the key its start recorded."""
-    from rlctl.engines.rollout.vllm_client import rollout_client
-
+    asks for no key); each then gets the key its start recorded, and its engine checks it."""
     clients = [rollout_client(recipe.rollout.protocol, url, session, None, name=role.name)
                for role, url in zip(plan.rollout, plan.server_urls)]
     for c in clients:
         await c.wait_healthy(READY_TIMEOUT_S)
     keys.servers(clients)  # each gets the key its start recorded
-    if recipe.rollout.protocol == "vllm":
-        from rlctl.engines.rollout.vllm import check_version
-
-        for c in clients:
-            version = await c.version()
-            check_version(version)
-            await c.is_paused()  # a dev route: a server without VLLM_SERVER_DEV_MODE=1 has none
-            log.info("%s: vLLM %s (dev mode)", c.url, version)
-    if recipe.rollout.engine is RolloutEngine.SGLANG:
-        from rlctl.engines.rollout.sglang import speaks
-
-        for c in clients:
-            info = await c.server_info()
-            log.info("%s: SGLang %s (%s)", c.url, info.get("version"), speaks(str(info.get("version", ""))))
+    await rollout_adapter(recipe.rollout.engine).check(recipe.rollout, clients)
     return clients
 
 
@@ -317,21 +303,14 @@ async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.Client
     trainer.set_key(keys.key(plan.trainers[0].name))
     await trainer.init_weight_sync(keys.servers(servers), plan.trainers[0].host, plan.weight_sync_port,
                                    backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
-                                   **protocol_of(recipe, plan))
+                                   **sync_target(recipe))
     return trainer
 
 
-def protocol_of(recipe: Recipe, plan: RunPlan) -> dict[str, Any]:
-    """What the trainer needs to know of the servers it syncs: the protocol they speak and, for
-    vLLM (which has no route that says it), the dtype they hold their weights in."""
-    if recipe.rollout.engine is RolloutEngine.VLLM:
-        return {"protocol": "vllm", "server": {"dtype": str(recipe.rollout.vllm.dtype),
-                                               "model_path": os.path.expanduser(recipe.model.path)}}
-    if recipe.rollout.protocol == "vllm":  # built-in servers emulating vLLM hold the dtype the worker starts them with
-        from rlctl.engines.rollout.builtin.server import parser
-
-        return {"protocol": "vllm", "server": {"dtype": parser().get_default("dtype")}}
-    return {"protocol": recipe.rollout.protocol}
+def sync_target(recipe: Recipe) -> dict[str, Any]:
+    """What the trainer needs to know of the servers it syncs: the protocol they speak and what
+    their engine cannot tell it (rlctl/engines/rollout/adapter.py sync_target)."""
+    return rollout_adapter(recipe.rollout.engine).sync_target(recipe)
 
 
 def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan, keys: RunKeys):
@@ -342,37 +321,23 @@ def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan, k
         named = keys.servers(clients)
         await trainer.init_weight_sync(named, plan.trainers[0].host, 0,
                                        backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
-                                       **protocol_of(recipe, plan))
+                                       **sync_target(recipe))
         return {s["role"]: s["key_id"] for s in named}
     return connect
 
 
 def sync_backend(recipe: Recipe) -> SyncBackend:
-    """How weights reach the servers: train.sync_backend, or with `auto` IPC when every server is
-    on trainer rank 0's GPU (colocated), NCCL when trainer and servers are on GPUs of different
-    hosts (a Slurm run), gloo otherwise: NCCL refuses two ranks on one GPU, which a one-machine
-    run may well have."""
+    """How weights reach the servers: train.sync_backend, or with `auto` the one the engine needs
+    (vLLM's workers receive over NCCL only; built-in servers on trainer rank 0's GPU take IPC),
+    else NCCL when trainer and servers are on GPUs of different hosts (a Slurm run), gloo
+    otherwise: NCCL refuses two ranks on one GPU, which a one-machine run may well have."""
     if recipe.train.sync_backend is not SyncBackend.AUTO:
         return recipe.train.sync_backend
-    if recipe.rollout.engine is RolloutEngine.VLLM:
-        return SyncBackend.NCCL  # vLLM's workers receive over NCCL only
-    if colocated(recipe):
-        return SyncBackend.IPC
+    needed = rollout_adapter(recipe.rollout.engine).sync_backend(recipe)
+    if needed is not None:
+        return needed
     on_gpus = recipe.train.device is Device.CUDA and recipe.rollout.on_gpus
     return SyncBackend.NCCL if on_gpus and recipe.launcher is Launcher.SLURM else SyncBackend.GLOO
-
-
-def colocated(recipe: Recipe) -> bool:
-    """Is every rollout server on trainer rank 0's GPU? Local runs of built-in TP-1 servers on
-    CUDA, placed as the worker places them (rlctl/worker.py's process_device)."""
-    from rlctl.worker import process_device
-
-    r = recipe.rollout
-    if (recipe.launcher is not Launcher.LOCAL or recipe.train.device is not Device.CUDA or r.device is not Device.CUDA
-            or r.engine is not RolloutEngine.BUILTIN or r.builtin.tp_size != 1):
-        return False
-    trainer = process_device(Device.CUDA, 0, recipe.train.gpus)
-    return all(process_device(Device.CUDA, i, r.gpus) == trainer for i in range(r.servers))
 
 
 def _log_step(m: dict[str, Any] | None) -> None:

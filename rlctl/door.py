@@ -22,7 +22,6 @@ import base64
 import hashlib
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import secrets
@@ -152,13 +151,6 @@ def token_middleware(token: str | None):
         return await handler(request)
 
     return door
-
-
-def sglang_config(path: Path, token: str) -> Path:
-    """A YAML file of SGLang server options (its `--config FILE`) holding the api key, 0600. JSON
-    quoting, which YAML reads the same, keeps the token a string whatever its characters."""
-    write_secret(path, f"api-key: {json.dumps(token)}\n")
-    return path
 
 
 def listen_address(host: str) -> str:

@@ -17,25 +17,20 @@ import datetime
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
 from rlctl.checkpoint import PREEMPTED_EXIT, Preempted
-from rlctl.door import (listen_address, listening_socket, new_key_id, read_token, redact_output, role_key,
-                        sglang_config, token_path)
-from rlctl.errors import RlctlError, RunError
-from rlctl.plan import Role, RunPlan
-from rlctl.recipe import Device, Launcher, PipelineMode, Recipe, RolloutEngine, TrainEngine, recipe_from_yaml
+from rlctl.devices import process_device
+from rlctl.door import role_key
+from rlctl.engines.rollout.adapter import bound, record_key_id, run_token
+from rlctl.engines.train.adapter import trainer_adapter
+from rlctl.errors import RlctlError
+from rlctl.plan import RunPlan
+from rlctl.recipe import Recipe, recipe_from_yaml
 from rlctl.rundir import RunDir
 
 log = logging.getLogger("rlctl.worker")
-
-
-def behaviour_versions(recipe: Recipe) -> int:
-    """Weight versions a trained sample can come from: the last synced one, or in async up to
-    pipeline.max_staleness + 1 of them (rlctl/engines/train/behaviour.py keeps a copy of each)."""
-    return recipe.pipeline.max_staleness + 1 if recipe.pipeline.mode is PipelineMode.ASYNC else 1
 
 
 def _context(run_dir: Path) -> tuple[RunDir, Recipe, RunPlan, dict]:
@@ -56,34 +51,6 @@ def _threads(recipe: Recipe, cpus: list[int] | None = None) -> None:
     torch.set_num_interop_threads(1)
 
 
-def process_device(kind: Device, index: int, gpus: list[int] | None = None) -> str:
-    """cuda -> the index-th of the recipe's GPU list (round-robin), or cuda:index when that GPU
-    exists, else the GPUs are shared round-robin."""
-    if kind is not Device.CUDA:
-        return kind.value
-    if gpus:
-        return f"cuda:{gpus[index % len(gpus)]}"
-    import torch
-
-    return f"cuda:{index % max(1, torch.cuda.device_count())}"
-
-
-def sglang_gpus(gpus: list[int], tp_size: int, index: int) -> str:
-    """CUDA_VISIBLE_DEVICES of local SGLang server `index`: the index-th group of tp_size GPUs
-    among rollout.gpus (all of this machine's when empty), so that no two servers share one; the
-    server counts its own from 0, as SGLang's --base-gpu-id 0 expects."""
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
-    if not gpus:
-        import torch
-
-        gpus = list(range(len(visible) if visible else torch.cuda.device_count()))
-    mine = gpus[index * tp_size:(index + 1) * tp_size]
-    if len(mine) < tp_size:
-        raise RunError(f"rollout server {index} needs {tp_size} GPUs of its own, GPUs {index * tp_size}.."
-                         f"{(index + 1) * tp_size - 1} of {gpus}; list more in rollout.gpus or lower rollout.servers")
-    return ",".join(visible[g] if visible else str(g) for g in mine)
-
-
 def run_prepare(rd: RunDir, recipe: Recipe) -> None:
     from rlctl.models.tiny import ensure_tiny_model
 
@@ -102,7 +69,9 @@ def slurm_step() -> str:
 
 
 def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: int) -> None:
-    from rlctl.engines.rollout.builtin import server
+    """Rollout server `index`, as its engine's adapter starts it (rlctl/engines/rollout/registry.py)."""
+    from rlctl.engines.rollout.adapter import ServerStart
+    from rlctl.engines.rollout.registry import rollout_adapter
 
     role = plan.rollout[index]
     placed = info.get("pool", {}).get("placement", {}).get(role.name)  # launcher=pool: the pool's choice
@@ -111,97 +80,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
         os.sched_setaffinity(0, cpus)
     step = {"slurm_step": slurm_step()} if "SLURM_STEP_ID" in os.environ else {}  # failover kills a frozen one
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)), **step)
-    if recipe.rollout.engine is RolloutEngine.SGLANG:
-        _exec_sglang(rd, recipe, role, info["model_path"])
-    if recipe.rollout.engine is RolloutEngine.VLLM:
-        _exec_vllm(rd, recipe, role, info["model_path"])
-    sock = _bound(role)
-    key_id = _new_key_id(rd, role)  # once the port is ours: a key in run.json is never that of a process without it
-    args = server.parser().parse_args([  # a list in this process: the token file's path only, never the token
-        "--model-path", info["model_path"], "--host", listen_address(role.listen), "--port", str(role.port),
-        "--api-key-file", str(token_path(rd.path)), "--key-scope", f"{role.name}/{key_id}",
-        "--weight-group-master", plan.trainers[0].host,
-        "--random-seed", str(recipe.run.seed * 1000 + index),
-        "--max-running-requests", str(recipe.rollout.max_running_requests),
-        "--threads", str(recipe.run.threads_per_process),
-        "--device", placed["device"] if placed else process_device(recipe.rollout.device, index, recipe.rollout.gpus),
-        "--tp-size", str(recipe.rollout.builtin.tp_size),
-        *(["--emulate-sglang", recipe.rollout.builtin.emulate_sglang] if recipe.rollout.builtin.emulate_sglang else []),
-        *(["--emulate-vllm", recipe.rollout.builtin.emulate_vllm] if recipe.rollout.builtin.emulate_vllm else []),
-    ])
-    if recipe.rollout.builtin.emulate_vllm:  # as a vLLM server rlctl starts (vllm.launch_env), unless told otherwise
-        os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
-    server.serve(args, sock)
-
-
-def _new_key_id(rd: RunDir, role: Role) -> str:
-    """This start's key_id (rlctl/door.py role_key), recorded in run.json for the others."""
-    key_id = new_key_id()
-    rd.record_process(role.name, key_id=key_id)
-    return key_id
-
-
-def _bound(role: Role) -> socket.socket:
-    """This process's listening socket, before it draws its key: a port someone else holds ends
-    the process here (EADDRINUSE), and the launcher starts it again (rlctl/launchers/local.py)."""
-    try:
-        return listening_socket(role.listen, role.port)
-    except OSError as e:
-        raise RunError(f"{role.name} cannot listen on {role.listen}:{role.port}: {e.strerror or e}; "
-                       "another process holds the port") from None
-
-
-def _exec_sglang(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> None:
-    """The SGLang server takes this process over (same pid, log and parent-death signal), the run's
-    token its api key by a 0600 --config file; what it logs passes a filter that hides the token
-    (SGLang logs its server_args, api_key included)."""
-    from rlctl.engines.rollout import sglang
-
-    sglang.require_sglang()
-    if recipe.launcher is Launcher.LOCAL:  # under Slurm the batch script has bound the task's GPUs
-        os.environ["CUDA_VISIBLE_DEVICES"] = sglang_gpus(recipe.rollout.gpus, recipe.rollout.sglang.tp_size, role.index)
-        log.info("rollout server %d on GPUs %s", role.index, os.environ["CUDA_VISIBLE_DEVICES"])
-    key = _own_key(rd, role)
-    config = sglang_config(rd.path / f"sglang-{role.name}.yaml", key)
-    cmd = sglang.launch_command(sys.executable, model_path, recipe.rollout.sglang, host=listen_address(role.listen),
-                                port=role.port, seed=recipe.run.seed * 1000 + role.index, config=str(config))
-    log.info("exec %s", " ".join(cmd))
-    redact_output(key)
-    os.execv(cmd[0], cmd)
-
-
-def _exec_vllm(rd: RunDir, recipe: Recipe, role: Role, model_path: str) -> None:
-    """The vLLM server takes this process over, as SGLang's does; the run's token reaches it in
-    its environment (VLLM_API_KEY, never on a command line) and guards every route but /health
-    (rlctl/engines/rollout/vllm_door.py); dev mode gives it the routes a trainer drives."""
-    from rlctl.engines.rollout import vllm
-
-    vllm.require_vllm()
-    if recipe.launcher is Launcher.LOCAL:  # under Slurm the batch script has bound the task's GPUs
-        os.environ["CUDA_VISIBLE_DEVICES"] = sglang_gpus(recipe.rollout.gpus, recipe.rollout.vllm.tp_size, role.index)
-        log.info("rollout server %d on GPUs %s", role.index, os.environ["CUDA_VISIBLE_DEVICES"])
-    key = _own_key(rd, role)
-    env = vllm.launch_env(key)
-    os.environ.setdefault("VLLM_SERVER_DEV_MODE", env.pop("VLLM_SERVER_DEV_MODE"))
-    os.environ.update(env)
-    cmd = vllm.launch_command(sys.executable, model_path, recipe.rollout.vllm, host=listen_address(role.listen),
-                              port=role.port, seed=recipe.run.seed * 1000 + role.index)
-    log.info("exec %s", " ".join(cmd))
-    redact_output(key)
-    os.execv(cmd[0], cmd)
-
-
-def _own_key(rd: RunDir, role: Role) -> str:
-    """An engine that binds its port itself (SGLang, vLLM) gets its key before it starts: the
-    key_id is recorded before the port is bound (docs/security.md says what that leaves open)."""
-    return role_key(_run_token(rd), role.name, _new_key_id(rd, role))
-
-
-def _run_token(rd: RunDir) -> str:
-    try:
-        return read_token(rd.path)
-    except ValueError as e:
-        raise RunError(str(e)) from None
+    rollout_adapter(recipe.rollout.engine).start(ServerStart(rd, recipe, plan, role, info["model_path"], placed))
 
 
 def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int) -> None:
@@ -209,7 +88,6 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     from aiohttp import web
 
     from rlctl.engines.train.service import TrainerService, follower_loop
-    from rlctl.engines.train.torch_engine import TorchTrainEngine
     from rlctl.engines.weightsync import tcp_store
 
     role = plan.trainers[rank]
@@ -217,38 +95,24 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
     _threads(recipe, placed.get("cpus") if placed else recipe.train.cpus)
     step = {"slurm_step": slurm_step()} if placed and "SLURM_STEP_ID" in os.environ else {}  # a Slurm pool stops it
     rd.record_process(role.name, pid=os.getpid(), port=role.port, cpus=sorted(os.sched_getaffinity(0)), **step)
-    token = _run_token(rd) if rank == 0 else None
-    if rank == 0 and recipe.rollout.engine is RolloutEngine.VLLM:  # the weight group is vLLM's own (vllm_group.py)
-        from rlctl.engines.rollout.vllm import require_vllm
+    token = run_token(rd) if rank == 0 else None
+    if rank == 0:  # what sending weights to this engine's servers needs here (vLLM: its own weight group)
+        from rlctl.engines.rollout.registry import rollout_adapter
 
-        require_vllm()
+        rollout_adapter(recipe.rollout.engine).trainer_requires()
     world = len(plan.trainers)
     init_method = f"tcp://{plan.trainers[0].host}:{plan.trainer_dist_port}"
-    megatron = recipe.train.engine is TrainEngine.MEGATRON
-    gpu = placed["device"] if placed else process_device(Device.CUDA, rank, recipe.train.gpus)  # megatron's
-    if megatron:  # the GPU before the NCCL group, as the engine would do it
-        import torch
-
-        torch.cuda.set_device(torch.device(gpu))
-    if megatron or world > 1:  # Megatron needs its NCCL group even for one rank
-        backend = "nccl" if megatron or recipe.train.device is Device.CUDA else "gloo"
+    trainer = trainer_adapter(recipe.train.engine)
+    device = placed["device"] if placed else process_device(trainer.device(recipe.train), rank, recipe.train.gpus)
+    trainer.before_group(device)
+    if trainer.forms_group(world):
         store = tcp_store(init_method, rank, world, datetime.timedelta(minutes=30))  # on trainer 0's address only
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-    if megatron:
-        from rlctl.engines.train.megatron_engine import MegatronTrainEngine
-
-        # The default group exists: the engine makes Megatron's TP x DP groups on it.
-        engine = MegatronTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank,
-                                     world, device=gpu, init_method=init_method, algo=recipe.algo,
-                                     behaviour_versions=behaviour_versions(recipe))
-    else:
-        device = placed["device"] if placed else process_device(recipe.train.device, rank, recipe.train.gpus)
-        engine = TorchTrainEngine(info["model_path"], recipe.train, recipe.rollout.sampling.temperature, rank, world,
-                                  device=device, algo=recipe.algo, behaviour_versions=behaviour_versions(recipe))
+        dist.init_process_group(trainer.backend(recipe.train), store=store, rank=rank, world_size=world)
+    engine = trainer.build(info["model_path"], recipe, rank, world, device, init_method)
     log.info("trainer rank %d/%d ready", rank, world)
     if rank == 0:
-        sock = _bound(role)
-        key_id = _new_key_id(rd, role)  # once the port is ours, as a rollout server's
+        sock = bound(role)
+        key_id = record_key_id(rd, role)  # once the port is ours, as a rollout server's
         service = TrainerService(engine, world, token=token, key=role_key(token, role.name, key_id), run_dir=rd.path)
         web.run_app(service.app(), sock=sock, print=None, access_log=None)
     else:

@@ -6,9 +6,26 @@ Over every .py file under rlctl/, scripts/ and tests/:
 - no function over MAX_FUNCTION_LINES lines (from its `def` to its last line), except those in
   LONG_FUNCTIONS_ALLOWED;
 - no file over MAX_FILE_LINES lines;
-and inside the package rlctl/, no import from a higher layer than the importing module's own
-(LAYERS; imports inside functions and under TYPE_CHECKING count too). tests/test_structure.py
-runs the same check under pytest. It reads and parses files only: no imports, no processes.
+and inside the package rlctl/:
+- no import from a higher layer than the importing module's own (LAYERS);
+- no import cycle: no modules that import each other, directly or through others. A cycle
+  keeps each of its modules from being read, tested or moved alone, and whichever one Python
+  loads first sees the others half-initialised. Each group of modules tied in cycles is reported
+  once, on the file of its first module, as `import cycle: rlctl.a -> rlctl.b -> rlctl.a`.
+- no branch on an engine's kind (`RolloutEngine.X`, `TrainEngine.X`, a protocol or engine
+  compared with a string) outside ENGINE_HOMES: each engine's adapter (rlctl/engines/rollout/
+  adapter.py, rlctl/engines/train/adapter.py) answers for it, so a new engine touches its own
+  package, its registry line and its recipe section, not the house.
+Imports inside functions and under TYPE_CHECKING count for the two import rules. In the graph of imports,
+an import is an edge to exactly the module it names: `import rlctl.x.y` and
+`from rlctl.x.y import f` to rlctl.x.y only, `from rlctl.x import y` to rlctl.x.y when y is a
+module, and only an import that names the package itself (`from rlctl.x import f`, f not a
+module) to rlctl.x's __init__. Python does run rlctl.x's __init__ before rlctl.x.y, but counting
+that would put every __init__ that re-exports its submodules in a cycle with each of them that
+imports a sibling: a cycle that no line of either file shows and no move would break.
+
+tests/test_structure.py runs the same check under pytest. It reads and parses files only: no
+imports, no processes.
 """
 
 from __future__ import annotations
@@ -24,6 +41,11 @@ MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 400
 CHECKED_DIRS = ("rlctl", "scripts", "tests")
 PACKAGE = "rlctl"
+ENGINE_KINDS = ("RolloutEngine", "TrainEngine", "ServerProtocol")
+ENGINE_HOMES = ("rlctl/recipe/", "rlctl/engines/rollout/adapter.py", "rlctl/engines/rollout/registry.py",
+                "rlctl/engines/rollout/builtin/", "rlctl/engines/rollout/sglang/", "rlctl/engines/rollout/vllm/",
+                "rlctl/engines/train/adapter.py")
+"""The recipe's schema and the engines' adapters: the only places that may name an engine's kind."""
 
 # (folder, function name): functions allowed to be long. The sbatch template reads best as the
 # script it writes, top to bottom, rather than cut into pieces.
@@ -43,8 +65,10 @@ class Layer(enum.IntEnum):
     ENGINES: the rollout and train engines, their HTTP clients and services, weight sync.
     SCHEDULING: the pipeline modes over the engines' interfaces (rlctl.pipelines), and the shared
     pool's placement and time slicing of several runs' calls (rlctl.plex).
-    SIMULATION: the same scheduler over simulated engines in virtual time (rlctl.sim), and the
-      placement planner that prices steps on the same cost model (rlctl.planner).
+    SIMULATION: the cost model (rlctl.costs: what a step costs in seconds and bytes), the same
+      scheduler over simulated engines in virtual time on it (rlctl.sim), and the placement
+      planner that prices steps on it (rlctl.planner). sim and planner import the cost model and
+      never each other.
     ORCHESTRATION: what puts the pieces together into a running run and watches it: the
       launchers (local and Slurm), the worker entry point of every process, the controller, and
       the status of runs (which asks the Slurm launcher about live jobs).
@@ -73,6 +97,7 @@ LAYERS: dict[str, Layer] = {
     "rlctl.status": Layer.ORCHESTRATION,
     "rlctl.sim": Layer.SIMULATION,
     "rlctl.planner": Layer.SIMULATION,
+    "rlctl.costs": Layer.SIMULATION,
     "rlctl.pipelines": Layer.SCHEDULING,
     "rlctl.plex": Layer.SCHEDULING,
     "rlctl.engines": Layer.ENGINES,
@@ -172,10 +197,123 @@ def upward_imports(root: Path, path: Path, tree: ast.AST, known: set[str]) -> li
     return out
 
 
+def package_imports(module: str, is_package: bool, tree: ast.AST, known: set[str]) -> dict[str, int]:
+    """The modules of the package this module imports (other than itself), each with the line of
+    its first import: the module's edges in the import graph."""
+    edges: dict[str, int] = {}
+    for line, target in imported_modules(tree, module, is_package, known):
+        if target in known and target != module and (target == PACKAGE or target.startswith(PACKAGE + ".")):
+            edges[target] = min(line, edges.get(target, line))
+    return edges
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of the graph, without recursion (an import chain
+    may be deeper than Python's stack)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    work: list[tuple[str, Iterator[str]]] = []
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        work.append((node, iter(graph[node])))
+
+    for start in graph:
+        if start in index:
+            continue
+        visit(start)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    visit(child)
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while not component or component[-1] != node:
+                        component.append(stack.pop())
+                        on_stack.discard(component[-1])
+                    components.append(component)
+    return components
+
+
+def shortest_cycle(graph: dict[str, dict[str, int]], start: str, members: set[str]) -> list[str]:
+    """The shortest way from start back to start through members (breadth first, each module's
+    imports in line order): the modules in order, start at both ends."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph[node], key=graph[node].get):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if child in members and child not in came_from:
+                    came_from[child] = node
+                    following.append(child)
+        frontier = following
+    raise ValueError(f"{start} is on no cycle")
+
+
+def import_cycles(graph: dict[str, dict[str, int]], paths: dict[str, str]) -> list[Violation]:
+    """One violation per group of modules tied in cycles (a strongly connected component), on the
+    file of its first module in file order, at the line where that module imports the next one.
+    A group larger than its shortest cycle through that module names the others too."""
+    rank = {module: i for i, module in enumerate(graph)}
+    found = []
+    for component in strongly_connected(graph):
+        if len(component) < 2:
+            continue
+        first = min(component, key=rank.get)
+        cycle = shortest_cycle(graph, first, set(component))
+        message = "import cycle: " + " -> ".join(cycle)
+        others = sorted(set(component) - set(cycle))
+        if others:
+            message += f" (in the same cycles: {', '.join(others)})"
+        found.append((rank[first], Violation(paths[first], graph[first][cycle[1]], message)))
+    return [v for _, v in sorted(found, key=lambda f: f[0])]
+
+
+def engine_branches(root: Path, path: Path, tree: ast.AST) -> list[Violation]:
+    """Every place outside ENGINE_HOMES that names an engine kind's member or compares an
+    `engine` or `protocol` attribute with a string."""
+    rel = path.relative_to(root).as_posix()
+    if not rel.startswith(PACKAGE + "/") or rel.startswith(ENGINE_HOMES):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ENGINE_KINDS:
+            out.append(Violation(rel, node.lineno, f"branch on {node.value.id}.{node.attr}: ask the engine's adapter"))
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = [s.attr for s in sides if isinstance(s, ast.Attribute) and s.attr in ("engine", "protocol")]
+            if named and any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides):
+                out.append(Violation(rel, node.lineno, f"branch on the {named[0]} by name: ask the engine's adapter"))
+    return sorted(out, key=lambda v: v.line)
+
+
 def check(root: Path) -> list[Violation]:
-    """Every violation under root (a checkout of the repository), in file order."""
+    """Every violation under root (a checkout of the repository), file by file, then the import
+    cycles."""
     files = list(python_files(root))
     known = {module_name(root, p) for p in files}
+    graph: dict[str, dict[str, int]] = {}
+    paths: dict[str, str] = {}
     out: list[Violation] = []
     for path in files:
         text = path.read_text()
@@ -183,7 +321,12 @@ def check(root: Path) -> list[Violation]:
         out += long_file(root, path, text)
         out += long_functions(root, path, tree)
         out += upward_imports(root, path, tree, known)
-    return out
+        out += engine_branches(root, path, tree)
+        module = module_name(root, path)
+        if module == PACKAGE or module.startswith(PACKAGE + "."):
+            graph[module] = package_imports(module, path.name == "__init__.py", tree, known)
+            paths[module] = path.relative_to(root).as_posix()
+    return out + import_cycles(graph, paths)
 
 
 def main() -> int:

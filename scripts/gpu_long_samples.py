@@ -15,7 +15,7 @@ the first step), then the measured accumulate():
 - fwd+bwd: that peak less the optimizer state (what transformers' column holds: weights,
   gradients and the pass itself);
 - seconds: its wall time, synchronized;
-- plan: planner/memory.py's trainer_memory for the same recipe keys and micro-batch, in total and
+- plan: costs/memory.py's trainer_memory for the same recipe keys and micro-batch, in total and
   less its optimizer part, and how far the measured peak is from it.
 A length that runs out of memory is written "OOM" and the longer ones are not tried. Each setting
 runs in a process of its own (Megatron keeps buffers and groups in module globals).
@@ -100,8 +100,8 @@ def engine(model_dir: Path, attention: MegatronAttention, recompute: Recompute, 
 
 def plan(model_dir: Path, attention: MegatronAttention, recompute: Recompute, tokens: int) -> tuple[float, float]:
     """(the planner's bytes per GPU, the same less the optimizer) for this trainer."""
-    from rlctl.planner.memory import TrainLayout, trainer_memory
-    from rlctl.planner.shape import model_shape
+    from rlctl.costs.memory import TrainLayout, trainer_memory
+    from rlctl.costs.shape import model_shape
     from rlctl.recipe import recipe_from_yaml
 
     recipe = recipe_from_yaml(

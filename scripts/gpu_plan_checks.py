@@ -6,7 +6,7 @@
 1. memory: the GPU bench trainer (recipes/bench-longtail-gpu.yaml: the torch engine, fp32, KL
    reference) takes two train steps on a batch of one micro-batch of 16384 and of 4096 tokens;
    torch's peak allocated memory in the second (AdamW's state exists from the first on) against
-   planner/memory.py's trainer_memory. Its built-in server
+   costs/memory.py's trainer_memory. Its built-in server
    runs 256 requests of 524 tokens at once; the peak against server_memory at that context.
    Within 15% each.
 2. order: three placements of the bench recipe on this GPU, launched for real (3 steps each, the
@@ -33,9 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from rlctl.planner.costs import cost_model  # noqa: E402
-from rlctl.planner.memory import TrainLayout, server_memory, trainer_memory  # noqa: E402
-from rlctl.planner.shape import init_config, model_shape  # noqa: E402
+from rlctl.costs.recipe import cost_model  # noqa: E402
+from rlctl.costs.memory import TrainLayout, server_memory, trainer_memory  # noqa: E402
+from rlctl.costs.shape import init_config, model_shape  # noqa: E402
 from rlctl.recipe import load_recipe  # noqa: E402
 from artifact import slug, write_artifact  # noqa: E402
 

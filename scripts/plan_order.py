@@ -34,7 +34,7 @@ from artifact import write_artifact
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rlctl.planner.costs import cost_model  # noqa: E402
+from rlctl.costs.recipe import cost_model  # noqa: E402
 from rlctl.planner.estimate import Placement, estimate  # noqa: E402
 from rlctl.recipe import PipelineMode, load_recipe  # noqa: E402
 

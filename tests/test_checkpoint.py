@@ -205,7 +205,7 @@ def simulated(recipe):
     from rlctl.pipelines.scoring import inline_scorer
     from rlctl.sim.engines import SimRollout, SimTrainer
     from rlctl.sim.loop import VirtualClock
-    from rlctl.planner.costs import cost_model
+    from rlctl.costs.recipe import cost_model
 
     cost = cost_model(recipe)
     servers = [SimRollout(f"rollout-{i}", cost, recipe.rollout.max_running_requests) for i in range(4)]

@@ -23,7 +23,8 @@ import torch
 import sglang_source
 from conftest import FAST, QUICKSTART, descendants, ensure_wheel, free_port, rlctl, rlctl_here, wait_for
 from rlctl.errors import RunError
-from rlctl.door import TOKEN_FILE, key_of, new_token, read_token, role_key, sglang_config
+from rlctl.door import TOKEN_FILE, key_of, new_token, read_token, role_key
+from rlctl.engines.rollout.sglang.launch import options_file
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.weightsync import WeightSender
 from rlctl.errors import RecipeError
@@ -260,7 +261,7 @@ def test_sglang_reads_the_token_as_its_api_key_from_the_config_file(tmp_path, ve
     for flag in ("--model-path", "--api-key", "--config"):
         parser.add_argument(flag)
     token = new_token()
-    config = sglang_config(tmp_path / "sglang-rollout-0.yaml", token)
+    config = options_file(tmp_path / "sglang-rollout-0.yaml", token)
     assert stat.S_IMODE(config.stat().st_mode) == 0o600
     argv = module.ConfigArgumentMerger(parser).merge_config_with_args(["--model-path", "m", "--config", str(config)])
     assert parser.parse_args(argv).api_key == token

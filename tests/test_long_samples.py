@@ -12,10 +12,10 @@ import pytest
 from rlctl.commands.launch import launch
 from rlctl.errors import RecipeError
 from rlctl.planner.fit import micro_batch_problem
-from rlctl.planner.memory import TrainLayout, trainer_memory
-from rlctl.planner.shape import model_shape
+from rlctl.costs.memory import TrainLayout, trainer_memory
+from rlctl.costs.shape import model_shape
 from rlctl.recipe import load_recipe, recipe_from_yaml
-from rlctl.sim.cost import HARDWARE
+from rlctl.costs.model import HARDWARE
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_1_7B = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,

@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from conftest import REPO, rlctl_here
-from rlctl.planner.costs import cost_model
-from rlctl.planner.estimate import Placement, estimate
+from rlctl.costs.recipe import cost_model
+from rlctl.planner.estimate import estimate
 from rlctl.planner.launch import NotLaunchable, launch_overrides
-from rlctl.planner.lengths import Lengths
-from rlctl.planner.memory import TrainLayout, trainer_memory
+from rlctl.costs.lengths import Lengths
+from rlctl.costs.memory import TrainLayout, trainer_memory
+from rlctl.planner.placement import Placement
 from rlctl.planner.search import placements, plan
 from rlctl.recipe import PipelineMode, load_recipe
-from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
+from rlctl.costs.model import HARDWARE, CostModel, ModelShape
 from rlctl.sim.run import simulate_run
 from rlctl.workloads import LengthDistribution
 

@@ -159,7 +159,7 @@ def test_choices_load_as_enum_members():
 def test_the_layers_that_implement_a_choice_cover_it_exactly():
     from rlctl.recipe import GpuKind, TaskName
     from rlctl.rewards.tasks import TASKS
-    from rlctl.sim.cost import HARDWARE
+    from rlctl.costs.model import HARDWARE
 
     assert set(TASKS) == set(TaskName)
     assert set(HARDWARE) == set(GpuKind)

@@ -20,7 +20,7 @@ from rlctl.errors import RecipeError, RunError
 from rlctl.metrics import KeptEvents, Recorder
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.scoring import PooledScorer, ScoringWorker, inline_scorer, scoring_replies, serve
-from rlctl.planner.costs import cost_model
+from rlctl.costs.recipe import cost_model
 from rlctl.recipe import RewardConfig, load_recipe
 from rlctl.recipe.choices import RewardOnError
 from rlctl.rewards.failures import RewardError, RewardErrors, VerifierFailed, excerpt

@@ -19,7 +19,7 @@ import torch
 from conftest import QUICKSTART, free_port, rlctl_here
 from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
-from rlctl.engines.rollout.sglang import launch_command, speaks
+from rlctl.engines.rollout.sglang.launch import launch_command, speaks
 from rlctl.engines.weightsync import (
     TensorMeta,
     WeightSender,
@@ -77,13 +77,13 @@ def test_bad_sglang_settings_name_the_key(tmp_path, override, key):
 
 
 def test_local_sglang_servers_get_their_own_gpus(monkeypatch):
-    from rlctl.worker import sglang_gpus
+    from rlctl.devices import gpu_group
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # indices in rollout.gpus are the visible ones
-    assert [sglang_gpus([], 2, i) for i in range(2)] == ["4,5", "6,7"]
-    assert [sglang_gpus([3, 2, 1, 0], 1, i) for i in range(4)] == ["7", "6", "5", "4"]
+    assert [gpu_group([], 2, i) for i in range(2)] == ["4,5", "6,7"]
+    assert [gpu_group([3, 2, 1, 0], 1, i) for i in range(4)] == ["7", "6", "5", "4"]
     with pytest.raises(RunError, match="rollout server 2 needs 2 GPUs of its own"):
-        sglang_gpus([], 2, 2)
+        gpu_group([], 2, 2)
 
 
 def test_sglang_recipe_is_accepted():

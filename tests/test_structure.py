@@ -66,12 +66,13 @@ def test_only_the_batch_script_template_may_be_long(tmp_path):
 def test_an_upward_import_inside_a_function_is_reported(tmp_path):
     write(tmp_path, {
         "rlctl/recipe/__init__.py": "from rlctl.recipe.schema import Recipe\n",
-        "rlctl/recipe/schema.py": "def validate():\n    from rlctl.sim.cost import estimate\n",
-        "rlctl/sim/cost.py": "from rlctl.recipe import Recipe\nfrom rlctl.errors import RunError\n",
+        "rlctl/recipe/schema.py": "def validate():\n    from rlctl.costs.model import estimate\n",
+        "rlctl/costs/model.py": "from rlctl.recipe.choices import GpuKind\nfrom rlctl.errors import RunError\n",
+        "rlctl/recipe/choices.py": "",
         "rlctl/errors.py": "",
     })
     assert [str(v) for v in structure.check(tmp_path)] == [
-        "rlctl/recipe/schema.py:2: rlctl.recipe.schema -> rlctl.sim.cost (layer schema may not import layer simulation)"]
+        "rlctl/recipe/schema.py:2: rlctl.recipe.schema -> rlctl.costs.model (layer schema may not import layer simulation)"]
 
 
 def test_from_package_import_module_is_an_import_of_that_module(tmp_path):
@@ -121,3 +122,86 @@ def test_layers_go_by_the_longest_module_prefix(module, layer):
 def test_a_name_that_only_starts_like_a_layer_is_not_in_it():
     assert structure.layer_of("rlctl.recipes_helper") is structure.Layer.FOUNDATION
     assert structure.layer_of("rlctl.cli_extras") is structure.Layer.FOUNDATION
+
+
+def test_two_modules_that_import_each_other_are_a_cycle(tmp_path):
+    write(tmp_path, {
+        "rlctl/__init__.py": "",
+        "rlctl/a.py": "import os\nfrom rlctl.b import g\n",
+        "rlctl/b.py": "from rlctl import a\n",
+    })
+    assert [str(v) for v in structure.check(tmp_path)] == [
+        "rlctl/a.py:2: import cycle: rlctl.a -> rlctl.b -> rlctl.a"]
+
+
+def test_a_cycle_through_three_modules_is_reported_once_in_order(tmp_path):
+    write(tmp_path, {
+        "rlctl/pipelines/__init__.py": "",
+        "rlctl/pipelines/core.py": "from rlctl.pipelines.pool import RolloutPool\n",
+        "rlctl/pipelines/pool.py": "from .protocols import Rollout\n",
+        "rlctl/pipelines/protocols.py": "from rlctl.pipelines.core import Sample\n",
+    })
+    assert [str(v) for v in structure.check(tmp_path)] == [
+        "rlctl/pipelines/core.py:1: import cycle: rlctl.pipelines.core -> rlctl.pipelines.pool"
+        " -> rlctl.pipelines.protocols -> rlctl.pipelines.core"]
+
+
+@pytest.mark.parametrize("closing", [
+    "def schedule():\n    from rlctl.planner.estimate import Estimate\n",
+    "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from rlctl.planner.estimate import Estimate\n",
+])
+def test_an_import_in_a_function_or_for_type_checking_closes_a_cycle(tmp_path, closing):
+    write(tmp_path, {
+        "rlctl/planner/estimate.py": "from rlctl.planner.schedule import schedule\n",
+        "rlctl/planner/schedule.py": closing,
+    })
+    assert messages(tmp_path) == [
+        "import cycle: rlctl.planner.estimate -> rlctl.planner.schedule -> rlctl.planner.estimate"]
+
+
+def test_imports_that_only_point_one_way_are_no_cycle(tmp_path):
+    """A package's __init__ re-exports its submodules and they import each other by full name:
+    the package is imported first at run time, but no file names it, so there is no cycle."""
+    write(tmp_path, {
+        "rlctl/__init__.py": "",
+        "rlctl/sim/__init__.py": "from rlctl.costs.model import CostModel\nfrom rlctl.sim.run import simulate\n",
+        "rlctl/costs/model.py": "from rlctl.recipe import Recipe\n",
+        "rlctl/sim/run.py": ("import rlctl.costs.model\nfrom rlctl.costs import model\n\n"
+                             "def f():\n    from rlctl.costs.model import x\n"),
+        "rlctl/costs/recipe.py": "from rlctl.sim import CostModel\nfrom rlctl.sim.run import simulate\n",
+        "rlctl/recipe/__init__.py": "",
+    })
+    assert messages(tmp_path) == []
+
+
+def test_a_submodule_that_imports_its_own_package_closes_a_cycle(tmp_path):
+    write(tmp_path, {
+        "rlctl/sim/__init__.py": "from rlctl.sim.run import simulate\n",
+        "rlctl/sim/run.py": "from rlctl.costs.model import x\nfrom rlctl.sim import CostModel\n",
+        "rlctl/costs/model.py": "",
+    })
+    assert [str(v) for v in structure.check(tmp_path)] == [
+        "rlctl/sim/__init__.py:1: import cycle: rlctl.sim -> rlctl.sim.run -> rlctl.sim"]
+
+
+def test_a_larger_group_of_cycles_names_every_module(tmp_path):
+    write(tmp_path, {
+        "rlctl/a.py": "from rlctl import b\n",
+        "rlctl/b.py": "from rlctl import a, c\n",
+        "rlctl/c.py": "from rlctl import b\n",
+    })
+    assert messages(tmp_path) == ["import cycle: rlctl.a -> rlctl.b -> rlctl.a (in the same cycles: rlctl.c)"]
+
+
+def test_a_branch_on_an_engine_kind_outside_its_adapter_is_reported(tmp_path):
+    branchy = ("from rlctl.recipe import RolloutEngine\n"
+               "def f(recipe):\n"
+               "    if recipe.rollout.engine is RolloutEngine.SGLANG:\n"
+               "        return 1\n"
+               "    return recipe.rollout.protocol == 'vllm'\n")
+    root = write(tmp_path, {"rlctl/__init__.py": "", "rlctl/recipe/__init__.py": "", "rlctl/controller.py": branchy,
+                            "rlctl/engines/rollout/sglang/adapter.py": branchy,
+                            "rlctl/engines/rollout/registry.py": branchy, "tests/test_x.py": branchy})
+    found = [str(v) for v in structure.check(root)]
+    assert found == ["rlctl/controller.py:3: branch on RolloutEngine.SGLANG: ask the engine's adapter",
+                     "rlctl/controller.py:5: branch on the protocol by name: ask the engine's adapter"]

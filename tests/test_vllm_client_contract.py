@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 import vllm_source
-from rlctl.engines.rollout.vllm_client import VllmClient, completion_body, engine_request_id
+from rlctl.engines.rollout.vllm.client import VllmClient, completion_body, engine_request_id
 from test_vllm_contract import (
     BODY_PARAMS,
     CLIENT_ROUTES,

@@ -19,9 +19,9 @@ import pytest
 import vllm_source
 from rlctl.engines.rollout.protocol import SamplingRequest
 from rlctl.engines.rollout.builtin.vllm_routes import SCHEDULER_GAUGES
-from rlctl.engines.rollout.vllm import DOOR, check_version, launch_command, launch_env
-from rlctl.engines.rollout.vllm_client import DEV_GETS
-from rlctl.engines.rollout.vllm_door import TokenDoor
+from rlctl.engines.rollout.vllm.launch import DOOR, check_version, launch_command, launch_env
+from rlctl.engines.rollout.vllm.client import DEV_GETS
+from rlctl.engines.rollout.vllm.door import TokenDoor
 from rlctl.errors import RunError
 from rlctl.recipe import VLLM_NEWEST, VLLM_OLDEST, VllmConfig
 from vllm_source import ARG_UTILS, RL_ROUTER, SUPPORTED, MissingWheel, literal_values
@@ -136,9 +136,8 @@ def fits(value: object, annotation: str) -> bool:
 
 
 def vllm_group(name: str):
-    """rlctl.engines.weightsync.vllm_group's `name`; the test skips while that module or name is absent."""
-    module = pytest.importorskip("rlctl.engines.weightsync.vllm_group")
-    return getattr(module, name) if hasattr(module, name) else pytest.skip(f"vllm_group has no {name} yet")
+    """rlctl.engines.rollout.vllm.group's `name`."""
+    return getattr(importlib.import_module("rlctl.engines.rollout.vllm.group"), name)
 
 
 def test_the_trainer_sends_these_init_info_keys():

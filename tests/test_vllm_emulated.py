@@ -15,9 +15,9 @@ import torch
 
 from conftest import QUICKSTART, free_port, processes_mentioning, rlctl, rlctl_here
 from rlctl.engines.rollout.protocol import SamplingRequest
-from rlctl.engines.rollout.vllm_client import VllmClient, completion_body
+from rlctl.engines.rollout.vllm.client import VllmClient, completion_body
 from rlctl.engines.weightsync import tensor_sha256
-from rlctl.engines.weightsync.vllm_sender import VllmWeightSender
+from rlctl.engines.rollout.vllm.sender import VllmWeightSender
 from rlctl.errors import RunError
 from rlctl.rundir import RunDir
 
@@ -137,7 +137,7 @@ def test_a_server_without_dev_mode_is_named(vllm_server):
 
 @pytest.mark.process
 def test_a_server_of_another_release_is_refused(vllm_server):
-    from rlctl.engines.rollout.vllm import check_version
+    from rlctl.engines.rollout.vllm.launch import check_version
 
     url = vllm_server(version="0.32.0")
 
@@ -259,7 +259,7 @@ def test_the_emulation_refuses_what_a_runs_vllm_server_refuses(tmp_path, method,
     from aiohttp.test_utils import make_mocked_request
 
     from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
-    from rlctl.engines.rollout.vllm_door import TokenDoor
+    from rlctl.engines.rollout.vllm.door import TokenDoor
 
     (tmp_path / "token").write_text("secret\n")
     args = parser().parse_args(["--model-path", str(tmp_path), "--emulate-vllm", VERSION,
@@ -281,7 +281,7 @@ def test_the_emulation_refuses_what_a_runs_vllm_server_refuses(tmp_path, method,
 
 
 def test_launch_command_keeps_the_token_off_the_command_line():
-    from rlctl.engines.rollout.vllm import launch_command, launch_env
+    from rlctl.engines.rollout.vllm.launch import launch_command, launch_env
     from rlctl.recipe import VllmConfig
 
     cmd = launch_command("/py", "/m", VllmConfig(tp_size=4, max_model_len=4096, extra_args=["--enforce-eager"]),
@@ -295,11 +295,11 @@ def test_launch_command_keeps_the_token_off_the_command_line():
 def test_the_trainer_is_told_the_protocol_and_what_the_servers_hold():
     """vLLM has no route that says its dtype: the controller tells the trainer, which casts wider
     weights to it before they leave (a bf16 Megatron trainer's checked syncs depend on it)."""
-    from rlctl.controller import protocol_of
+    from rlctl.controller import sync_target
     from rlctl.recipe import load_recipe
 
     def told(*overrides):
-        return protocol_of(load_recipe(QUICKSTART, list(overrides), check_paths=False), None)
+        return sync_target(load_recipe(QUICKSTART, list(overrides), check_paths=False))
     assert told() == {"protocol": "sglang"}
     assert told("rollout.builtin.emulate_vllm=0.33.0") == {"protocol": "vllm", "server": {"dtype": "float32"}}
     real = told("rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda", "rollout.vllm.dtype=auto",

@@ -23,7 +23,7 @@ import torch
 import vllm_source
 from conftest import free_port
 from rlctl.engines.weightsync.buckets import BucketMaker
-from rlctl.engines.weightsync.vllm_group import StoreGroup, packed_chunks
+from rlctl.engines.rollout.vllm.group import StoreGroup, packed_chunks
 
 PACKED = "vllm/distributed/weight_transfer/packed_tensor.py"
 UTILS = "vllm/distributed/utils.py"

@@ -22,7 +22,7 @@ from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.weightsync import WeightSender, destroy_process_group, init_custom_process_group, tensor_sha256
 from rlctl.engines.weightsync.group import close_store, seal_store
 from rlctl.engines.weightsync.store import hosted
-from rlctl.engines.weightsync.vllm_group import StoreGroup, init_info
+from rlctl.engines.rollout.vllm.group import StoreGroup, init_info
 
 
 def test_a_server_pinned_to_host_and_port_names_any_other_master():
@@ -164,8 +164,8 @@ def test_once_the_servers_joined_the_store_is_closed_and_the_sync_lands(start_se
 def test_the_emulated_vllm_groups_store_is_closed_once_formed(start_server, tiny_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from rlctl.engines.rollout.vllm_client import VllmClient
-    from rlctl.engines.weightsync.vllm_sender import VllmWeightSender
+    from rlctl.engines.rollout.vllm.client import VllmClient
+    from rlctl.engines.rollout.vllm.sender import VllmWeightSender
 
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     url = start_server(0, "--emulate-vllm", "0.34.0")

@@ -81,27 +81,11 @@ def _check_trainer_fits(r, recipe: Path) -> None:
 
 def _check_engines_importable(r) -> None:
     """A local run starts its engines here: say at once when one is not installed."""
-    import importlib.util
+    from rlctl.engines.rollout.registry import rollout_adapter
+    from rlctl.engines.train.adapter import trainer_adapter
 
-    from rlctl.recipe import RolloutEngine, TrainEngine
-
-    for key, chosen, needed, module, install in (
-        ("rollout.engine", r.rollout.engine, RolloutEngine.SGLANG, "sglang", "pip install 'sglang[all]>=0.5.15,<=0.5.23'"),
-        ("rollout.engine", r.rollout.engine, RolloutEngine.VLLM, "vllm", vllm_install()),
-        ("train.engine", r.train.engine, TrainEngine.MEGATRON, "megatron.core", "pip install 'rlctl[megatron]'"),
-    ):
-        if chosen is needed and importlib.util.find_spec(module.split(".")[0]) is None:
-            raise RunError(f"{key}={chosen} needs {module}, which is not installed here: {install}")
-    if r.rollout.engine is RolloutEngine.VLLM:  # and a release rlctl speaks
-        from rlctl.engines.rollout.vllm import require_vllm
-
-        require_vllm()
-
-
-def vllm_install() -> str:
-    from rlctl.engines.rollout.vllm import INSTALL
-
-    return INSTALL
+    rollout_adapter(r.rollout.engine).check_installed()
+    trainer_adapter(r.train.engine).check_installed()
 
 
 def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:

@@ -33,7 +33,7 @@ def _gpu_kinds(incomplete: str) -> list[str]:
 
 
 def _table(rows: list[Any], simulated: dict[int, float]) -> str:
-    from rlctl.planner.memory import GIB
+    from rlctl.costs.memory import GIB
 
     head = (f"{'#':>2} {'mode':<12}{'GPUs r+t':>10} {'servers':<10}{'trainer':<16}{'mb':>4}"
             f"{'step s':>8}{'s/1k':>7}{'GPU-s/1k':>9}{'GiB t/s':>10}  bound")
@@ -70,7 +70,7 @@ def _simulated_step(recipe_file: Path, overrides: list[str], e: Any, steps: int)
 
 
 def _describe(r: Any, cost: Any, gpus: int, per_node: int, result: Any, where: str) -> list[str]:
-    from rlctl.planner.lengths import Lengths
+    from rlctl.costs.lengths import Lengths
 
     lengths = Lengths.of(r)
     tail = "long tail" if r.rollout.sampling.long_tail.enabled else "all at the cap"
@@ -81,7 +81,7 @@ def _describe(r: Any, cost: Any, gpus: int, per_node: int, result: Any, where: s
         f"  model {cost.model.params / 1e9:.4g}B ({cost.model.bytes_per_param:g} bytes per weight served); "
         f"{samples} samples per rollout batch; responses {tail} up to {r.rollout.sampling.max_new_tokens} tokens "
         f"(mean {lengths.mean:.0f}, longest of the batch {lengths.expected_max(samples):.0f})",
-        f"  cost model rlctl/sim/cost.py: {where}",
+        f"  cost model rlctl/costs/model.py: {where}",
     ]
 
 
@@ -104,7 +104,7 @@ def plan(
     and trainer parallelism, micro-batch and pipeline mode, each with its predicted step time,
     GPU-seconds per 1k samples, memory per GPU and the stage that bounds it."""
     from rlctl.commands.simulate import has_sim_section
-    from rlctl.planner.costs import cost_model
+    from rlctl.costs.recipe import cost_model
     from rlctl.planner.search import explain
     from rlctl.planner.search import plan as search
     from rlctl.recipe import load_recipe

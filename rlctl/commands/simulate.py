@@ -121,7 +121,7 @@ def simulate(
         print(render_pool(simulate_pool(spec)))
         return
 
-    from rlctl.planner.costs import cost_model
+    from rlctl.costs.recipe import cost_model
     from rlctl.recipe import load_recipe
     from rlctl.rundir import find_run
     from rlctl.sim.run import simulate_into_run_dir, simulate_run
@@ -149,7 +149,7 @@ def simulate(
     print(f"  model {cost_model(r).model.params / 1e9:.4g}B; {sim.gpu} GPUs: {sim.rollout_gpus} rollout (tp {sim.tp}) + "
           f"{sim.trainer_gpus} trainer")
     print(f"  per step: {r.rollout.batch_size} groups x {r.rollout.group_size} = {samples} samples asked")
-    print(f"  cost model (rlctl/sim/cost.py: durations priced, not measured):{where}")
+    print(f"  cost model (rlctl/costs/model.py: durations priced, not measured):{where}")
     print(render_metrics(result.metrics))
     if compare:
         other = find_run(compare, runs_dir).metrics()

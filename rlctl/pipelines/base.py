@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlctl.data import rng_from_json, rng_to_json
-from rlctl.pipelines.core import Clock, EventSink, Group, GroupProducer, Shaping, Trainer
+from rlctl.pipelines.core import Group, GroupProducer, Shaping
+from rlctl.pipelines.interfaces import Clock, EventSink, Trainer
 
 
 class Pipeline:

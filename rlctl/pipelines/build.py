@@ -10,7 +10,9 @@ from rlctl.engines.rollout.protocol import SamplingRequest
 from rlctl.pipelines.admission import make_admission
 from rlctl.pipelines.async_ import AsyncPipeline
 from rlctl.pipelines.base import Pipeline
-from rlctl.pipelines.core import Clock, EventSink, GroupProducer, GroupRunner, Rollout, RolloutPool, Shaping, Trainer
+from rlctl.pipelines.core import GroupProducer, GroupRunner, Shaping
+from rlctl.pipelines.interfaces import Clock, EventSink, Rollout, Trainer
+from rlctl.pipelines.pool import RolloutPool
 from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
 from rlctl.pipelines.scoring import Score
 from rlctl.pipelines.sync import SyncPipeline

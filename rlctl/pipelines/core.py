@@ -1,10 +1,11 @@
-"""Scheduling pieces every pipeline mode shares: samples, groups, the rollout pool, the producer.
+"""Scheduling pieces every pipeline mode shares: samples, groups, the group runner, the producer.
 
-Everything here is asyncio over two small interfaces, `Rollout` (one server: generate, abort)
-and `Trainer` (train one batch, sync weights), reads time only through a `Clock`, and scores
-through an injected `Score` (rlctl/pipelines/scoring.py). Real runs plug in HTTP clients, the
-run's clock and scoring in worker processes; a simulation plugs in cost-model engines, virtual time
-and inline scoring, and the scheduling code stays the same.
+Everything here is asyncio over two small interfaces (rlctl/pipelines/interfaces.py), `Rollout`
+(one server: generate, abort; rlctl/pipelines/pool.py spreads requests over them) and `Trainer`
+(train one batch, sync weights), reads time only through a `Clock`, and scores through an
+injected `Score` (rlctl/pipelines/scoring.py). Real runs plug in HTTP clients, the run's clock
+and scoring in worker processes; a simulation plugs in cost-model engines, virtual time and
+inline scoring, and the scheduling code stays the same.
 """
 
 from __future__ import annotations
@@ -14,45 +15,17 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from rlctl.algos.losses import group_advantages, overlong_penalty
 from rlctl.data import Prompt
 from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest, weight_version_number
 from rlctl.errors import RunError
 from rlctl.pipelines.admission import Admission
+from rlctl.pipelines.interfaces import Clock, EventSink
 from rlctl.pipelines.pool import RolloutPool
 from rlctl.pipelines.scoring import Score
 from rlctl.rewards.failures import RewardErrors, VerifierFailed
-
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-
-class Rollout(Protocol):
-    """One rollout server, as the scheduler sees it."""
-
-    name: str
-
-    async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str,
-                       return_logprob: bool = True) -> GenerateOutput: ...
-
-    async def abort(self, rid: str) -> None: ...
-
-
-class Trainer(Protocol):
-    async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        """Forward and backward on part of a train batch; no optimizer step."""
-
-    async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        """One optimizer step on these samples plus all accumulated since the last step."""
-
-    async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]: ...
-
-
-class EventSink(Protocol):
-    def __call__(self, kind: str, t: float, **fields: Any) -> None: ...
 
 
 @dataclass

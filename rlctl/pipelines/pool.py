@@ -11,7 +11,7 @@ from rlctl.errors import RunError, ServerUnreachable
 
 if TYPE_CHECKING:
     from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest
-    from rlctl.pipelines.core import Rollout
+    from rlctl.pipelines.interfaces import Rollout
 
 
 class RolloutPool:

@@ -1,5 +1,5 @@
 """The launch-time check that a Megatron trainer's micro-batch fits its GPU: the planner's memory
-model (planner/memory.py, planner/activations.py) for the largest micro-batch the run can form,
+model (costs/memory.py, costs/activations.py) for the largest micro-batch the run can form,
 refused in one line that names the key to change before any process starts.
 
 The largest micro-batch: train.micro_batch_tokens of padded tokens, or one sample longer than that
@@ -11,8 +11,9 @@ a size guessed from nothing would refuse runs on a guess.
 
 from __future__ import annotations
 
-from rlctl.planner.memory import GIB, TRAINER_HEADROOM, TrainLayout, longest_sample, trainer_memory
-from rlctl.recipe import Launcher, Recipe, Recompute, TrainEngine
+from rlctl.engines.train.adapter import trainer_adapter
+from rlctl.costs.memory import GIB, TRAINER_HEADROOM, TrainLayout, longest_sample, trainer_memory
+from rlctl.recipe import Launcher, MegatronAttention, Recipe, Recompute
 
 ACTIVATION_PARTS = ("activations", "attention scores", "logits")
 
@@ -20,17 +21,18 @@ ACTIVATION_PARTS = ("activations", "attention scores", "logits")
 def micro_batch_problem(recipe: Recipe) -> tuple[str, str] | None:
     """(the key to change, why) when the Megatron trainer's largest micro-batch does not fit."""
     from rlctl.models.hf_config import read_config
-    from rlctl.planner.shape import model_shape
-    from rlctl.sim.cost import HARDWARE
+    from rlctl.costs.shape import model_shape
+    from rlctl.costs.model import HARDWARE
 
     train = recipe.train
-    if train.engine is not TrainEngine.MEGATRON or recipe.launcher is Launcher.POOL:
+    layers = trainer_adapter(train.engine).layer_config(train)  # the engine whose layers the planner was measured on
+    if layers is None or recipe.launcher is Launcher.POOL:
         return None
     if recipe.model.init is None and not (recipe.model.path and read_config(recipe.model.path)):
         return None
     longest = longest_sample(recipe)
     tokens = max(train.micro_batch_tokens, longest)
-    tp = train.megatron.tp
+    tp = layers.tp
     need = trainer_memory(recipe, model_shape(recipe), TrainLayout(tp=tp, dp=train.ranks // tp, micro_batch_tokens=tokens),
                           tokens)
     gpu = HARDWARE[recipe.sim.gpu]
@@ -41,9 +43,9 @@ def micro_batch_problem(recipe: Recipe) -> tuple[str, str] | None:
     if activations >= need.total - activations:
         key = "rollout.sampling.max_new_tokens" if longest > train.micro_batch_tokens else "train.micro_batch_tokens"
         fixes = [f"lower {key}"]
-        if train.megatron.recompute_granularity is not Recompute.FULL:
+        if layers.recompute_granularity is not Recompute.FULL:
             fixes.append("set train.megatron.recompute_granularity=full")
-        if train.megatron.attention.value != "sdpa":
+        if layers.attention is not MegatronAttention.SDPA:
             fixes.append("set train.megatron.attention=sdpa")
         fixes.append("raise train.megatron.tp")
     else:

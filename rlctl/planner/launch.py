@@ -9,8 +9,10 @@ trainer runs pp=1; rlctl/recipe/train.py).
 
 from __future__ import annotations
 
-from rlctl.planner.estimate import Placement
-from rlctl.recipe import Recipe, RolloutEngine, SyncBackend, TrainEngine
+from rlctl.engines.train.adapter import trainer_adapter
+from rlctl.planner.placement import Placement
+from rlctl.engines.rollout.registry import rollout_adapter
+from rlctl.recipe import Recipe, SyncBackend
 
 
 class NotLaunchable(Exception):
@@ -33,8 +35,9 @@ def launch_overrides(recipe: Recipe, p: Placement, running: int, per_node: int) 
     if p.train_pp > 1:
         raise NotLaunchable("pipeline-parallel trainers are a plan: the Megatron trainer runs train.megatron.pp=1")
     ro, tr = recipe.rollout, recipe.train
-    if ro.engine is RolloutEngine.BUILTIN and p.rollout_tp > 1:
-        raise NotLaunchable("the built-in server runs on one GPU (rollout.engine=sglang or vllm for tp > 1)")
+    tp_key = rollout_adapter(ro.engine).tp_key()
+    if tp_key is None and p.rollout_tp > 1:
+        raise NotLaunchable(f"{rollout_adapter(ro.engine).title} runs on one GPU (rollout.engine=sglang or vllm for tp > 1)")
     t_nodes, t_gpus = _side(p.trainer_gpus, per_node)
     r_nodes, r_gpus = _side(p.rollout_gpus, per_node)
     keys = ["launcher=slurm", f"pipeline.mode={p.mode}", "train.device=cuda", "rollout.device=cuda",
@@ -43,10 +46,11 @@ def launch_overrides(recipe: Recipe, p: Placement, running: int, per_node: int) 
             f"slurm.trainer.nodes={t_nodes}", f"slurm.trainer.gpus_per_node={t_gpus}",
             f"slurm.rollout.nodes={r_nodes}", f"slurm.rollout.gpus_per_node={r_gpus}",
             f"slurm.rollout.servers_per_node={r_gpus // p.rollout_tp}"]
-    if tr.engine is TrainEngine.MEGATRON:
-        keys.append(f"train.megatron.tp={p.train_tp}")
-    if ro.engine is not RolloutEngine.BUILTIN:
-        keys.append(f"rollout.{ro.engine}.tp_size={p.rollout_tp}")
+    train_tp_key = trainer_adapter(tr.engine).tp_key()
+    if train_tp_key is not None:
+        keys.append(f"{train_tp_key}={p.train_tp}")
+    if tp_key is not None:
+        keys.append(f"{tp_key}={p.rollout_tp}")
     if tr.sync_backend is SyncBackend.IPC:  # within one host only; the job spans nodes
         keys.append("train.sync_backend=nccl")
     keys += [f"{key}=[]" for key, given in (("train.cpus", tr.cpus), ("train.gpus", tr.gpus),

@@ -5,14 +5,10 @@ in words; every duration is the cost model's).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from rlctl.planner.lengths import Lengths
+from rlctl.costs.lengths import Lengths
+from rlctl.planner.placement import Estimate, Placement
 from rlctl.recipe import Admission, InflightAtUpdate, PipelineMode, Recipe
-from rlctl.sim.cost import CostModel
-
-if TYPE_CHECKING:
-    from rlctl.planner.estimate import Estimate, Placement
+from rlctl.costs.model import CostModel
 
 QUANTILES = 8
 """Points per train batch at which the planner places its groups' completions."""
@@ -33,7 +29,7 @@ class Rollout:
     samples] decode steps, each at the mean batch until then, and the server with the most
     tokens (it keeps the requests it got) ends it. Several waves: the batch is full until the
     queue empties, (n E[L] - b E[R]) / b steps, then drains for E[longest of b x servers
-    residuals] steps at the draining batch's mean size (planner/lengths.py). The first b requests
+    residuals] steps at the draining batch's mean size (costs/lengths.py). The first b requests
     stay on the server they were sent to (the busiest such server counts); later ones go to the
     server with the fewest in flight, which balances them."""
 

@@ -20,10 +20,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from rlctl.planner.estimate import Estimate, Placement, estimate
-from rlctl.planner.lengths import Lengths
-from rlctl.recipe import PipelineMode, Recipe, TrainEngine
-from rlctl.sim.cost import CostModel
+from rlctl.engines.train.adapter import trainer_adapter
+from rlctl.planner.estimate import estimate
+from rlctl.costs.lengths import Lengths
+from rlctl.planner.placement import Estimate, Placement
+from rlctl.recipe import PipelineMode, Recipe
+from rlctl.costs.model import CostModel
 
 TPS = (1, 2, 4, 8)
 PPS = (2, 4, 8)
@@ -48,7 +50,7 @@ def _splits(gpus: int, per_node: int) -> list[int]:
 
 
 def _train_layouts(recipe: Recipe, gpus: int, per_node: int, pp: bool) -> list[tuple[int, int]]:
-    if recipe.train.engine is not TrainEngine.MEGATRON:
+    if trainer_adapter(recipe.train.engine).tp_key() is None:  # no tensor (or pipeline) parallelism
         return [(1, 1)]
     pps = (1, *PPS) if pp else (1,)
     return [(t, q) for t in TPS for q in pps if t <= per_node and gpus % (t * q) == 0]

@@ -4,7 +4,7 @@ The schema types its fields with these, so OmegaConf refuses anything else when 
 and the code compares against members (`mode is PipelineMode.ASYNC`), never string literals.
 They are StrEnums: a member is its string, so it goes into JSON, command lines and f-strings as
 written in the recipe. The sets that other layers implement (built-in tasks in rlctl/rewards/tasks.py,
-GPU kinds in rlctl/sim/cost.py) are declared here so that the schema imports nothing above it;
+GPU kinds in rlctl/costs/model.py) are declared here so that the schema imports nothing above it;
 tests/test_recipe.py checks those tables cover exactly these members.
 """
 
@@ -31,6 +31,16 @@ class InflightAtUpdate(enum.StrEnum):
 
 class RolloutEngine(enum.StrEnum):
     BUILTIN = "builtin"
+    SGLANG = "sglang"
+    VLLM = "vllm"
+
+
+class ServerProtocol(enum.StrEnum):
+    """The HTTP protocol a run's rollout servers speak: SGLang's (SGLang servers, and the built-in
+    server by default) or vLLM's (vLLM servers, or built-in ones emulating vLLM). It decides the
+    client and the weight sender; the engine decides everything else
+    (rlctl/engines/rollout/registry.py)."""
+
     SGLANG = "sglang"
     VLLM = "vllm"
 
@@ -120,7 +130,7 @@ class RewardOnError(enum.StrEnum):
 
 
 class GpuKind(enum.StrEnum):
-    """The accelerators the simulation's cost model knows (rlctl/sim/cost.py has their specs)."""
+    """The accelerators the simulation's cost model knows (rlctl/costs/model.py has their specs)."""
 
     H200 = "h200"
     H100 = "h100"

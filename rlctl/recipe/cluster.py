@@ -228,7 +228,7 @@ class SlurmConfig(Section):
 
 @dataclass(kw_only=True)
 class SimConfig(Section):
-    """`rlctl simulate`: the cluster and model the cost model prices (rlctl/sim/cost.py)."""
+    """`rlctl simulate`: the cluster and model the cost model prices (rlctl/costs/model.py)."""
 
     gpu: GpuKind = GpuKind.H200
     """h200 | h100 | a100 | cpu"""

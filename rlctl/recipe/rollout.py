@@ -6,16 +6,16 @@ import re
 from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
-from rlctl.recipe.choices import Device, RolloutEngine, SGLangDtype
+from rlctl.recipe.choices import Device, RolloutEngine, ServerProtocol, SGLangDtype
 
-# Flags the sglang engine sets itself (rlctl/engines/rollout/sglang.py).
+# Flags the sglang engine sets itself (rlctl/engines/rollout/sglang/launch.py).
 # --config carries the run's token as the api key (rlctl/door.py); SGLang takes one --config only,
 # and an admin key would lock the run's own token out of the weight routes.
 SGLANG_MANAGED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--random-seed", "--api-key",
                         "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp",
                         "--base-gpu-id", "--config", "--admin-api-key")
 
-# Flags the vllm engine sets itself (rlctl/engines/rollout/vllm.py). The run's token reaches vLLM
+# Flags the vllm engine sets itself (rlctl/engines/rollout/vllm/launch.py). The run's token reaches vLLM
 # as VLLM_API_KEY in its environment, and rlctl's own middleware guards the routes vLLM's does not.
 VLLM_MANAGED_FLAGS = ("--model", "--host", "--port", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
                       "--dtype", "--gpu-memory-utilization", "--max-model-len", "--seed", "--api-key",
@@ -260,11 +260,11 @@ class RolloutConfig(Section):
         return {RolloutEngine.SGLANG: self.sglang.tp_size, RolloutEngine.VLLM: self.vllm.tp_size}.get(self.engine, 1)
 
     @property
-    def protocol(self) -> str:
-        """The HTTP protocol the servers speak: "vllm" (vLLM servers, or built-in ones emulating
-        vLLM) or "sglang" (SGLang's, which the built-in server speaks by default)."""
+    def protocol(self) -> ServerProtocol:
+        """The HTTP protocol the servers speak: vLLM's (vLLM servers, or built-in ones emulating
+        vLLM) or SGLang's (which the built-in server speaks by default)."""
         vllm = self.engine is RolloutEngine.VLLM or (self.engine is RolloutEngine.BUILTIN and self.builtin.emulate_vllm)
-        return "vllm" if vllm else "sglang"
+        return ServerProtocol.VLLM if vllm else ServerProtocol.SGLANG
 
     @property
     def on_gpus(self) -> bool:

@@ -9,7 +9,7 @@ whose durations come from a cost model, under a virtual-time event loop.
     run.py        simulate_run: the composition root
 """
 
-from rlctl.sim.cost import HARDWARE, CostModel, Hardware, ModelShape
+from rlctl.costs.model import HARDWARE, CostModel, Hardware, ModelShape
 from rlctl.sim.loop import SimulationDeadlock, VirtualClock, VirtualTimeLoop, run_virtual
 from rlctl.sim.server import SimServer
 

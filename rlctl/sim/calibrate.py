@@ -23,8 +23,7 @@ from rlctl.errors import UsageError
 from rlctl.metrics.spans import SpanKind, SpanPairer
 from rlctl.recipe import Device, GpuKind, load_recipe
 from rlctl.rundir import RunDir
-from rlctl.planner.costs import algo_passes
-from rlctl.sim.cost import HARDWARE, CostModel, ModelShape
+from rlctl.costs.model import HARDWARE, CostModel, ModelShape, algo_passes
 
 
 def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -57,7 +56,7 @@ def calibrate(events: list[dict[str, Any]], model_dir: str, servers: int, traine
               max_running: int | None = None) -> dict[str, Any]:
     """sim.* overrides (and the fixed response length) that make the cost model fit the events of
     a run on `gpu` (the recipe's sim.gpu for a run on CUDA: its kind is not recorded).
-    `flops_per_token` per parameter: 6, plus the algorithm's extra passes (planner/costs.py)."""
+    `flops_per_token` per parameter: 6, plus the algorithm's extra passes (costs/model.py, algo_passes)."""
     hw = HARDWARE[gpu]
     params = model_parameters(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text())

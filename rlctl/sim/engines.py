@@ -1,5 +1,5 @@
 """Simulated engines behind the scheduler's own interfaces (`Rollout`, `Trainer` in
-rlctl/pipelines/core.py): the pipeline code that drives real servers drives these unchanged.
+rlctl/pipelines/interfaces.py): the pipeline code that drives real servers drives these unchanged.
 
 Samples carry token counts, not token ids; rewards are Bernoulli(reward_rate), so dynamic
 sampling drops groups at the rate the real task would.
@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest
-from rlctl.sim.cost import CostModel
+from rlctl.costs.model import CostModel
 from rlctl.sim.server import SimServer
 
 

@@ -91,7 +91,7 @@ def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
 
 
 class VirtualClock:
-    """The `Clock` of rlctl.pipelines.core for simulations: the running loop's (virtual) time."""
+    """The `Clock` of rlctl.pipelines.interfaces for simulations: the running loop's (virtual) time."""
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()

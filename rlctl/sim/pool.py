@@ -32,10 +32,10 @@ from rlctl.plex.scheduler import Model, SliceScheduler, State
 from rlctl.plex.state import snapshot
 from rlctl.recipe import Recipe, load_recipe
 from rlctl.recipe.pool import PoolFile, PoolSimConfig
-from rlctl.sim.cost import HARDWARE, CostModel
+from rlctl.costs.model import HARDWARE, CostModel
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
-from rlctl.planner.costs import cost_model
+from rlctl.costs.recipe import cost_model
 
 GB = 1e9
 

@@ -20,7 +20,7 @@ from typing import Any
 from rlctl.metrics import KeptEvents, Recorder
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.scoring import inline_scorer
-from rlctl.planner.costs import cost_model
+from rlctl.costs.recipe import cost_model
 from rlctl.recipe import DataConfig, Recipe, recipe_to_yaml
 from rlctl.rundir import SIMULATION_PREFIX, EventLog, RunDir, RunState, create_run_dir
 from rlctl.sim.engines import SimRollout, SimTrainer

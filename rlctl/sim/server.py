@@ -25,7 +25,7 @@ import heapq
 import math
 from collections import deque
 
-from rlctl.sim.cost import CostModel
+from rlctl.costs.model import CostModel
 
 
 class _Request:

@@ -206,13 +206,13 @@ class TrainerService:
     async def init_weight_sync(self, request: web.Request) -> web.Response:
         import aiohttp
 
-        from rlctl.engines.rollout.vllm_client import rollout_client
+        from rlctl.engines.rollout.registry import speaker
 
         body = await request.json()
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        protocol = body.get("protocol", "sglang")
-        clients = [rollout_client(protocol, s["url"], self.session, self._key_of(s)) for s in body["servers"]]
+        protocol = speaker(body.get("protocol", "sglang"))  # the adapter of the engine whose protocol the servers speak
+        clients = [protocol.client(s["url"], self.session, self._key_of(s)) for s in body["servers"]]
         group = {}
         if self.sender is not None:  # formed anew (failover: a server lost or back): leave the old group
             old, self.sender = self.sender, None
@@ -228,12 +228,7 @@ class TrainerService:
             port = free_ports(1, listen_address(body["master_address"]))[0]
         common = dict(master_address=body["master_address"], master_port=port, backend=body.get("backend", "gloo"),
                       bucket_bytes=int(float(body["bucket_mb"]) * 2**20), run_token=self.token, **group)
-        if protocol == "vllm":
-            from rlctl.engines.weightsync.vllm_sender import VllmWeightSender
-
-            self.sender = VllmWeightSender(clients, server=body.get("server"), device=self._device(), **common)
-        else:
-            self.sender = WeightSender(clients, **common)
+        self.sender = protocol.sender(clients, server=body.get("server"), device=self._device(), **common)
         try:
             await self.sender.connect()
         except RunError as e:

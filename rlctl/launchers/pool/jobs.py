@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.door import key_of, read_token
 from rlctl.errors import RunError
 from rlctl.models.hf_config import declared_dtype, read_config
 from rlctl.plan import Role, RunPlan
 from rlctl.plex.placement import Block
 from rlctl.plex.scheduler import Model, State
-from rlctl.recipe import Device, MegatronDtype, Recipe, TrainEngine, recipe_from_yaml
+from rlctl.recipe import Device, Recipe, recipe_from_yaml
 from rlctl.rundir import RunDir
 
 _HAS = {State.ACTIVE: {"weights", "working"}, State.WEIGHTS: {"weights"}, State.OFFLOADED: set()}
@@ -45,14 +46,8 @@ def job_blocks(recipe: Recipe, model_path: str, devices: int) -> list[Block]:
     stored = declared_dtype(read_config(model_path))
     params = w / {"float32": 4, "float16": 2, "bfloat16": 2}.get(stored, 4)
     n, ranks = recipe.rollout.servers, recipe.train.ranks
-    trainer_weights = 4 * params * (2 if recipe.algo.kl_coef > 0 else 1) / ranks
-    server_working, trainer_working = w / 4, 12 * params / ranks
-    if recipe.train.engine is TrainEngine.MEGATRON:
-        # A rank holds its TP shard of the parameters and of their fp32 gradients, and its share of
-        # the distributed optimizer (an fp32 main copy with bf16 parameters, Adam's two moments).
-        tp, bf16 = recipe.train.megatron.tp, recipe.train.megatron.dtype is MegatronDtype.BFLOAT16
-        trainer_weights = ((2 if bf16 else 4) + 4) * params / tp
-        trainer_working = (12 if bf16 else 8) * params / ranks
+    trainer_weights, trainer_working = trainer_adapter(recipe.train.engine).pool_bytes(recipe, params)
+    server_working = w / 4
     said = recipe.pool  # the run's own numbers, when it gives them, over the estimates
     if said.rollout_memory_gb:
         server_working = max(0.0, said.rollout_memory_gb * 1e9 - w)

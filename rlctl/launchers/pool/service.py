@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.door import LEASE_ROLE, listen_address, listening_socket, refusal, role_key
 from rlctl.errors import RlctlError, RunError
 from rlctl.launchers.pool.engines import EngineStarter
@@ -40,7 +41,7 @@ from rlctl.launchers.pool.warm import Forker
 from rlctl.plex.placement import Layout
 from rlctl.plex.scheduler import SliceScheduler, State
 from rlctl.plex.state import MonotonicClock, snapshot, waiting
-from rlctl.recipe import Device, Launcher, TrainEngine
+from rlctl.recipe import Device, Launcher
 from rlctl.recipe.load import load_pool_file
 
 log = logging.getLogger("rlctl.pool")
@@ -121,8 +122,9 @@ class PoolService:
         return web.json_response({"job": job.name, "placement": job.rd.read()["pool"]["placement"]})
 
     async def _admit(self, job: PoolJob) -> None:
-        if job.recipe.train.engine is TrainEngine.MEGATRON and self.spec.pool.devices.kind is Device.CPU:
-            raise RunError("train.engine=megatron needs CUDA: attach it to a pool of kind cuda")
+        train = job.recipe.train
+        if trainer_adapter(train.engine).cuda_only and self.spec.pool.devices.kind is Device.CPU:
+            raise RunError(f"train.engine={train.engine} needs CUDA: attach it to a pool of kind cuda")
         info = job.rd.read()
         job.models = self.layout.place(job.name, job_blocks(job.recipe, info["model_path"], len(self.layout.capacity)))
         try:

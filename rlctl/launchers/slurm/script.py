@@ -32,8 +32,10 @@ import shlex
 from pathlib import Path
 
 from rlctl.checkpoint import PREEMPTED_EXIT
+from rlctl.engines.rollout.registry import rollout_adapter
+from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.launchers.slurm.values import refuse_control_characters, sbatch_value
-from rlctl.recipe import Device, Recipe, RolloutEngine, SlurmConfig, TrainEngine, slurm_rollout_nodes
+from rlctl.recipe import Device, Recipe, SlurmConfig, slurm_rollout_nodes
 
 CPUS_PER_GPU = 4
 """Default CPUs per GPU of a task: SGLang runs a scheduler process per GPU besides its HTTP and
@@ -73,9 +75,7 @@ def server_gpus(recipe: Recipe, bound: bool = True) -> int:
     """GPUs of each rollout server: SGLang's or vLLM's tp_size, 1 for a built-in server on cuda,
     else 0. bound=True: the GPUs it is bound to, where a CPU server on a component that asks for
     GPUs is bound to 1 as well (harmless, and how the test cluster observes the binding)."""
-    if recipe.rollout.engine is not RolloutEngine.BUILTIN:
-        return recipe.rollout.server_tp
-    return int(recipe.rollout.device is Device.CUDA or (bound and recipe.slurm.rollout.gpus_per_node > 0))
+    return rollout_adapter(recipe.rollout.engine).server_gpus(recipe.rollout, bound and recipe.slurm.rollout.gpus_per_node > 0)
 
 
 def rank_gpus(recipe: Recipe) -> int:
@@ -83,7 +83,7 @@ def rank_gpus(recipe: Recipe) -> int:
     sl, per_node = recipe.slurm.trainer, recipe.train.ranks // recipe.slurm.trainer.nodes
     if sl.gpus_per_node:
         return max(1, sl.gpus_per_node // per_node)
-    return int(recipe.train.device is Device.CUDA or recipe.train.engine is TrainEngine.MEGATRON)
+    return int(trainer_adapter(recipe.train.engine).device(recipe.train) is Device.CUDA)
 
 
 def task_cpus(cpus_per_task: int, gpus: int, threads: int) -> int:

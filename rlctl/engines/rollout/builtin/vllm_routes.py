@@ -1,13 +1,13 @@
 """The built-in server answering as vLLM's OpenAI server in dev mode (--emulate-vllm VERSION).
 
 The routes, request fields and reply shapes are those of vLLM 0.33.0 / 0.34.0 that rlctl's vLLM
-adapter uses (rlctl/engines/rollout/vllm_client.py; tests/test_vllm_contract.py derives them from
+adapter uses (rlctl/engines/rollout/vllm/client.py; tests/test_vllm_contract.py derives them from
 vLLM's source): /v1/completions with token-id prompts, per-token log-probs and weight-version
 spans; /pause?mode=, /resume, /is_paused, /abort_requests; the weight-transfer routes, received
-the way vLLM's NCCL backend receives (packed chunks, vllm_group.packed_chunks) but over gloo on
-the host (vllm_group.TransferGroup). As in vLLM, the dev routes exist only when the server starts
+the way vLLM's NCCL backend receives (packed chunks, vllm/group.py packed_chunks) but over gloo on
+the host (vllm/group.py TransferGroup). As in vLLM, the dev routes exist only when the server starts
 with VLLM_SERVER_DEV_MODE=1; without it they answer 404. The door is the one a run's vLLM servers
-have (vllm_door): every route but /health, OPTIONS included, asks for the token.
+have (vllm/door.py): every route but /health, OPTIONS included, asks for the token.
 
 Differences that remain: one process generates (a TP size only changes the ranks the server takes
 in the group, and the emulation takes TP 1), and replies carry no text field worth reading.
@@ -43,12 +43,12 @@ def dev_mode() -> bool:
 
 
 def vllm_door(token: str | None):
-    """The door of a server emulating vLLM: TokenDoor (rlctl/engines/rollout/vllm_door.py), the one
+    """The door of a server emulating vLLM: TokenDoor (rlctl/engines/rollout/vllm/door.py), the one
     a run puts in front of its real vLLM servers, decides, so the emulation refuses what they
     refuse: every route but /health, whatever the method (OPTIONS included), without the token or
     with a wrong one, 401 {"error": "Unauthorized"} as vLLM answers. No handler runs for a refused
     request. Without a token (a server started by hand) the door is open, as vLLM's without a key."""
-    from rlctl.engines.rollout.vllm_door import TokenDoor
+    from rlctl.engines.rollout.vllm.door import TokenDoor
 
     door = TokenDoor(None, token) if token else None
 
@@ -230,7 +230,7 @@ class VllmRoutes:
     # -- weight transfer -------------------------------------------------------------------------
 
     async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
-        from rlctl.engines.weightsync.vllm_group import INIT_INFO_KEYS, TransferGroup
+        from rlctl.engines.rollout.vllm.group import INIT_INFO_KEYS, TransferGroup
 
         body = await request.json()
         info = body.get("init_info") if isinstance(body, dict) else None
@@ -289,7 +289,7 @@ class VllmRoutes:
         tensors' bytes back to back; each tensor is loaded into the parameter of its name."""
         import torch
 
-        from rlctl.engines.weightsync.vllm_group import packed_chunks
+        from rlctl.engines.rollout.vllm.group import packed_chunks
 
         kinds = [getattr(torch, d) for d in dtypes]
         sizes = [math.prod(s) * k.itemsize for s, k in zip(shapes, kinds, strict=True)]

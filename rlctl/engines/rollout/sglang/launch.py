@@ -15,8 +15,11 @@ sender reads /server_info's version and opens that session only where it exists.
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, parse_version
+from rlctl.door import write_secret
 from rlctl.errors import RunError
 from rlctl.recipe import SGLANG_NEWEST as NEWEST_SPOKEN
 from rlctl.recipe import SGLANG_OLDEST as OLDEST_SPOKEN
@@ -28,7 +31,7 @@ def launch_command(python: str, model_path: str, cfg: SGLangConfig, *, host: str
     """The command line of one SGLang server (the same on every node, its port from the plan).
 
     `config` is a 0600 YAML file of SGLang options holding the run's token as `api-key`
-    (rlctl/door.py sglang_config): SGLang's `--config FILE` reads it (server_args.py
+    (options_file below): SGLang's `--config FILE` reads it (server_args.py
     prepare_server_args, ConfigArgumentMerger, in 0.5.15 .. 0.5.23), so the key is never on a
     command line that `ps` shows."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(cfg.tp_size),
@@ -37,6 +40,13 @@ def launch_command(python: str, model_path: str, cfg: SGLangConfig, *, host: str
     if cfg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
     return cmd + ["--config", config, *cfg.extra_args]
+
+
+def options_file(path: Path, token: str) -> Path:
+    """A YAML file of SGLang server options (its `--config FILE`) holding the api key, 0600. JSON
+    quoting, which YAML reads the same, keeps the token a string whatever its characters."""
+    write_secret(path, f"api-key: {json.dumps(token)}\n")
+    return path
 
 
 def speaks(version: str) -> str:
@@ -53,7 +63,10 @@ def speaks(version: str) -> str:
     return "session" if v[:3] >= UPDATE_SESSION_SINCE else "no-session"
 
 
+INSTALL = f"pip install 'sglang[all]>={'.'.join(map(str, OLDEST_SPOKEN))},<={'.'.join(map(str, NEWEST_SPOKEN))}'"
+
+
 def require_sglang() -> None:
     if importlib.util.find_spec("sglang") is None:
-        raise RunError("rollout.engine=sglang needs SGLang on the rollout nodes (pip install 'sglang[all]>=0.5.15,<=0.5.23'), "
+        raise RunError(f"rollout.engine=sglang needs SGLang on the rollout nodes ({INSTALL}), "
                        "or set rollout.engine=builtin")

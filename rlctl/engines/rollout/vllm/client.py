@@ -191,11 +191,3 @@ class VllmClient(RolloutClient):
 DEV_GETS = ("/is_paused", "/weight_info", "/get_world_size")
 """GET routes vLLM registers only in dev mode: a 404 there means dev mode is off."""
 
-
-def rollout_client(protocol: str, url: str, session: aiohttp.ClientSession, token: str | None, **kwargs: Any) -> RolloutClient:
-    """The client for a server speaking `protocol` ("sglang" or "vllm")."""
-    if protocol == "vllm":
-        return VllmClient(url, session, token, **kwargs)
-    if protocol != "sglang":
-        raise ValueError(f"unknown rollout protocol {protocol!r}")
-    return RolloutClient(url, session, token, **kwargs)

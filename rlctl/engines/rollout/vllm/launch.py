@@ -27,7 +27,7 @@ from rlctl.engines.rollout.protocol import parse_version
 from rlctl.errors import RunError
 from rlctl.recipe import VLLM_NEWEST, VLLM_OLDEST, VllmConfig
 
-DOOR = "rlctl.engines.rollout.vllm_door.TokenDoor"
+DOOR = "rlctl.engines.rollout.vllm.door.TokenDoor"
 """The ASGI middleware vLLM imports (--middleware) to guard every route with the run's token."""
 SPOKEN = f"{'.'.join(map(str, VLLM_OLDEST))} .. {'.'.join(map(str, VLLM_NEWEST))}"
 INSTALL = f"pip install 'vllm>={'.'.join(map(str, VLLM_OLDEST))},<={'.'.join(map(str, VLLM_NEWEST))}'"

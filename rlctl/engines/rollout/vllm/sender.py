@@ -9,8 +9,8 @@ wire), with vLLM's calls around it, in the order of vLLM's own trainer engine
     {weight_version} -> /resume
 
 Joining: every server is sent /init_weight_transfer_engine {init_info} while the trainer joins the
-group itself (vllm_group.TransferGroup), since both sides meet inside the rendezvous. Each bucket
-is one packed chunk (vllm_group.packed_chunks with the group's buffer size = the bucket size):
+group itself (group.TransferGroup), since both sides meet inside the rendezvous. Each bucket
+is one packed chunk (group.packed_chunks with the group's buffer size = the bucket size):
 its tensors' bytes back to back, no padding, in one uint8 broadcast.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from rlctl.engines.weightsync.buckets import Bucket
 from rlctl.engines.weightsync.sender import CLOSE_TIMEOUT_S, WeightSender, server_dtype
-from rlctl.engines.weightsync.vllm_group import TransferGroup, init_info, packed_chunks
+from rlctl.engines.rollout.vllm.group import TransferGroup, init_info, packed_chunks
 from rlctl.errors import RunError
 
 
@@ -40,7 +40,7 @@ class VllmWeightSender(WeightSender):
 
     async def connect(self) -> None:
         """Check every server's release, learn how many ranks each takes, and form the group."""
-        from rlctl.engines.rollout.vllm import check_version
+        from rlctl.engines.rollout.vllm.launch import check_version
         from rlctl.engines.weightsync.buckets import dtype_from_name
 
         for c in self.clients:

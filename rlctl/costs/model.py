@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rlctl.recipe.choices import GpuKind
+from rlctl.recipe.choices import AlgoName, GpuKind
+
+if TYPE_CHECKING:
+    from rlctl.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -295,3 +299,11 @@ class CostModel:
         requests it can run at once (max_running * mean context must fit)."""
         free = self.hardware.hbm_bytes * self.gpus_per_server * self.memory_fraction - self.model.weight_bytes
         return max(0, int(free / self.model.kv_bytes_per_token))
+
+
+def algo_passes(recipe: Recipe) -> tuple[int, bool]:
+    """(extra forward passes per token, whether a critic trains) for the recipe's algorithm: the
+    CostModel's forward_passes and critic, one reading for the recipe's cost model
+    (costs/recipe.py) and for calibration (sim/calibrate.py)."""
+    algo = recipe.algo
+    return int(algo.kl_coef > 0) + int(algo.recompute_logprobs), algo.name is AlgoName.PPO

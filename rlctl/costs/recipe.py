@@ -1,8 +1,8 @@
-"""A recipe's cost model (rlctl.sim.cost.CostModel): the one `rlctl simulate` runs its simulated
+"""A recipe's cost model (rlctl.costs.model.CostModel): the one `rlctl simulate` runs its simulated
 engines on and `rlctl plan` predicts from, so that the two differ only in how they schedule.
 
 The `sim:` section says the hardware, the GPU counts and layouts and the efficiency knobs; the
-rest of the recipe says the model (planner/shape.py), the micro-batch size and the algorithm's
+rest of the recipe says the model (costs/shape.py), the micro-batch size and the algorithm's
 extra passes (a forward of the KL reference model when algo.kl_coef > 0, one of the behaviour
 weights when old log-probs are recomputed, PPO's critic), and the mean context of a running
 request when sim.context_tokens is 0. Colocated, the state swapped to host
@@ -11,36 +11,27 @@ memory is what does not fit beside the servers (memory.colocated_budget).
 
 from __future__ import annotations
 
-from rlctl.recipe import AlgoName, Recipe, RolloutEngine
-from rlctl.sim.cost import HARDWARE, CostModel
-
-
-def algo_passes(recipe: Recipe) -> tuple[int, bool]:
-    """(extra forward passes per token, whether a critic trains) for the recipe's algorithm."""
-    algo = recipe.algo
-    return int(algo.kl_coef > 0) + int(algo.recompute_logprobs), algo.name is AlgoName.PPO
+from rlctl.engines.rollout.registry import rollout_adapter
+from rlctl.recipe import Recipe
+from rlctl.costs.model import HARDWARE, CostModel, algo_passes
 
 
 def _mean_context(recipe: Recipe) -> int:
     """The prompt and what a running response has produced so far, on average: its age, which in
-    a continuous batch is length-biased (E[L^2] / 2 E[L], planner/lengths.py's residual mean)."""
-    from rlctl.planner.lengths import Lengths
+    a continuous batch is length-biased (E[L^2] / 2 E[L], costs/lengths.py's residual mean)."""
+    from rlctl.costs.lengths import Lengths
 
     return max(1, round(recipe.sim.prompt_tokens + Lengths.of(recipe).residual_mean))
 
 
 def _memory_fraction(recipe: Recipe) -> float:
     """The share of a GPU a server takes for weights and KV cache: the engine's own setting."""
-    ro = recipe.rollout
-    if ro.engine is RolloutEngine.SGLANG:
-        return ro.sglang.mem_fraction_static
-    if ro.engine is RolloutEngine.VLLM:
-        return ro.vllm.gpu_memory_utilization
-    return CostModel.memory_fraction
+    fraction = rollout_adapter(recipe.rollout.engine).memory_fraction(recipe.rollout)
+    return CostModel.memory_fraction if fraction is None else fraction
 
 
 def cost_model(recipe: Recipe) -> CostModel:
-    from rlctl.planner.shape import model_shape
+    from rlctl.costs.shape import model_shape
 
     sim = recipe.sim
     passes, critic = algo_passes(recipe)
@@ -56,7 +47,7 @@ def cost_model(recipe: Recipe) -> CostModel:
     if sim.colocated:
         from dataclasses import replace
 
-        from rlctl.planner.memory import colocated_budget, layout_of, micro_batch_tokens, train_tokens, trainer_memory
+        from rlctl.costs.memory import colocated_budget, layout_of, micro_batch_tokens, train_tokens, trainer_memory
 
         layout = layout_of(cost)
         trainer = trainer_memory(recipe, cost.model, layout, micro_batch_tokens(recipe, layout, train_tokens(recipe)))

@@ -27,7 +27,7 @@ scripts/gpu_long_samples.py measures these against the trainer on a GPU
 from __future__ import annotations
 
 from rlctl.recipe import MegatronAttention, MegatronConfig, Recompute, RecomputeMethod
-from rlctl.sim.cost import ModelShape
+from rlctl.costs.model import ModelShape
 
 MEGATRON_LAYER_FACTOR = 1.4
 """Megatron's local layer keeps more per token than ModelShape counts for a transformers layer

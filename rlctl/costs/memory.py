@@ -14,7 +14,7 @@ Trainer, per GPU of a tp x pp x dp layout (parameters split over tp x pp):
   (ModelShape.activation_values_per_token, in the training dtype, split over tp; with 1F1B the
   first pipeline stage holds pp micro-batches of its 1/pp of the layers: the same total), and
   its fp32 logits (ModelShape.logits_values_per_token, split over tp); for the megatron engine,
-  what train.megatron's attention and recompute keep instead (planner/activations.py).
+  what train.megatron's attention and recompute keep instead (costs/activations.py).
 Server, per GPU of a tp-way server: its weights in the serving dtype and the KV cache of the
 requests it runs, split over tp; for the built-in server also its decode step's attention
 working set (server_memory).
@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from rlctl.planner.activations import megatron_activations, megatron_logits
-from rlctl.recipe import AlgoName, MegatronDtype, PipelineMode, Recipe, TrainEngine
-from rlctl.sim.cost import DEFAULT_KV_DIM, CostModel, ModelShape
+from rlctl.engines.train.adapter import trainer_adapter
+from rlctl.costs.activations import megatron_activations, megatron_logits
+from rlctl.recipe import AlgoName, PipelineMode, Recipe
+from rlctl.costs.model import DEFAULT_KV_DIM, CostModel, ModelShape
 
 GIB = 1024**3
 TRAINER_HEADROOM = 0.92
@@ -64,7 +65,7 @@ def layout_of(cost: CostModel) -> TrainLayout:
 
 def train_tokens(recipe: Recipe) -> float:
     """Tokens one step trains on (prompt and response of every sample), on average."""
-    from rlctl.planner.lengths import Lengths
+    from rlctl.costs.lengths import Lengths
 
     samples = recipe.rollout.batch_size * recipe.rollout.group_size
     return samples * (recipe.sim.prompt_tokens + Lengths.of(recipe).mean)
@@ -81,11 +82,7 @@ def behaviour_copies(recipe: Recipe) -> int:
 def _train_bytes(recipe: Recipe) -> tuple[float, float, float, float]:
     """(parameter, gradient, optimizer-not-sharded, optimizer-sharded-over-dp) bytes per parameter,
     and the activation value width follows the parameter width."""
-    if recipe.train.engine is TrainEngine.MEGATRON:
-        if recipe.train.megatron.dtype is MegatronDtype.BFLOAT16:
-            return 2.0, 4.0, 0.0, 12.0
-        return 4.0, 4.0, 0.0, 8.0
-    return 4.0, 4.0, 8.0, 0.0
+    return trainer_adapter(recipe.train.engine).param_bytes(recipe.train)
 
 
 def micro_batch_tokens(recipe: Recipe, layout: TrainLayout, train_tokens: float) -> float:
@@ -115,8 +112,9 @@ def trainer_memory(recipe: Recipe, shape: ModelShape, layout: TrainLayout, micro
     copies = behaviour_copies(recipe)
     parts["behaviour copies"] = copies * shard * param_b
     parts["critic"] = state + copies * shard * param_b if algo.name is AlgoName.PPO else 0.0
-    if recipe.train.engine is TrainEngine.MEGATRON:
-        megatron = replace(recipe.train.megatron, tp=layout.tp)
+    layers = trainer_adapter(recipe.train.engine).layer_config(recipe.train)
+    if layers is not None:
+        megatron = replace(layers, tp=layout.tp)
         parts.update(megatron_activations(megatron, shape, micro_tokens, param_b, longest_sample(recipe)))
         parts["logits"] = megatron_logits(shape, micro_tokens, layout.tp)
     else:

@@ -1,4 +1,4 @@
-"""The model a recipe trains, as the cost model sees it (rlctl.sim.cost.ModelShape).
+"""The model a recipe trains, as the cost model sees it (rlctl.costs.model.ModelShape).
 
 `sim.params_b` set: a model of that size, with the widths the `sim:` section gives (the rest
 estimated). Otherwise the recipe's own model: the architecture of `model.init` (the model rlctl
@@ -11,20 +11,17 @@ known only by its parameter count.
 from __future__ import annotations
 
 from rlctl.models.hf_config import read_config
-from rlctl.recipe import Recipe, RolloutEngine
-from rlctl.sim.cost import ModelShape
+from rlctl.recipe import Recipe
+from rlctl.engines.rollout.registry import rollout_adapter
+from rlctl.costs.model import ModelShape
 
 DEFAULT_PARAMS_B = 1.7
 """The model priced when the recipe's own cannot be read and sim.params_b is 0."""
-_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "auto": 2.0, "half": 2.0}
 
 
 def serving_bytes(recipe: Recipe) -> float:
-    engine = recipe.rollout.engine
-    if engine is RolloutEngine.BUILTIN:
-        return 4.0
-    dtype = recipe.rollout.sglang.dtype if engine is RolloutEngine.SGLANG else recipe.rollout.vllm.dtype
-    return _DTYPE_BYTES.get(str(dtype), 2.0)
+    """Bytes a weight takes on the rollout servers, as their engine holds it."""
+    return rollout_adapter(recipe.rollout.engine).served_bytes(recipe.rollout)
 
 
 def init_config(recipe: Recipe) -> dict | None:
