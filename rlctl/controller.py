@@ -35,6 +35,7 @@ from rlctl.metrics import Recorder
 from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.core import Clock, EventSink
+from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 from rlctl.pipelines.pool import RolloutPool
 from rlctl.pipelines.scoring import PooledScorer
 from rlctl.plan import RunPlan
@@ -46,6 +47,8 @@ from rlctl.watchdog import HEARTBEAT_FILE, CallTimer, beat
 
 if TYPE_CHECKING:
     import aiohttp
+
+    from rlctl.launchers.pool.client import PoolLease
 
 log = logging.getLogger("rlctl.controller")
 
@@ -76,23 +79,19 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
             token = _run_token(rd)
             keys = RunKeys(rd, token)
             servers = await connect_servers(recipe, plan, session, keys)
-            trainer: TrainerClient | CheckedTrainer = await connect_trainer(recipe, plan, session, keys, servers)
+            client = await connect_trainer(recipe, plan, session, keys, servers)
             await scorer.ready()
             recorder.emit("run_start", clock.now(), steps=recipe.run.steps, mode=recipe.pipeline.mode, host=HOST,
                           **({"resumed_from": start} if resume_from else {}))
             recorder.events.flush()  # the launch's progress line names the phases before the first step
-            if recipe.launcher is Launcher.POOL:  # every call through the pool's slices (rlctl/plex/gates.py)
-                from rlctl.launchers.pool.client import pooled
+            lease = shared_pool(rd, recipe, session, token)
+            if lease is not None:  # every generation inside a slice of the shared pool
+                from rlctl.launchers.pool.client import pooled_servers
 
-                servers, pooled_trainer = pooled(rd.read()["pool"], servers, None, session, token)
+                servers = pooled_servers(lease, lease.job, servers)
             pool = RolloutPool(servers)
             watch = ServerWatch(pool, servers, recipe, rd, recorder.emit, clock)
-            failover = FailoverTrainer(trainer, watch, weight_group_former(trainer, recipe, plan, keys))
-            trainer = failover
-            if recipe.pipeline.check_weights:
-                trainer = CheckedTrainer(failover, failover.synced, recorder.emit, clock, watch.lose_silent)
-            if recipe.launcher is Launcher.POOL:
-                pooled_trainer.inner, trainer = trainer, pooled_trainer
+            trainer = compose_trainer(recipe, plan, keys, client, watch, recorder.emit, clock, lease)
             state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
             await send_initial_weights(trainer, recorder.emit, clock, version=int(state["version"]) if state else 0)
             recorder.events.flush()
@@ -113,34 +112,50 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
         recorder.close(completed=start + recorder.recorded == recipe.run.steps)
 
 
-class CheckedTrainer:
+def shared_pool(rd: RunDir, recipe: Recipe, session: aiohttp.ClientSession, token: str) -> PoolLease | None:
+    """launcher=pool: the lease the run asks its shared pool for slices with; None otherwise."""
+    if recipe.launcher is not Launcher.POOL:
+        return None
+    from rlctl.launchers.pool.client import pool_lease
+
+    return pool_lease(rd.read()["pool"], session, token)
+
+
+def compose_trainer(recipe: Recipe, plan: RunPlan, keys: RunKeys, client: TrainerClient, watch: ServerWatch,
+                    emit: EventSink, clock: Clock, lease: PoolLease | None) -> RunTrainer:
+    """The trainer as the pipeline and the checkpointer call it, from the inside out: the HTTP
+    client of trainer rank 0; failover (each sync goes to the servers the run has now, the weight
+    group formed anew when they changed: rlctl/failover.py); with pipeline.check_weights, every
+    sync's checksums compared on every server; with launcher=pool, every call inside a slice of
+    the shared pool (rlctl/plex/gates.py). Each is a TrainerLayer around the one before."""
+    failover = FailoverTrainer(client, watch, weight_group_former(client, recipe, plan, keys))
+    checked = (CheckedTrainer(failover, failover.synced, emit, clock, watch.lose_silent)
+               if recipe.pipeline.check_weights else failover)
+    if lease is None:
+        return checked
+    from rlctl.launchers.pool.client import server_names
+    from rlctl.plex.gates import PooledTrainer
+
+    return PooledTrainer(checked, lease, lease.job, "trainer", server_names(watch.clients))
+
+
+class CheckedTrainer(TrainerLayer):
     """pipeline.check_weights: after every weight sync, the sha256 of every tensor on each server
     must equal the trainer's (built-in servers; slow, for tests and debugging)."""
 
-    def __init__(self, trainer: Any, clients: Callable[[], list[RolloutClient]], emit: EventSink, clock: Clock,
+    def __init__(self, inner: RunTrainer, clients: Callable[[], list[RolloutClient]], emit: EventSink, clock: Clock,
                  lose_silent: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
-        self.trainer, self.clients, self.emit, self.clock = trainer, clients, emit, clock
+        super().__init__(inner)
+        self.clients, self.emit, self.clock = clients, emit, clock
         """clients(): the servers the syncs now go to (failover takes lost ones out)."""
         self.lose_silent = lose_silent
         """Loses those of the named servers that no longer answer /health (ServerWatch.lose_silent)."""
 
-    async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        return await self.trainer.accumulate(samples)
-
-    async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        return await self.trainer.train(samples)
-
-    async def save_checkpoint(self, path: str) -> dict[str, Any]:
-        return await self.trainer.save_checkpoint(path)
-
-    async def load_checkpoint(self, path: str) -> dict[str, Any]:
-        return await self.trainer.load_checkpoint(path)
-
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
         import aiohttp
 
-        stats = await self.trainer.sync_weights(version, pause_mode)
-        want = (await self.trainer.weight_checksums())["checksums"]
+        stats = await self.inner.sync_weights(version, pause_mode)
+        want = (await self.inner.weight_checksums())["checksums"]
         clients, checked = self.clients(), 0
         for c in clients:
             try:
@@ -164,7 +179,7 @@ class CheckedTrainer:
         return stats
 
 
-async def send_initial_weights(trainer: TrainerClient | CheckedTrainer, emit: EventSink, clock: Clock,
+async def send_initial_weights(trainer: RunTrainer, emit: EventSink, clock: Clock,
                                version: int = 0) -> None:
     """Version 0 (a resumed run: the checkpoint's version) reaches every server before the first
     step. What a server loaded from the model path is not necessarily the trainer's weights
@@ -176,7 +191,7 @@ async def send_initial_weights(trainer: TrainerClient | CheckedTrainer, emit: Ev
     emit("initial_sync", clock.now(), start=start, **{k: v for k, v in stats.items() if k not in ("version", "success")})
 
 
-async def load_checkpoint(trainer: TrainerClient | CheckedTrainer, ckpt: Checkpoint, emit: EventSink,
+async def load_checkpoint(trainer: RunTrainer, ckpt: Checkpoint, emit: EventSink,
                           clock: Clock) -> dict[str, Any]:
     """The trainer continues from the checkpoint (weights, optimizer, RNG); returns the
     controller's part of it (rlctl/checkpoint.py)."""
@@ -206,7 +221,7 @@ def _asked_to_stop(preempt: asyncio.Event) -> Callable[[], None]:
     return handler
 
 
-def checkpointer(rd: RunDir, recipe: Recipe, trainer: TrainerClient | CheckedTrainer, pipeline: Pipeline,
+def checkpointer(rd: RunDir, recipe: Recipe, trainer: RunTrainer, pipeline: Pipeline,
                  recorder: Recorder, clock: Clock, preempt: asyncio.Event) -> Callable[[int], Awaitable[None]]:
     """The pipeline's after_step: a checkpoint every run.save_every steps and after the last, and
     one when `preempt` is set, after which the run stops (Preempted) unless that was its last step.

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import subprocess
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -37,6 +38,7 @@ import aiohttp
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.errors import RunError
 from rlctl.pipelines.core import Clock, EventSink
+from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 from rlctl.pipelines.pool import RolloutPool
 from rlctl.recipe import Launcher, Recipe
 
@@ -174,20 +176,19 @@ class ServerWatch:
                 probe.cancel()
 
 
-class FailoverTrainer:
+class FailoverTrainer(TrainerLayer):
     """The trainer as the pipeline sees it, with syncs that follow the pool's membership: before
     a sync, a group whose members are no longer the servers in the pool (one lost, one back) is
     formed anew; after it, the servers that came back rejoin the pool."""
 
-    def __init__(self, trainer: Any, watch: ServerWatch, connect: Any) -> None:
-        self.trainer, self.watch = trainer, watch
+    def __init__(self, inner: RunTrainer, watch: ServerWatch,
+                 connect: Callable[[list[RolloutClient]], Awaitable[dict[str, str]]]) -> None:
+        super().__init__(inner)
+        self.watch = watch
         self.connect = connect
         """connect(clients): has the trainer form the weight-sync group anew with those servers,
         each client given its current key; returns the key_id of each."""
         self.members = [c.name for c in watch.clients]
-
-    def __getattr__(self, name: str) -> Any:  # accumulate, train, weight_checksums ...
-        return getattr(self.trainer, name)
 
     def synced(self) -> list[RolloutClient]:
         """The servers the last sync went to and not lost since (a server may come back, or be
@@ -223,7 +224,7 @@ class FailoverTrainer:
             used = await self.connect(targets)  # each client gets its start's key
             self.members = names
             self.watch.emit("weight_group_formed", self.watch.clock.now(), servers=names, version=version)
-        stats = await self.trainer.sync_weights(version, pause_mode)
+        stats = await self.inner.sync_weights(version, pause_mode)
         for name in [n for n in names if n in self.watch.back]:
             self.watch.rejoin(name, used[name], version)
         return stats

@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest
+from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 from rlctl.plex.scheduler import State
 
 ACTIVE, WEIGHTS = State.ACTIVE, State.WEIGHTS
@@ -46,13 +47,13 @@ class PooledRollout:
         return getattr(self.inner, name)
 
 
-class PooledTrainer:
+class PooledTrainer(TrainerLayer):
     """The trainer of `job`: training and checkpoints need its trainer active; a weight sync needs
     the weights of the trainer and of every rollout server (they receive them), not the KV caches
     (a server drops its cache after an update anyway) nor the optimizer state."""
 
-    def __init__(self, inner: Any, lease: Lease, job: str, trainer: str, rollouts: list[str]) -> None:
-        self.inner = inner
+    def __init__(self, inner: RunTrainer, lease: Lease, job: str, trainer: str, rollouts: list[str]) -> None:
+        super().__init__(inner)
         self.lease = lease
         self.job = job
         self.trainer = trainer
@@ -78,6 +79,3 @@ class PooledTrainer:
     async def load_checkpoint(self, path: str) -> dict[str, Any]:
         async with self.lease.slice(self.job, [(self.trainer, ACTIVE)], "checkpoint"):
             return await self.inner.load_checkpoint(path)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

@@ -62,7 +62,9 @@ class PoolLease:
     the slice goes back when its last call ends. After the quantum a new call asks again, so the
     pool can still pass the devices on."""
 
-    def __init__(self, url: str, session, token: str) -> None:
+    def __init__(self, url: str, session, token: str, job: str = "") -> None:
+        self.job = job
+        """The run's job name in the pool, for the controller's wrappers."""
         self.url = url.rstrip("/")
         self.session = session
         self.headers = bearer(token)
@@ -130,12 +132,19 @@ class _Shared:
         """Renews the lease of the slice once it is granted."""
 
 
-def pooled(pool: dict[str, Any], servers: list, trainer: Any, session, token: str) -> tuple[list, Any]:
-    """A run's servers and trainer with every call through its pool (run.json's `pool`, written
-    by the pool when it attached the run)."""
-    from rlctl.plex.gates import PooledRollout, PooledTrainer
+def pool_lease(pool: dict[str, Any], session, token: str) -> PoolLease:
+    """The lease a run asks its pool for slices with (run.json's `pool`, written by the pool when
+    it attached the run)."""
+    return PoolLease(pool["url"], session, role_key(token, LEASE_ROLE, pool["job"]), pool["job"])
 
-    lease = PoolLease(pool["url"], session, role_key(token, LEASE_ROLE, pool["job"]))
-    names = [f"rollout-{i}" for i in range(len(servers))]
-    wrapped = [PooledRollout(s, lease, pool["job"], n) for s, n in zip(servers, names, strict=True)]
-    return wrapped, PooledTrainer(trainer, lease, pool["job"], "trainer", names)
+
+def server_names(servers: list) -> list[str]:
+    """The names the pool gives a run's servers, in order."""
+    return [f"rollout-{i}" for i in range(len(servers))]
+
+
+def pooled_servers(lease: PoolLease, job: str, servers: list) -> list:
+    """A run's servers with every generation inside a slice of its pool."""
+    from rlctl.plex.gates import PooledRollout
+
+    return [PooledRollout(s, lease, job, n) for s, n in zip(servers, server_names(servers), strict=True)]
