@@ -11,7 +11,8 @@ layers, 32 heads, FFN 9728), results/gpu_long_samples-qwen3-4b.json. One sample 
 the rest response), trained by MegatronTrainEngine.accumulate() and step() as a run trains it.
 For each setting and length: a warm-up accumulate() and step() (the optimizer's state is made at
 the first step), then the measured accumulate():
-- peak: torch.cuda.max_memory_allocated() during it, the optimizer state resident;
+- peak: torch.cuda.max_memory_allocated() during it, the optimizer state resident; step peak: the
+  same during the optimizer step that follows (the optimizer's temporaries);
 - fwd+bwd: that peak less the optimizer state (what transformers' column holds: weights,
   gradients and the pass itself);
 - seconds: its wall time, synchronized;
@@ -104,8 +105,9 @@ def plan(model_dir: Path, attention: MegatronAttention, recompute: Recompute, to
     from rlctl.costs.shape import model_shape
     from rlctl.recipe import recipe_from_yaml
 
-    recipe = recipe_from_yaml(
-        f"model: {{path: {model_dir}}}\nrollout: {{engine: sglang}}\n"
+    recipe = recipe_from_yaml(  # one sample of `tokens`: PROMPT of prompt, the rest response (its S x S scores)
+        f"model: {{path: {model_dir}}}\nrollout: {{engine: sglang, sampling: {{max_new_tokens: {tokens - PROMPT}}}}}\n"
+        f"sim: {{prompt_tokens: {PROMPT}}}\n"
         f"train: {{engine: megatron, device: cuda, micro_batch_tokens: {tokens}, "
         f"megatron: {{attention: {attention.value}, recompute_granularity: {recompute.value}}}}}\n", "gpu_long_samples")
     m = trainer_memory(recipe, model_shape(recipe), TrainLayout(micro_batch_tokens=tokens), tokens)
@@ -142,7 +144,7 @@ def megatron_rows(model_dir: Path, name: str, lengths: list[int]) -> list[dict]:
             eng.accumulate([s])
             eng.step()
             peak, seconds = measure(eng.accumulate, [s])
-            eng.step()
+            step_peak, _ = measure(eng.step)
         except torch.OutOfMemoryError:
             failed = n
             eng.ddp.zero_grad_buffer()
@@ -153,8 +155,9 @@ def megatron_rows(model_dir: Path, name: str, lengths: list[int]) -> list[dict]:
             rows.append({**row, "oom": True})
             continue
         opt = eng.memory()["optimizer_bytes"]
-        rows.append({**row, "oom": False, "peak_gib": peak / GIB, "fwd_bwd_gib": (peak - opt) / GIB, "seconds": seconds,
-                     "plan_error": (predicted - peak) / peak})
+        top = max(peak, step_peak)  # the optimizer step's temporaries may top the micro-batch's peak
+        rows.append({**row, "oom": False, "peak_gib": peak / GIB, "step_peak_gib": step_peak / GIB,
+                     "fwd_bwd_gib": (peak - opt) / GIB, "seconds": seconds, "plan_error": (predicted - top) / top})
         free()
     del eng
     free()
@@ -193,18 +196,19 @@ def hf_rows(model_dir: Path, lengths: list[int]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     hf = {r["tokens"]: r for r in rows if r["setting"] == "hf/sdpa" and not r["oom"]}
-    out = [f"{'setting':16} {'tokens':>6} {'peak GiB':>9} {'fwd+bwd':>8} {'x HF':>5} {'s':>6} {'x HF':>5} "
+    out = [f"{'setting':16} {'tokens':>6} {'peak GiB':>9} {'step GiB':>9} {'fwd+bwd':>8} {'x HF':>5} {'s':>6} {'x HF':>5} "
            f"{'plan GiB':>9} {'plan err':>8}"]
     for r in rows:
         if r["oom"]:
             why = f"not run (OOM at {r['skipped_after']})" if r.get("skipped_after") else "OOM"
-            out.append(f"{r['setting']:16} {r['tokens']:>6} {why:>36} {r.get('plan_gib', float('nan')):>9.1f}")
+            out.append(f"{r['setting']:16} {r['tokens']:>6} {why:>46} {r.get('plan_gib', float('nan')):>9.1f}")
             continue
         h = hf.get(r["tokens"])
         mem_x = f"{r['fwd_bwd_gib'] / h['fwd_bwd_gib']:.2f}" if h else "-"
         time_x = f"{r['seconds'] / h['seconds']:.2f}" if h else "-"
         plan = f"{r['plan_gib']:>9.1f} {r['plan_error']:>+8.1%}" if "plan_gib" in r else f"{'-':>9} {'-':>8}"
-        out.append(f"{r['setting']:16} {r['tokens']:>6} {r['peak_gib']:>9.1f} {r['fwd_bwd_gib']:>8.1f} {mem_x:>5} "
+        step = f"{r['step_peak_gib']:>9.1f}" if "step_peak_gib" in r else f"{'-':>9}"
+        out.append(f"{r['setting']:16} {r['tokens']:>6} {r['peak_gib']:>9.1f} {step} {r['fwd_bwd_gib']:>8.1f} {mem_x:>5} "
                    f"{r['seconds']:>6.2f} {time_x:>5} {plan}")
     return "\n".join(out)
 

@@ -14,7 +14,12 @@ Trainer, per GPU of a tp x pp x dp layout (parameters split over tp x pp):
   (ModelShape.activation_values_per_token, in the training dtype, split over tp; with 1F1B the
   first pipeline stage holds pp micro-batches of its 1/pp of the layers: the same total), and
   its fp32 logits (ModelShape.logits_values_per_token, split over tp); for the megatron engine,
-  what train.megatron's attention and recompute keep instead (costs/activations.py).
+  what train.megatron's attention and recompute keep instead (costs/activations.py);
+- the optimizer step's temporaries, where they top the micro-batch's activations (freed by then):
+  for the megatron engine one fp32 value per parameter it steps (Megatron-core's optimizer is
+  torch's AdamW where Transformer Engine and Apex are absent, and its multi-tensor update holds
+  the square roots of the second moments: a Qwen3-4B trainer that fits an H100 for its
+  micro-batch runs out of it in its first step, results/gpu_long_samples-qwen3-4b.json).
 Server, per GPU of a tp-way server: its weights in the serving dtype and the KV cache of the
 requests it runs, split over tp; for the built-in server also its decode step's attention
 working set (server_memory).
@@ -36,6 +41,9 @@ GIB = 1024**3
 TRAINER_HEADROOM = 0.92
 """A trainer fits when its counted bytes are at most this share of the GPU's memory."""
 
+
+MICRO_BATCH_PARTS = ("activations", "attention scores", "logits")
+"""What one micro-batch holds, all of it freed before the optimizer steps."""
 
 @dataclass(frozen=True)
 class Breakdown:
@@ -120,6 +128,8 @@ def trainer_memory(recipe: Recipe, shape: ModelShape, layout: TrainLayout, micro
     else:
         parts["activations"] = shape.activation_values_per_token() * micro_tokens * param_b / layout.tp
         parts["logits"] = shape.logits_values_per_token() * micro_tokens * 4 / layout.tp
+    temporaries = trainer_adapter(recipe.train.engine).step_bytes(recipe.train) * shard / layout.dp
+    parts["optimizer step"] = max(0.0, temporaries - sum(parts.get(k, 0.0) for k in MICRO_BATCH_PARTS))
     return Breakdown(parts)
 
 

@@ -12,10 +12,10 @@ a size guessed from nothing would refuse runs on a guess.
 from __future__ import annotations
 
 from rlctl.engines.train.adapter import trainer_adapter
-from rlctl.costs.memory import GIB, TRAINER_HEADROOM, TrainLayout, longest_sample, trainer_memory
+from rlctl.costs.memory import GIB, MICRO_BATCH_PARTS, TRAINER_HEADROOM, TrainLayout, longest_sample, trainer_memory
 from rlctl.recipe import Launcher, MegatronAttention, Recipe, Recompute
 
-ACTIVATION_PARTS = ("activations", "attention scores", "logits")
+ACTIVATION_PARTS = MICRO_BATCH_PARTS
 
 
 def micro_batch_problem(recipe: Recipe) -> tuple[str, str] | None:

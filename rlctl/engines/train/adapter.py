@@ -51,6 +51,10 @@ class TrainerAdapter:
         micro-batch against; None: autograd keeps every layer's activations, attention fused."""
         return None
 
+    def step_bytes(self, train: TrainConfig) -> float:
+        """Bytes per parameter a rank steps that the optimizer step holds on top of its state."""
+        return 0.0
+
     def pool_bytes(self, recipe: Recipe, params: float) -> tuple[float, float]:
         """(resident, working) bytes of one rank in a shared pool: what it keeps on its device
         while another run's turn, and what it releases then (rlctl/engines/memory.py)."""
@@ -120,6 +124,11 @@ class MegatronAdapter(TrainerAdapter):
         share of the distributed optimizer (rlctl/engines/train/megatron_memory.py counts its tags)."""
         weight, grad, _, sharded = self.param_bytes(recipe.train)
         return (weight + grad) * params / recipe.train.megatron.tp, sharded * params / recipe.train.ranks
+
+    def step_bytes(self, train: TrainConfig) -> float:
+        """torch's AdamW (Megatron-core's optimizer without Transformer Engine or Apex) updates with
+        multi-tensor ops that hold the second moments' square roots: one fp32 value a parameter."""
+        return 4.0
 
     def layer_config(self, train: TrainConfig) -> MegatronConfig | None:
         return train.megatron
