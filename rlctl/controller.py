@@ -28,7 +28,7 @@ from rlctl.checkpoint import Checkpoint, Preempted, resume_point, save_checkpoin
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.rollout.registry import rollout_adapter, rollout_client
 from rlctl.engines.train.client import TrainerClient
-from rlctl.door import key_of
+from rlctl.auth import key_of
 from rlctl.errors import RunError
 from rlctl.failover import FailoverTrainer, ServerWatch
 from rlctl.metrics import Recorder
@@ -36,9 +36,9 @@ from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
-from rlctl.pipelines.pool import RolloutPool
+from rlctl.pipelines.servers import ServerSet
 from rlctl.pipelines.scoring import PooledScorer
-from rlctl.plan import RunPlan
+from rlctl.topology import Topology
 from rlctl.recipe import Device, Launcher, Recipe, SyncBackend
 from rlctl.rewards.verifiers import make_verifier
 from rlctl.rundir import HOST, PROCESS_CLOCK, EventLog, RunDir
@@ -55,7 +55,7 @@ log = logging.getLogger("rlctl.controller")
 READY_TIMEOUT_S = 300.0
 
 
-async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: str) -> None:
+async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path: str) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -89,15 +89,15 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, model_path: 
                 from rlctl.launchers.pool.client import pooled_servers
 
                 servers = pooled_servers(lease, lease.job, servers)
-            pool = RolloutPool(servers)
-            watch = ServerWatch(pool, servers, recipe, rd, recorder.emit, clock)
+            server_set = ServerSet(servers)
+            watch = ServerWatch(server_set, servers, recipe, rd, recorder.emit, clock)
             trainer = compose_trainer(recipe, plan, keys, client, watch, recorder.emit, clock, lease)
             state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
             await send_initial_weights(trainer, recorder.emit, clock, version=int(state["version"]) if state else 0)
             recorder.events.flush()
             pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,
                                       on_step_end=lambda step: _log_step(recorder.last),
-                                      tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer, pool=pool)
+                                      tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer, server_set=server_set)
             if state:
                 restore_pipeline(pipeline, state, recorder.emit, clock)
             pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock, preempt)
@@ -121,7 +121,7 @@ def shared_pool(rd: RunDir, recipe: Recipe, session: aiohttp.ClientSession, toke
     return pool_lease(rd.read()["pool"], session, token)
 
 
-def compose_trainer(recipe: Recipe, plan: RunPlan, keys: RunKeys, client: TrainerClient, watch: ServerWatch,
+def compose_trainer(recipe: Recipe, plan: Topology, keys: RunKeys, client: TrainerClient, watch: ServerWatch,
                     emit: EventSink, clock: Clock, lease: PoolLease | None) -> RunTrainer:
     """The trainer as the pipeline and the checkpointer call it, from the inside out: the HTTP
     client of trainer rank 0; failover (each sync goes to the servers the run has now, the weight
@@ -267,8 +267,8 @@ async def _http_session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def _run_token(rd: RunDir) -> str:
-    """The run's token (rlctl/door.py): every server of the run, and the trainer, ask for it."""
-    from rlctl.door import read_token
+    """The run's token (rlctl/auth.py): every server of the run, and the trainer, ask for it."""
+    from rlctl.auth import read_token
 
     try:
         return read_token(rd.path)
@@ -277,7 +277,7 @@ def _run_token(rd: RunDir) -> str:
 
 
 class RunKeys:
-    """What the controller sends each process of the run: that process's own key (rlctl/door.py
+    """What the controller sends each process of the run: that process's own key (rlctl/auth.py
     role_key), from the run's token and the key_id its newest start recorded in run.json."""
 
     def __init__(self, rd: RunDir, token: str) -> None:
@@ -297,7 +297,7 @@ class RunKeys:
         return named
 
 
-async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession,
+async def connect_servers(recipe: Recipe, plan: Topology, session: aiohttp.ClientSession,
                           keys: RunKeys) -> list[RolloutClient]:
     """A client per rollout server, named by its role, once every server answers /health (which
     asks for no key); each then gets the key its start recorded, and its engine checks it."""
@@ -310,7 +310,7 @@ async def connect_servers(recipe: Recipe, plan: RunPlan, session: aiohttp.Client
     return clients
 
 
-async def connect_trainer(recipe: Recipe, plan: RunPlan, session: aiohttp.ClientSession, keys: RunKeys,
+async def connect_trainer(recipe: Recipe, plan: Topology, session: aiohttp.ClientSession, keys: RunKeys,
                           servers: list[RolloutClient]) -> TrainerClient:
     """The trainer service, once it answers /health and has formed the weight-sync group."""
     trainer = TrainerClient(plan.trainer_url, session, timer=CallTimer(recipe.run.stall_timeout_s))
@@ -328,7 +328,7 @@ def sync_target(recipe: Recipe) -> dict[str, Any]:
     return rollout_adapter(recipe.rollout.engine).sync_target(recipe)
 
 
-def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: RunPlan, keys: RunKeys):
+def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: Topology, keys: RunKeys):
     """connect(clients): the trainer forms the weight-sync group anew with these servers, on a
     port it finds free on its host (port 0: the controller need not run there, as in a pool on
     Slurm). A server back from the dead has a new key: every client gets its current one."""

@@ -1,11 +1,11 @@
 """Failover: a rollout server that dies or stops answering is taken out, and comes back.
 
 The controller's ServerWatch asks every server's /health once a second. A server is lost when
-a request to it finds nobody there (connection refused or reset: RolloutPool sees it first), or
+a request to it finds nobody there (connection refused or reset: ServerSet sees it first), or
 when /health has not answered 200 for rollout.stall_timeout_s: a frozen process (SIGSTOP, a hung
 kernel), or a server whose engine died (the built-in server's /health is 503 then, and SGLang's
 /health runs a generation). Losing a server:
-- the pool sends it no more requests, and the requests it had in flight go to the others, so no
+- the server set sends it no more requests, and the requests it had in flight go to the others, so no
   sample is lost or generated twice, and in sync and rolloutpipe every sample of a step still
   comes from the step's weights (every server holds them);
 - a server process that is still there (frozen) is killed: locally its process group, under
@@ -13,7 +13,7 @@ kernel), or a server whose engine died (the built-in server's /health is 503 the
   (rlctl/launchers/local.py) or the batch script (rlctl/launchers/slurm/script.py) starts a
   dead one again, up to rollout.max_restarts times.
 A server that was started again while nobody noticed (a new key_id in run.json: every start of
-a server draws one once it holds its port, rlctl/door.py) is lost too: the new process holds
+a server draws one once it holds its port, rlctl/auth.py) is lost too: the new process holds
 none of the run's weights. A lost server rejoins once it has been started again and answers
 /health; one that answers under its old key_id is not the run's (the process it was is dead,
 someone else holds its port) and gets nothing but keyless probes. It rejoins at the next weight
@@ -39,7 +39,7 @@ from rlctl.engines.rollout.client import RolloutClient
 from rlctl.errors import RunError
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
-from rlctl.pipelines.pool import RolloutPool
+from rlctl.pipelines.servers import ServerSet
 from rlctl.recipe import Launcher, Recipe
 
 if TYPE_CHECKING:
@@ -54,9 +54,9 @@ SYNC_TRIES = 3
 class ServerWatch:
     """Polls the servers' /health; loses those that stall, and finds the lost ones back."""
 
-    def __init__(self, pool: RolloutPool, clients: list[RolloutClient], recipe: Recipe, rd: RunDir,
+    def __init__(self, server_set: ServerSet, clients: list[RolloutClient], recipe: Recipe, rd: RunDir,
                  emit: EventSink, clock: Clock) -> None:
-        self.pool, self.clients, self.recipe, self.rd = pool, clients, recipe, rd
+        self.server_set, self.clients, self.recipe, self.rd = server_set, clients, recipe, rd
         self.emit, self.clock = emit, clock
         self.stall_s = recipe.rollout.stall_timeout_s
         self.last_ok = {c.name: clock.now() for c in clients}
@@ -66,12 +66,12 @@ class ServerWatch:
         self.back: set[str] = set()
         """Lost servers started again that answer /health: they rejoin at the next sync."""
         self.key_ids, self.pids = self._starts()
-        """The key_id (rlctl/door.py) of the start each client's key belongs to, and the pid of
+        """The key_id (rlctl/auth.py) of the start each client's key belongs to, and the pid of
         that start. A server with another pid or key_id in run.json has been started again: a
         new process, which holds no weights of the run yet. And a lost server that answers
         /health under its old key_id is no start of the run's: a dead process cannot answer, so
         someone else is on its port."""
-        pool.on_lost = self._on_lost
+        server_set.on_lost = self._on_lost
 
     def _starts(self) -> tuple[dict[str, str | None], dict[str, int | None]]:
         processes = self.rd.read().get("processes", {})
@@ -125,8 +125,8 @@ class ServerWatch:
         key_ids, pids = self._starts()
         for c in self.clients:
             restarted = key_ids[c.name] != self.key_ids[c.name] or pids[c.name] != self.pids[c.name]
-            if restarted and c.name not in self.pool.lost:
-                self.pool.lose(c.name, "started again: the new process holds none of the run's weights yet")
+            if restarted and c.name not in self.server_set.lost:
+                self.server_set.lose(c.name, "started again: the new process holds none of the run's weights yet")
             probe = self.probes.get(c.name)
             if probe is not None and probe.done():
                 if not probe.cancelled() and probe.result():
@@ -134,15 +134,15 @@ class ServerWatch:
                     # Back: a probe sent after the new start had recorded its key_id (so after it
                     # had bound the port) answered; an earlier one may have reached someone else.
                     new = self.probed_key_id.get(c.name) not in (None, self.key_ids[c.name])
-                    if c.name in self.pool.lost and c.name not in self.back and new:
+                    if c.name in self.server_set.lost and c.name not in self.back and new:
                         self.back.add(c.name)
                         self.emit("server_back", now, server=c.name)
                 probe = None
             if probe is None:
                 self.probes[c.name] = asyncio.create_task(self._probe(c))
                 self.probed_key_id[c.name] = key_ids[c.name]
-            if c.name not in self.pool.lost and now - self.last_ok[c.name] > self.stall_s:
-                self.pool.lose(c.name, f"/health has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
+            if c.name not in self.server_set.lost and now - self.last_ok[c.name] > self.stall_s:
+                self.server_set.lose(c.name, f"/health has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
                 self._kill(c.name)  # frozen, not dead: it is restarted once it is
 
     def rejoin(self, name: str, key_id: str, version: int) -> None:
@@ -151,7 +151,7 @@ class ServerWatch:
         self.back.discard(name)
         self.key_ids[name] = key_id
         self.pids[name] = self._starts()[1][name]
-        self.pool.rejoin(name)
+        self.server_set.rejoin(name)
         self.emit("server_rejoined", self.clock.now(), server=name, version=version)
 
     async def lose_silent(self, names: list[str]) -> None:
@@ -161,10 +161,10 @@ class ServerWatch:
         for c, ok in zip(members, results, strict=True):
             if ok:
                 continue
-            if c.name in self.pool.lost:
+            if c.name in self.server_set.lost:
                 self.back.discard(c.name)  # it was back, and is gone again
             else:
-                self.pool.lose(c.name, "did not answer during a weight sync")
+                self.server_set.lose(c.name, "did not answer during a weight sync")
 
     async def run(self) -> None:
         try:
@@ -177,9 +177,9 @@ class ServerWatch:
 
 
 class FailoverTrainer(TrainerLayer):
-    """The trainer as the pipeline sees it, with syncs that follow the pool's membership: before
-    a sync, a group whose members are no longer the servers in the pool (one lost, one back) is
-    formed anew; after it, the servers that came back rejoin the pool."""
+    """The trainer as the pipeline sees it, with syncs that follow the server set's membership: before
+    a sync, a group whose members are no longer the servers in the set (one lost, one back) is
+    formed anew; after it, the servers that came back rejoin the set."""
 
     def __init__(self, inner: RunTrainer, watch: ServerWatch,
                  connect: Callable[[list[RolloutClient]], Awaitable[dict[str, str]]]) -> None:
@@ -196,12 +196,12 @@ class FailoverTrainer(TrainerLayer):
         return [c for c in self.servers() if c.name in self.members]
 
     def servers(self) -> list[RolloutClient]:
-        """The servers a sync now goes to: those in the pool and those back from the dead."""
-        pool = self.watch.pool
-        return [c for c in self.watch.clients if c.name not in pool.lost or c.name in self.watch.back]
+        """The servers a sync now goes to: those in the set and those back from the dead."""
+        lost = self.watch.server_set.lost
+        return [c for c in self.watch.clients if c.name not in lost or c.name in self.watch.back]
 
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
-        """Sync the servers in the pool; a sync that fails because a server was lost meanwhile
+        """Sync the servers in the set; a sync that fails because a server was lost meanwhile
         is done again without it (up to SYNC_TRIES times)."""
         for attempt in range(1, SYNC_TRIES + 1):
             before = [c.name for c in self.servers()]

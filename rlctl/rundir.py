@@ -314,7 +314,7 @@ def create_run_dir(output_dir: Path, name: str, recipe_yaml: str, info: dict[str
     """Make runs/<id>/ with recipe.yaml, run.json (state starting) and the run's token (0600).
     The directory is its owner's alone (0700), or readable by its group too (0750,
     `run.shared_group`): the token file stays 0600 either way."""
-    from rlctl.door import create_token
+    from rlctl.auth import create_token
 
     output_dir.mkdir(parents=True, exist_ok=True)
     run_id, path = make_run_path(output_dir, name)  # rlctl/runid.py: never another run's directory

@@ -44,7 +44,7 @@ class WandbTracker:
 
         cfg = recipe.tracking.wandb
         os.environ.setdefault("WANDB_SILENT", "true")
-        config = recipe_to_dict(recipe)  # holds no secret: the run's token is a file of its own (rlctl/door.py)
+        config = recipe_to_dict(recipe)  # holds no secret: the run's token is a file of its own (rlctl/auth.py)
         self.run = wandb.init(
             project=cfg.project, entity=cfg.entity or None, group=cfg.group or None, tags=list(cfg.tags) or None,
             mode=cfg.mode, id=rd.id, name=rd.id, dir=str(rd.path), resume="allow",

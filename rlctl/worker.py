@@ -22,22 +22,22 @@ from pathlib import Path
 
 from rlctl.checkpoint import PREEMPTED_EXIT, Preempted
 from rlctl.devices import process_device
-from rlctl.door import role_key
+from rlctl.auth import role_key
 from rlctl.engines.rollout.adapter import bound, record_key_id, run_token
 from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.errors import RlctlError
-from rlctl.plan import RunPlan
+from rlctl.topology import Topology
 from rlctl.recipe import Recipe, recipe_from_yaml
 from rlctl.rundir import RunDir
 
 log = logging.getLogger("rlctl.worker")
 
 
-def _context(run_dir: Path) -> tuple[RunDir, Recipe, RunPlan, dict]:
+def _context(run_dir: Path) -> tuple[RunDir, Recipe, Topology, dict]:
     rd = RunDir(run_dir)
     info = rd.read()
     recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
-    return rd, recipe, RunPlan.from_json(info["plan"]), info
+    return rd, recipe, Topology.from_json(info["plan"]), info
 
 
 def _threads(recipe: Recipe, cpus: list[int] | None = None) -> None:
@@ -68,7 +68,7 @@ def slurm_step() -> str:
     return f"{job}.{os.environ['SLURM_STEP_ID']}"
 
 
-def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: int) -> None:
+def run_rollout(rd: RunDir, recipe: Recipe, plan: Topology, info: dict, index: int) -> None:
     """Rollout server `index`, as its engine's adapter starts it (rlctl/engines/rollout/registry.py)."""
     from rlctl.engines.rollout.adapter import ServerStart
     from rlctl.engines.rollout.registry import rollout_adapter
@@ -83,7 +83,7 @@ def run_rollout(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, index: in
     rollout_adapter(recipe.rollout.engine).start(ServerStart(rd, recipe, plan, role, info["model_path"], placed))
 
 
-def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int) -> None:
+def run_trainer(rd: RunDir, recipe: Recipe, plan: Topology, info: dict, rank: int) -> None:
     import torch.distributed as dist
     from aiohttp import web
 
@@ -121,7 +121,7 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict, rank: int
         dist.destroy_process_group()
 
 
-def run_controller(rd: RunDir, recipe: Recipe, plan: RunPlan, info: dict) -> None:
+def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, info: dict) -> None:
     from rlctl.controller import run_controller as main
 
     rd.record_process("controller", pid=os.getpid())

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import QUICKSTART, rlctl, wait_for
-from rlctl.door import bearer, key_of, read_token
+from rlctl.auth import bearer, key_of, read_token
 from rlctl.recipe import load_recipe
 from rlctl.rundir import RunDir
 
@@ -46,7 +46,7 @@ def busy(rd: RunDir, victim: str, vllm: bool = False) -> None:
     wait_for(lambda: any(e["event"] == "step_end" and e["step"] >= 1 for e in rd.events()), 240, "step 1 to end")
     port = rd.read()["processes"][victim]["port"]
     path = "/metrics" if vllm else "/v1/loads"
-    key = key_of(read_token(rd.path), rd.read()["processes"], victim)  # the victim's own key (rlctl/door.py)
+    key = key_of(read_token(rd.path), rd.read()["processes"], victim)  # the victim's own key (rlctl/auth.py)
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=bearer(key))
 
     def running():

@@ -10,7 +10,7 @@ import pytest
 from rlctl.data import Prompt
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
 from rlctl.pipelines.admission import FifoAdmission
-from rlctl.pipelines.core import GroupRunner, RolloutPool
+from rlctl.pipelines.core import GroupRunner, ServerSet
 from rlctl.pipelines.scoring import PooledScorer, Score, inline_scorer
 from rlctl.recipe import RewardConfig
 from rlctl.rewards.verifiers import make_verifier
@@ -51,7 +51,7 @@ async def generate(url: str, score: Score, groups: int = 3, group_size: int = 4)
             stalls.append(loop.time() - t - TICK_S)
 
     async with aiohttp.ClientSession() as session:
-        runner = GroupRunner(RolloutPool([RolloutClient(url, session, name="rollout-0")]), FifoAdmission(),
+        runner = GroupRunner(ServerSet([RolloutClient(url, session, name="rollout-0")]), FifoAdmission(),
                              SamplingRequest(max_new_tokens=16, ignore_eos=True), group_size,
                              tokenize=lambda text: [1, 22], score=score, clock=RunClock(),
                              emit=lambda kind, t, **fields: None)

@@ -304,7 +304,7 @@ def test_an_unaligned_bucket_is_refused_as_sglang_refuses_it(sglang):
 def test_the_door_opens_what_sglang_opens(sglang, version):
     """The paths SGLang answers without its api key (utils/auth.py: path.startswith(...)) are
     the ones rlctl's servers answer without the run's token; both refuse with {"error": ...}."""
-    from rlctl.door import OPEN_PREFIXES
+    from rlctl.auth import OPEN_PREFIXES
 
     tree = sglang(version).module("sglang/srt/utils/auth.py")
     opened = {call.args[0].value for call in ast.walk(tree) if isinstance(call, ast.Call)

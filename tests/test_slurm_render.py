@@ -13,7 +13,7 @@ import pytest
 
 from conftest import FAST, QUICKSTART, REPO, rlctl, rlctl_here
 from rlctl.launchers.slurm import JobInfo, render_batch_script
-from rlctl.plan import slurm_plan
+from rlctl.topology import slurm_topology
 from rlctl.recipe import load_recipe
 
 GOLDEN = REPO / "tests" / "golden" / "slurm"
@@ -215,7 +215,7 @@ def test_test_cluster_script_passes_shellcheck():
 
 def test_plan_places_servers_and_ranks_on_their_nodes():
     r = load_recipe(GOLDEN / "cluster-2x4.yaml", check_paths=False)
-    plan = slurm_plan(r, ["t1", "t2"], ["r1", "r2", "r3", "r4"], 30000)
+    plan = slurm_topology(r, ["t1", "t2"], ["r1", "r2", "r3", "r4"], 30000)
     assert [(s.host, s.port) for s in plan.rollout] == [
         ("r1", 30000), ("r1", 30001), ("r2", 30000), ("r2", 30001),
         ("r3", 30000), ("r3", 30001), ("r4", 30000), ("r4", 30001)]
@@ -225,7 +225,7 @@ def test_plan_places_servers_and_ranks_on_their_nodes():
     assert (plan.trainer_dist_port, plan.weight_sync_port) == (30003, 30004)
     assert plan.controller.host == "t1"
     with pytest.raises(ValueError, match="need 4 nodes"):
-        slurm_plan(r, ["t1", "t2"], ["r1", "r2", "r3"], 30000)
+        slurm_topology(r, ["t1", "t2"], ["r1", "r2", "r3"], 30000)
 
 
 @pytest.mark.parametrize("override, key", [

@@ -137,12 +137,12 @@ def test_two_modules_that_import_each_other_are_a_cycle(tmp_path):
 def test_a_cycle_through_three_modules_is_reported_once_in_order(tmp_path):
     write(tmp_path, {
         "rlctl/pipelines/__init__.py": "",
-        "rlctl/pipelines/core.py": "from rlctl.pipelines.pool import RolloutPool\n",
-        "rlctl/pipelines/pool.py": "from .protocols import Rollout\n",
+        "rlctl/pipelines/core.py": "from rlctl.pipelines.servers import ServerSet\n",
+        "rlctl/pipelines/servers.py": "from .protocols import Rollout\n",
         "rlctl/pipelines/protocols.py": "from rlctl.pipelines.core import Sample\n",
     })
     assert [str(v) for v in structure.check(tmp_path)] == [
-        "rlctl/pipelines/core.py:1: import cycle: rlctl.pipelines.core -> rlctl.pipelines.pool"
+        "rlctl/pipelines/core.py:1: import cycle: rlctl.pipelines.core -> rlctl.pipelines.servers"
         " -> rlctl.pipelines.protocols -> rlctl.pipelines.core"]
 
 

@@ -21,7 +21,7 @@ from rlctl.engines.rollout.protocol import SamplingRequest
 from rlctl.engines.rollout.builtin.vllm_routes import SCHEDULER_GAUGES
 from rlctl.engines.rollout.vllm.launch import DOOR, check_version, launch_command, launch_env
 from rlctl.engines.rollout.vllm.client import DEV_GETS
-from rlctl.engines.rollout.vllm.door import TokenDoor
+from rlctl.engines.rollout.vllm.auth import TokenDoor
 from rlctl.errors import RunError
 from rlctl.recipe import VLLM_NEWEST, VLLM_OLDEST, VllmConfig
 from vllm_source import ARG_UTILS, RL_ROUTER, SUPPORTED, MissingWheel, literal_values

@@ -259,7 +259,7 @@ def test_the_emulation_refuses_what_a_runs_vllm_server_refuses(tmp_path, method,
     from aiohttp.test_utils import make_mocked_request
 
     from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
-    from rlctl.engines.rollout.vllm.door import TokenDoor
+    from rlctl.engines.rollout.vllm.auth import TokenDoor
 
     (tmp_path / "token").write_text("secret\n")
     args = parser().parse_args(["--model-path", str(tmp_path), "--emulate-vllm", VERSION,

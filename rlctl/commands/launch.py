@@ -101,12 +101,12 @@ def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
 def start_local_run(r, recipe: Path, overrides: list[str]):
     """Create the run directory and start its supervisor (which starts every process); the RunDir."""
     from rlctl.launchers.local import start_supervisor
-    from rlctl.plan import local_plan
+    from rlctl.topology import local_topology
     from rlctl.recipe import Launcher, recipe_to_yaml
     from rlctl.rundir import create_run_dir
 
     _check_engines_importable(r)
-    info = _run_info(r, recipe, overrides, local_plan(r).to_json())
+    info = _run_info(r, recipe, overrides, local_topology(r).to_json())
     if r.launcher is Launcher.POOL:
         from rlctl.launchers.pool.pooldir import PoolDir
 

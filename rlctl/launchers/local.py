@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.checkpoint import PREEMPTED_EXIT
-from rlctl.door import TOKEN_FILE, TOKEN_FILE_ENV
+from rlctl.auth import TOKEN_FILE, TOKEN_FILE_ENV
 from rlctl import lifetime
 from rlctl.launchers.health import healthy
 from rlctl.errors import RunError
-from rlctl.plan import Role, RunPlan
+from rlctl.topology import Role, Topology
 from rlctl.recipe import Launcher, Recipe, recipe_from_yaml
 from rlctl.rundir import RunDir, RunState
 from rlctl.tail import last_log_line
@@ -56,7 +56,7 @@ def spawn(cmd: list[str], log: Path, *, die_with_parent: bool, env: dict[str, st
 
 def run_env(rd: RunDir) -> dict[str, str]:
     """What a local run's processes get on top of this environment (the supervisor's children
-    inherit it): the path of the run's token file (rlctl/door.py), and loopback for the sockets
+    inherit it): the path of the run's token file (rlctl/auth.py), and loopback for the sockets
     gloo and NCCL open for their peers, which are all on this host (unless already set)."""
     env = {TOKEN_FILE_ENV: str(rd.path.resolve() / TOKEN_FILE)}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -91,7 +91,7 @@ class Supervisor:
         self.rd = rd
         info = rd.read()
         self.recipe: Recipe = recipe_from_yaml(rd.recipe_path.read_text(), str(rd.recipe_path))
-        self.plan = RunPlan.from_json(info["plan"])
+        self.plan = Topology.from_json(info["plan"])
         self.children: list[Child] = []
         self.cancel_signal: int | None = None
         self.servers_down: set[str] = set()

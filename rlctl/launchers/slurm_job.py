@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rlctl.checkpoint import list_checkpoints, prepare_resume
 from rlctl.launchers.health import healthy
-from rlctl.plan import RunPlan, slurm_plan
+from rlctl.topology import Topology, slurm_topology
 from rlctl.recipe import FieldError, recipe_from_yaml
 from rlctl.rundir import RunDir, RunState, now_iso
 from rlctl.tail import last_log_line
@@ -37,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     if args.role == "plan":
         return write_plan(rd, args.trainer_nodes.split(), args.rollout_nodes.split(), args.port_base)
     if args.role == "health":
-        plan = RunPlan.from_json(rd.read()["plan"])
+        plan = Topology.from_json(rd.read()["plan"])
         return 0 if all(healthy(url) for url in plan.server_urls) else 1
     if args.role == "attempt":
         print(start_attempt(rd), flush=True)
@@ -65,7 +65,7 @@ def write_plan(rd: RunDir, trainer_nodes: list[str], rollout_nodes: list[str], p
         if wandb_missing:
             raise ValueError(f"tracking.wandb.mode: {wandb_missing} (looked for on {socket.gethostname()}, the "
                              "job's first node)")
-        plan = slurm_plan(recipe, trainer_nodes, rollout_nodes, port_base)
+        plan = slurm_topology(recipe, trainer_nodes, rollout_nodes, port_base)
     except ValueError as e:
         print(f"error: {e}", flush=True)
         record_state(rd, RunState.FAILED, str(e), "")

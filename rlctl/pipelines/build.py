@@ -12,7 +12,7 @@ from rlctl.pipelines.async_ import AsyncPipeline
 from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.core import GroupProducer, GroupRunner, Shaping
 from rlctl.pipelines.interfaces import Clock, EventSink, Rollout, Trainer
-from rlctl.pipelines.pool import RolloutPool
+from rlctl.pipelines.servers import ServerSet
 from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
 from rlctl.pipelines.scoring import Score
 from rlctl.pipelines.sync import SyncPipeline
@@ -23,9 +23,9 @@ from rlctl.workloads import LengthDistribution
 
 def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
                    on_step_end: Callable[[int], None], *, tokenize: Callable[[str], list[int]],
-                   score: Score, pool: RolloutPool | None = None) -> Pipeline:
+                   score: Score, server_set: ServerSet | None = None) -> Pipeline:
     """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated).
-    `pool`: the servers' RolloutPool when the caller watches it (failover); one is made otherwise."""
+    `server_set`: the servers' ServerSet when the caller watches it (failover); one is made otherwise."""
     s = recipe.rollout.sampling
     sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
@@ -39,7 +39,7 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
     p = recipe.pipeline
     admission = make_admission(p.admission, recipe.rollout.concurrency * len(servers))
     runner = GroupRunner(
-        pool or RolloutPool(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize, score=score,
+        server_set or ServerSet(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize, score=score,
         clock=clock, emit=emit, lengths=lengths,
         resume_aborted=p.mode is PipelineMode.ASYNC and p.inflight_at_update is InflightAtUpdate.ABORT_RESUME,
         reward_errors=RewardErrors.of(recipe.reward),

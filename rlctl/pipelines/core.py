@@ -1,7 +1,7 @@
 """Scheduling pieces every pipeline mode shares: samples, groups, the group runner, the producer.
 
 Everything here is asyncio over two small interfaces (rlctl/pipelines/interfaces.py), `Rollout`
-(one server: generate, abort; rlctl/pipelines/pool.py spreads requests over them) and `Trainer`
+(one server: generate, abort; rlctl/pipelines/servers.py spreads requests over them) and `Trainer`
 (train one batch, sync weights), reads time only through a `Clock`, and scores through an
 injected `Score` (rlctl/pipelines/scoring.py). Real runs plug in HTTP clients, the run's clock
 and scoring in worker processes; a simulation plugs in cost-model engines, virtual time and
@@ -23,7 +23,7 @@ from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest, weig
 from rlctl.errors import RunError
 from rlctl.pipelines.admission import Admission
 from rlctl.pipelines.interfaces import Clock, EventSink
-from rlctl.pipelines.pool import RolloutPool
+from rlctl.pipelines.servers import ServerSet
 from rlctl.pipelines.scoring import Score
 from rlctl.rewards.failures import RewardErrors, VerifierFailed
 
@@ -111,11 +111,11 @@ class GroupRunner:
     """Generates and scores the samples of one group, each request admitted by `admission`.
     A response the verifier fails on goes to `reward_errors` (by default: the run fails)."""
 
-    def __init__(self, pool: RolloutPool, admission: Admission, sampling: SamplingRequest, group_size: int,
+    def __init__(self, servers: ServerSet, admission: Admission, sampling: SamplingRequest, group_size: int,
                  tokenize: Callable[[str], list[int]], score: Score, clock: Clock, emit: EventSink,
                  lengths: Callable[[], int] | None = None, resume_aborted: bool = False,
                  reward_errors: RewardErrors | None = None) -> None:
-        self.pool = pool
+        self.servers = servers
         self.admission = admission
         self.sampling = sampling
         self.group_size = group_size
@@ -174,7 +174,7 @@ class GroupRunner:
             else:
                 remaining, input_ids = request, group.prompt_ids
             try:
-                server, out = await self.pool.generate(input_ids, remaining, rid)
+                server, out = await self.servers.generate(input_ids, remaining, rid)
             finally:
                 self.rids_of[group.id].discard(rid)
                 self.admission.release()
@@ -343,7 +343,7 @@ class GroupProducer:
         tasks = [t for _, t in self.open.values()]
         for g in groups:
             g.cancelled = True
-        await self.runner.pool.abort([rid for g in groups for rid in self.runner.rids_of.get(g.id, ())])
+        await self.runner.servers.abort([rid for g in groups for rid in self.runner.rids_of.get(g.id, ())])
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -9,7 +9,7 @@ from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
 from rlctl.recipe.choices import Device, RolloutEngine, ServerProtocol, SGLangDtype
 
 # Flags the sglang engine sets itself (rlctl/engines/rollout/sglang/launch.py).
-# --config carries the run's token as the api key (rlctl/door.py); SGLang takes one --config only,
+# --config carries the run's token as the api key (rlctl/auth.py); SGLang takes one --config only,
 # and an admin key would lock the run's own token out of the weight routes.
 SGLANG_MANAGED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--random-seed", "--api-key",
                         "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp",

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from rlctl.devices import gpu_group, process_device
-from rlctl.door import listen_address, listening_socket, new_key_id, read_token, redact_output, role_key
+from rlctl.auth import listen_address, listening_socket, new_key_id, read_token, redact_output, role_key
 from rlctl.errors import RunError
-from rlctl.plan import Role, RunPlan
+from rlctl.topology import Role, Topology
 from rlctl.recipe import Launcher, Recipe, RolloutConfig, RolloutEngine, ServerProtocol, SyncBackend
 from rlctl.rundir import RunDir
 
@@ -49,7 +49,7 @@ def run_token(rd: RunDir) -> str:
 
 
 def record_key_id(rd: RunDir, role: Role) -> str:
-    """This start's key_id (rlctl/door.py role_key), recorded in run.json for the others."""
+    """This start's key_id (rlctl/auth.py role_key), recorded in run.json for the others."""
     key_id = new_key_id()
     rd.record_process(role.name, key_id=key_id)
     return key_id
@@ -71,7 +71,7 @@ class ServerStart:
 
     rd: RunDir
     recipe: Recipe
-    plan: RunPlan
+    plan: Topology
     role: Role
     model_path: str
     placed: dict | None = None

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from rlctl.door import bearer
+from rlctl.auth import bearer
 from rlctl.engines.rollout.client import wait_healthy
 from rlctl.errors import RunError
 from rlctl.watchdog import CallTimer
@@ -25,7 +25,7 @@ class TrainerClient:
         """Each call's deadline (rlctl/watchdog.py); None: calls wait as long as they take."""
 
     def set_key(self, key: str | None) -> None:
-        """The trainer's own key (rlctl/door.py role_key), asked by every route but /health."""
+        """The trainer's own key (rlctl/auth.py role_key), asked by every route but /health."""
         self.headers = bearer(key)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ tag is released, the commands that need it are refused with HTTP 400 (train and 
 both, accumulate and weight reads the weights); /info gives the footprint under `memory`.
 
 Given the run's token, every route but /health asks for `Authorization: Bearer <key>`, the key
-of this start of the trainer (401 without it, 403 with a wrong one; rlctl/door.py role_key), and
+of this start of the trainer (401 without it, 403 with a wrong one; rlctl/auth.py role_key), and
 the service's own clients of the rollout servers send each server its own key, derived here
 from the token and the role and key_id the controller names.
 
@@ -56,7 +56,7 @@ from aiohttp import web
 
 from rlctl.checkpoint import CheckpointPathRefused, confined_checkpoint_dir
 from rlctl.ckpt_manifest import check_manifest
-from rlctl.door import role_key, token_middleware
+from rlctl.auth import role_key, token_middleware
 from rlctl.engines.train.base import TrainEngine, TrainSample
 from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, WeightSender, as_served, tensor_sha256
 from rlctl.errors import RunError
@@ -102,7 +102,7 @@ class TrainerService:
         self.engine = engine
         self.world_size = world_size
         self.token = token
-        """The run's token: never sent; each server's key is derived from it (rlctl/door.py role_key)."""
+        """The run's token: never sent; each server's key is derived from it (rlctl/auth.py role_key)."""
         self.key = key if key is not None else token
         """What every request but /health must carry: this process's own key."""
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -222,8 +222,8 @@ class TrainerService:
             group["group_name"] = f"{DEFAULT_GROUP_NAME}-{self.groups_formed}"
         port = int(body["master_port"])
         if not port:  # chosen here, where the group's store listens (the controller may be elsewhere)
-            from rlctl.door import listen_address
-            from rlctl.plan import free_ports
+            from rlctl.auth import listen_address
+            from rlctl.topology import free_ports
 
             port = free_ports(1, listen_address(body["master_address"]))[0]
         common = dict(master_address=body["master_address"], master_port=port, backend=body.get("backend", "gloo"),

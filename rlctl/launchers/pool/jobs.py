@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.engines.train.adapter import trainer_adapter
-from rlctl.door import key_of, read_token
+from rlctl.auth import key_of, read_token
 from rlctl.errors import RunError
 from rlctl.models.hf_config import declared_dtype, read_config
-from rlctl.plan import Role, RunPlan
+from rlctl.topology import Role, Topology
 from rlctl.plex.placement import Block
 from rlctl.plex.scheduler import Model, State
 from rlctl.recipe import Device, Recipe, recipe_from_yaml
@@ -73,7 +73,7 @@ def device_memory(spec) -> float:
 class PoolJob:
     rd: RunDir
     recipe: Recipe
-    plan: RunPlan
+    plan: Topology
     token: str
     share: float
     models: list[Model] = field(default_factory=list)
@@ -103,7 +103,7 @@ class PoolJob:
             token = read_token(rd.path)
         except ValueError as e:
             raise RunError(str(e)) from None
-        return cls(rd, recipe, RunPlan.from_json(info["plan"]), token, recipe.pool.share)
+        return cls(rd, recipe, Topology.from_json(info["plan"]), token, recipe.pool.share)
 
     @property
     def name(self) -> str:
@@ -194,7 +194,7 @@ class EngineMover:
         from rlctl.engines.rollout.client import RolloutClient
         from rlctl.engines.train.client import TrainerClient
 
-        processes = job.rd.read().get("processes", {})  # each engine's own key (rlctl/door.py role_key)
+        processes = job.rd.read().get("processes", {})  # each engine's own key (rlctl/auth.py role_key)
         if model.name == "trainer":
             return TrainerClient(job.plan.trainer_url, self.session(),
                                  key_of(job.token, processes, job.plan.trainers[0].name))

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rlctl.errors import RunError
-from rlctl.plan import RunPlan
+from rlctl.topology import Topology
 from rlctl.recipe import Device
 from rlctl.recipe.pool import PoolFile
 
@@ -116,7 +116,7 @@ class PortBook:
             for port in [p for p, o in used.items() if o == owner]:
                 del used[port]
 
-    def replan(self, plan: RunPlan, owner: str, node_of_role: dict[str, str]) -> RunPlan:
+    def replan(self, plan: Topology, owner: str, node_of_role: dict[str, str]) -> Topology:
         """The run's plan with every server and trainer rank on its node, listening on ports of
         this book; the trainers' rendezvous and the weight-sync store on trainer 0's node."""
         rollout = [replace(r, host=node_of_role[r.name], port=self.take(node_of_role[r.name], owner))
@@ -125,5 +125,5 @@ class PortBook:
                             port=self.take(node_of_role[r.name], owner) if r.port is not None else None)
                     for r in plan.trainers]
         first = trainers[0].host
-        return RunPlan(rollout=rollout, trainers=trainers, controller=plan.controller,
+        return Topology(rollout=rollout, trainers=trainers, controller=plan.controller,
                        trainer_dist_port=self.take(first, owner), weight_sync_port=self.take(first, owner))

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from rlctl.devices import process_device
-from rlctl.door import token_path
+from rlctl.auth import token_path
 from rlctl.engines.rollout.adapter import RolloutAdapter, ServerStart, bound, record_key_id
 from rlctl.recipe import Device, Launcher, Recipe, RolloutConfig, RolloutEngine, ServerProtocol, SyncBackend
 

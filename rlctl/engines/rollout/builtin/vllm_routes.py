@@ -7,7 +7,7 @@ spans; /pause?mode=, /resume, /is_paused, /abort_requests; the weight-transfer r
 the way vLLM's NCCL backend receives (packed chunks, vllm/group.py packed_chunks) but over gloo on
 the host (vllm/group.py TransferGroup). As in vLLM, the dev routes exist only when the server starts
 with VLLM_SERVER_DEV_MODE=1; without it they answer 404. The door is the one a run's vLLM servers
-have (vllm/door.py): every route but /health, OPTIONS included, asks for the token.
+have (vllm/auth.py): every route but /health, OPTIONS included, asks for the token.
 
 Differences that remain: one process generates (a TP size only changes the ranks the server takes
 in the group, and the emulation takes TP 1), and replies carry no text field worth reading.
@@ -43,12 +43,12 @@ def dev_mode() -> bool:
 
 
 def vllm_door(token: str | None):
-    """The door of a server emulating vLLM: TokenDoor (rlctl/engines/rollout/vllm/door.py), the one
+    """The door of a server emulating vLLM: TokenDoor (rlctl/engines/rollout/vllm/auth.py), the one
     a run puts in front of its real vLLM servers, decides, so the emulation refuses what they
     refuse: every route but /health, whatever the method (OPTIONS included), without the token or
     with a wrong one, 401 {"error": "Unauthorized"} as vLLM answers. No handler runs for a refused
     request. Without a token (a server started by hand) the door is open, as vLLM's without a key."""
-    from rlctl.engines.rollout.vllm.door import TokenDoor
+    from rlctl.engines.rollout.vllm.auth import TokenDoor
 
     door = TokenDoor(None, token) if token else None
 

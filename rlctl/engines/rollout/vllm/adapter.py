@@ -42,7 +42,7 @@ class VllmAdapter(RolloutAdapter):
     def start(self, s: ServerStart) -> None:
         """The vLLM server takes this process over, as SGLang's does; the run's token reaches it
         in its environment (VLLM_API_KEY, never on a command line) and guards every route but
-        /health (door.py); dev mode gives it the routes a trainer drives."""
+        /health (auth.py); dev mode gives it the routes a trainer drives."""
         require_vllm()
         s.bind_gpus(s.recipe.rollout.vllm.tp_size)
         key = s.own_key()

@@ -12,7 +12,7 @@ the wheels; tests/test_vllm_contract.py checks every one):
 - vLLM's own api key (VLLM_API_KEY, read from the environment when --api-key is not given) guards
   only paths under /v1, /v2, /inference and /cohere (serve/middleware/authenticate.py): the dev
   routes would be open to anyone who reaches the port, and it lets every OPTIONS request through.
-  `--middleware` adds rlctl's TokenDoor (vllm_door.py), which asks every route but /health, with
+  `--middleware` adds rlctl's TokenDoor (auth.py), which asks every route but /health, with
   any method, for the same token.
 - Data parallelism is several servers, one per TP group, as with SGLang: the controller spreads
   requests itself and pauses and aborts each server.
@@ -27,7 +27,7 @@ from rlctl.engines.rollout.protocol import parse_version
 from rlctl.errors import RunError
 from rlctl.recipe import VLLM_NEWEST, VLLM_OLDEST, VllmConfig
 
-DOOR = "rlctl.engines.rollout.vllm.door.TokenDoor"
+DOOR = "rlctl.engines.rollout.vllm.auth.TokenDoor"
 """The ASGI middleware vLLM imports (--middleware) to guard every route with the run's token."""
 SPOKEN = f"{'.'.join(map(str, VLLM_OLDEST))} .. {'.'.join(map(str, VLLM_NEWEST))}"
 INSTALL = f"pip install 'vllm>={'.'.join(map(str, VLLM_OLDEST))},<={'.'.join(map(str, VLLM_NEWEST))}'"

@@ -2,7 +2,7 @@
 
 vLLM's own api-key middleware guards only /v1, /v2, /inference and /cohere; the dev routes a
 trainer drives (/pause, /update_weights, ...) would be open. vLLM adds this class with
-`--middleware rlctl.engines.rollout.vllm.door.TokenDoor` (it calls `TokenDoor(app)`), so it reads
+`--middleware rlctl.engines.rollout.vllm.auth.TokenDoor` (it calls `TokenDoor(app)`), so it reads
 the token where vLLM reads its own: VLLM_API_KEY in the server's environment. Plain ASGI, no
 imports beyond the standard library: it loads inside vLLM's process.
 

@@ -1,4 +1,4 @@
-"""The door: who may talk to a run's processes (docs/security.md).
+"""Auth: who may talk to a run's processes (docs/security.md).
 
 Every run has a token, random and its own, in the 0600 file `token` of its (0700) run directory,
 written when the directory is created. A process of the run finds it through the environment
@@ -42,7 +42,7 @@ REDACTED = b"<run token>"
 LEASE_ROLE = "pool-lease"
 """The role whose key (role_key(token, LEASE_ROLE, job)) a pooled run asks its pool for slices with."""
 
-log = logging.getLogger("rlctl.door")
+log = logging.getLogger("rlctl.auth")
 
 
 def new_token() -> str:

@@ -1,4 +1,4 @@
-"""Recipe -> RunPlan: which processes a run has, where they listen, and how they find each other.
+"""Recipe -> Topology: which processes a run has, where they listen, and how they find each other.
 
 Pure data, no I/O except asking the OS for free ports (local launcher). The plan is stored in
 run.json, and every worker reads its part from there.
@@ -22,7 +22,7 @@ class Role:
     index: int
     host: str
     """Where the others reach it (a node name on a cluster), and where it listens: 127.0.0.1 in a
-    local run, the node's own address on a cluster (rlctl/door.py listen_address), never all."""
+    local run, the node's own address on a cluster (rlctl/auth.py listen_address), never all."""
     port: int | None = None
     bind: str | None = None
     """Address its server listens on when not `host`. Plans no longer set it (older run.json
@@ -34,7 +34,7 @@ class Role:
 
 
 @dataclass
-class RunPlan:
+class Topology:
     rollout: list[Role]
     trainers: list[Role]
     controller: Role
@@ -56,7 +56,7 @@ class RunPlan:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RunPlan:
+    def from_json(cls, d: dict[str, Any]) -> Topology:
         return cls(
             rollout=[Role(**r) for r in d["rollout"]],
             trainers=[Role(**r) for r in d["trainers"]],
@@ -80,12 +80,12 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def local_plan(recipe: Recipe, host: str = "127.0.0.1") -> RunPlan:
+def local_topology(recipe: Recipe, host: str = "127.0.0.1") -> Topology:
     n_servers, n_ranks = recipe.rollout.servers, recipe.train.ranks
     ports = free_ports(n_servers + 3, host)
     rollout = [Role(f"rollout-{i}", "rollout", i, host, ports[i]) for i in range(n_servers)]
     trainers = [Role(f"trainer-{r}", "trainer", r, host, ports[n_servers] if r == 0 else None) for r in range(n_ranks)]
-    return RunPlan(
+    return Topology(
         rollout=rollout,
         trainers=trainers,
         controller=Role("controller", "controller", 0, host),
@@ -94,7 +94,7 @@ def local_plan(recipe: Recipe, host: str = "127.0.0.1") -> RunPlan:
     )
 
 
-def slurm_plan(recipe: Recipe, trainer_hosts: list[str], rollout_hosts: list[str], port_base: int) -> RunPlan:
+def slurm_topology(recipe: Recipe, trainer_hosts: list[str], rollout_hosts: list[str], port_base: int) -> Topology:
     """The plan inside a Slurm allocation, made by the job itself once it knows its nodes.
 
     Rollout servers fill the rollout nodes in order (servers_per_node each, ports port_base + k);
@@ -114,7 +114,7 @@ def slurm_plan(recipe: Recipe, trainer_hosts: list[str], rollout_hosts: list[str
                for i in range(n_servers)]
     trainers = [Role(f"trainer-{r}", "trainer", r, trainer_hosts[r // per_node], port_base + spn if r == 0 else None)
                 for r in range(n_ranks)]
-    return RunPlan(
+    return Topology(
         rollout=rollout,
         trainers=trainers,
         controller=Role("controller", "controller", 0, trainer_hosts[0]),

@@ -1,4 +1,5 @@
-"""The rollout pool: which server a request goes to, and what happens when a server is lost."""
+"""A run's server set (ServerSet): its own rollout servers, which server a request goes to, and what
+happens when one is lost. Not the shared pool of several runs (rlctl/plex/, rlctl/launchers/pool/)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from rlctl.pipelines.interfaces import Rollout
 
 
-class RolloutPool:
+class ServerSet:
     """Spreads requests over the servers (data parallelism = several servers): each request goes
     to the server with the fewest requests in flight. How many go out is admission's business.
 
