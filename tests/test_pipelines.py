@@ -23,7 +23,7 @@ ROLLOUTPIPE = [("frontier", True), ("fifo", True), ("frontier", False), ("fifo",
 ASYNC = ["pipeline.mode=async", "pipeline.max_staleness=1", "run.steps=6", "rollout.sampling.long_tail.enabled=true",
          "rollout.sampling.max_new_tokens=24"]
 DYNAMIC = ["pipeline.mode=rolloutpipe", "pipeline.admission=frontier", "rollout.dynamic_sampling=true",
-           "rollout.over_provision=0.5", "run.steps=2"]
+           "rollout.over_provision=0.5", "run.steps=2", "model.init.warmup_steps=60"]
 
 
 def rolloutpipe(admission: str, stream: bool) -> list[str]:
