@@ -29,4 +29,4 @@ class RunError(RlctlError):
 
 class ServerUnreachable(RunError):
     """A server that did not answer at all: connection refused or reset, no reply. The controller
-    takes it out of the pool (rlctl/failover.py) instead of failing the run."""
+    takes it out of the pool (rlctl/control/failover.py) instead of failing the run."""

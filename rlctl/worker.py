@@ -20,15 +20,15 @@ import signal
 import sys
 from pathlib import Path
 
-from rlctl.checkpoint import PREEMPTED_EXIT, Preempted
-from rlctl.devices import process_device
-from rlctl.auth import role_key
+from rlctl.run.checkpoint import PREEMPTED_EXIT, Preempted
+from rlctl.process.devices import process_device
+from rlctl.process.auth import role_key
 from rlctl.engines.rollout.adapter import bound, record_key_id, run_token
 from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.errors import RlctlError
-from rlctl.topology import Topology
+from rlctl.process.topology import Topology
 from rlctl.recipe import Recipe, recipe_from_yaml
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 
 log = logging.getLogger("rlctl.worker")
 
@@ -122,7 +122,7 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: Topology, info: dict, rank: in
 
 
 def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, info: dict) -> None:
-    from rlctl.controller import run_controller as main
+    from rlctl.control.controller import run_controller as main
 
     rd.record_process("controller", pid=os.getpid())
     try:
@@ -159,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "supervisor":
         return run_supervisor(RunDir(args.run_dir))
     if args.role in ("plan", "health", "state", "attempt", "requeue", "server-exit"):
-        from rlctl.launchers import slurm_job
+        from rlctl.launchers.slurm import steps
 
-        return slurm_job.main(args)
+        return steps.main(args)
     rd, recipe, plan, info = _context(args.run_dir)
     try:
         if args.role == "prepare":

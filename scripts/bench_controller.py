@@ -73,7 +73,7 @@ def row(label: str, values: list[float], window: int, fmt: str) -> tuple[str, di
 def run_new(recipe_overrides: list[str], steps: int, window: int, traced: bool) -> dict[str, Any]:
     """The Recorder over a simulated run of `steps` steps; its figures (`flat`: every ratio within TARGET)."""
     from rlctl.recipe import load_recipe
-    from rlctl.rundir import create_run_dir
+    from rlctl.run.dir import create_run_dir
     from rlctl.sim.run import simulate_run
 
     with tempfile.TemporaryDirectory() as tmp:

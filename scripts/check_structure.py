@@ -59,9 +59,10 @@ class Layer(enum.IntEnum):
     SCHEMA: the recipe schema (rlctl.recipe: its dataclasses, choices and checks) and the
       project's exceptions. Every other layer reads them, so they import nothing above: a recipe
       is checked without loading tasks, engines or the simulator.
-    FOUNDATION: pure pieces and plain files, each usable alone: the run directory, plan, metrics
-      over events, tracking, GRPO math, rewards and tasks, data, the tiny model, workloads.
-      Any module of the package not placed elsewhere is foundation.
+    FOUNDATION: pure pieces and plain files, each usable alone: the run directory and what reads
+      it (rlctl.run), what every process shares (rlctl.process: the token door, the topology,
+      devices, lifetime, watchdogs), metrics over events, GRPO math, rewards and tasks, data, the
+      tiny model, workloads. Any module of the package not placed elsewhere is foundation.
     ENGINES: the rollout and train engines, their HTTP clients and services, weight sync.
     SCHEDULING: the pipeline modes over the engines' interfaces (rlctl.pipelines), and the shared
     pool's placement and time slicing of several runs' calls (rlctl.plex).
@@ -70,8 +71,9 @@ class Layer(enum.IntEnum):
       planner that prices steps on it (rlctl.planner). sim and planner import the cost model and
       never each other.
     ORCHESTRATION: what puts the pieces together into a running run and watches it: the
-      launchers (local and Slurm), the worker entry point of every process, the controller, and
-      the status of runs (which asks the Slurm launcher about live jobs).
+      launchers (local and Slurm) and the status of runs (rlctl.launchers.status, which asks the
+      Slurm launcher about live jobs), the worker entry point of every process (rlctl.worker), and
+      the controller (rlctl.control).
     INTERFACE: the command line: rlctl.cli and one module per command. Nothing imports it.
     """
 
@@ -92,9 +94,7 @@ LAYERS: dict[str, Layer] = {
     "rlctl.commands": Layer.INTERFACE,
     "rlctl.launchers": Layer.ORCHESTRATION,
     "rlctl.worker": Layer.ORCHESTRATION,
-    "rlctl.controller": Layer.ORCHESTRATION,
-    "rlctl.failover": Layer.ORCHESTRATION,
-    "rlctl.status": Layer.ORCHESTRATION,
+    "rlctl.control": Layer.ORCHESTRATION,
     "rlctl.sim": Layer.SIMULATION,
     "rlctl.planner": Layer.SIMULATION,
     "rlctl.costs": Layer.SIMULATION,

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rlctl.engines.train.base import TrainSample  # noqa: E402
-from rlctl.topology import free_ports  # noqa: E402
+from rlctl.process.topology import free_ports  # noqa: E402
 from rlctl.recipe import MegatronConfig, TrainConfig  # noqa: E402
 from artifact import slug, write_artifact  # noqa: E402
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from artifact import write_artifact  # noqa: E402
 from rlctl.engines.train.base import TrainSample  # noqa: E402
-from rlctl.topology import free_ports  # noqa: E402
+from rlctl.process.topology import free_ports  # noqa: E402
 from rlctl.recipe import MegatronAttention, MegatronConfig, Recompute, TrainConfig  # noqa: E402
 
 GIB = 1024**3

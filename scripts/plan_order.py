@@ -74,7 +74,7 @@ def launch(recipe: Path, runs: Path, name: str, overrides: list[str]) -> Path:
 def check_order(recipe: Path, variants: list[Variant], common: list[str], runs: Path) -> tuple[bool, list[str]]:
     """Launch each variant, calibrate on the first, predict all (each variant's `measured` and
     `predicted` filled in); whether the orders agree, and the calibrated overrides."""
-    from rlctl.rundir import RunDir
+    from rlctl.run.dir import RunDir
     from rlctl.sim.calibrate import calibrate_run
 
     fitted: list[str] = []

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, rlctl
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""The door (rlctl/auth.py): the run's token guards every endpoint of its servers and trainer but
+"""The door (rlctl/process/auth.py): the run's token guards every endpoint of its servers and trainer but
 /health, weight groups form with the run's own trainer only, a local run listens on loopback
 only, and the token shows nowhere but in its 0600 file. Real servers, real runs, real sockets."""
 
@@ -23,13 +23,13 @@ import torch
 import sglang_source
 from conftest import FAST, QUICKSTART, descendants, ensure_wheel, free_port, rlctl, rlctl_here, wait_for
 from rlctl.errors import RunError
-from rlctl.auth import TOKEN_FILE, key_of, new_token, read_token, role_key
+from rlctl.process.auth import TOKEN_FILE, key_of, new_token, read_token, role_key
 from rlctl.engines.rollout.sglang.launch import options_file
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.weightsync import WeightSender
 from rlctl.errors import RecipeError
 from rlctl.recipe import load_recipe, recipe_from_yaml
-from rlctl.rundir import RunDir, create_run_dir
+from rlctl.run.dir import RunDir, create_run_dir
 
 
 def call(url: str, body: dict | None = None, token: str | None = None) -> tuple[int, bytes]:
@@ -281,7 +281,7 @@ print(os.environ["T"], file=sys.stderr)
 @pytest.mark.process
 def test_redacted_output_hides_the_token_from_the_log(tmp_path):
     token, log = new_token(), tmp_path / "server.log"
-    script = ("import os, sys; from rlctl.auth import redact_output; t = sys.stdin.readline().strip(); "
+    script = ("import os, sys; from rlctl.process.auth import redact_output; t = sys.stdin.readline().strip(); "
               f"redact_output(t); os.execve(sys.executable, [sys.executable, '-c', {LAST_WORDS!r}], {{'T': t}})")
     with log.open("wb") as out:
         subprocess.run([sys.executable, "-c", script], input=token + "\n", text=True, stdout=out,

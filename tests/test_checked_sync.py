@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from rlctl.controller import CheckedTrainer
+from rlctl.control.controller import CheckedTrainer
 from rlctl.errors import RunError
 
 WANT = {"w": "aa", "b": "bb"}

@@ -1,4 +1,4 @@
-"""Checkpoints and resume (rlctl/checkpoint.py): real runs write complete HF checkpoints and keep
+"""Checkpoints and resume (rlctl/run/checkpoint.py): real runs write complete HF checkpoints and keep
 the newest; a run whose trainer is killed resumes from its last checkpoint and completes with
 every step once; `rlctl export` copies a checkpoint's policy; the errors are one line each. The
 scheduler's part (prompt cursor, async groups in flight) is checked in-process, in virtual time."""
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, REPO, processes_mentioning, rlctl, wait_for
-from rlctl.checkpoint import list_checkpoints
-from rlctl.ckpt_manifest import check_manifest
+from rlctl.run.checkpoint import list_checkpoints
+from rlctl.run.manifest import check_manifest
 from rlctl.data import prompt_stream
 from rlctl.recipe import DataConfig, load_recipe
-from rlctl.rundir import RunDir, RunState, create_run_dir
+from rlctl.run.dir import RunDir, RunState, create_run_dir
 
 SAVE = ["run.save_every=2", "run.keep_checkpoints=2"]
 # The quickstart's model (right about 1 time in 4) with FAST's small batches: rewards well above

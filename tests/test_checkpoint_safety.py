@@ -1,7 +1,7 @@
 """What a checkpoint may hold and where it may be, in-process: the RNG states as JSON come back
 exactly and an RNG pickle is never read (rlctl/engines/train/rng_state.py); the trainer's paths
-are confined to the run's checkpoints/ (rlctl/checkpoint.py); a checkpoint that does not match
-its manifest is refused by resume and export (rlctl/ckpt_manifest.py); a Megatron
+are confined to the run's checkpoints/ (rlctl/run/checkpoint.py); a checkpoint that does not match
+its manifest is refused by resume and export (rlctl/run/manifest.py); a Megatron
 dist_checkpointing directory whose pickles reach beyond plain data is refused before Megatron
 reads it (rlctl/engines/train/dcp_check.py). The trainer service's routes are
 tests/test_checkpoint_trainer.py."""
@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from conftest import rlctl_here
-from rlctl.checkpoint import CheckpointPathRefused, Checkpoint, confined_checkpoint_dir, prepare_resume
-from rlctl.ckpt_manifest import MANIFEST, check_manifest, write_manifest
+from rlctl.run.checkpoint import CheckpointPathRefused, Checkpoint, confined_checkpoint_dir, prepare_resume
+from rlctl.run.manifest import MANIFEST, check_manifest, write_manifest
 from rlctl.engines.train.dcp_check import check_dist_checkpoint
 from rlctl.engines.train.rng_state import load_rng, save_rng
 from rlctl.errors import RunError
-from rlctl.rundir import RunDir, create_run_dir
+from rlctl.run.dir import RunDir, create_run_dir
 
 
 class Planted:

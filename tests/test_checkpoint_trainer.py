@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import free_port, wait_http
-from rlctl.checkpoint import save_checkpoint
-from rlctl.ckpt_manifest import write_manifest
+from rlctl.run.checkpoint import save_checkpoint
+from rlctl.run.manifest import write_manifest
 from rlctl.engines.train.client import TrainerClient
 from rlctl.errors import RunError
 from test_checkpoint_safety import Planted, flip_byte

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from conftest import FAST, QUICKSTART, REPO, rlctl, rlctl_here
-from rlctl.compare import bootstrap_ci, comparison, failing, metrics_by_step, sparkline
-from rlctl.rundir import RunDir
+from rlctl.run.compare import bootstrap_ci, comparison, failing, metrics_by_step, sparkline
+from rlctl.run.dir import RunDir
 
 GOLDEN = REPO / "tests" / "golden" / "compare"
 

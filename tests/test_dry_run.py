@@ -12,7 +12,7 @@ import pytest
 from conftest import FAST, QUICKSTART, REPO, rlctl_here
 from rlctl.errors import RecipeError
 from rlctl.recipe import load_recipe, recipe_to_yaml
-from rlctl.rundir import RunDir, create_run_dir
+from rlctl.run.dir import RunDir, create_run_dir
 
 CLUSTER = REPO / "recipes" / "slurm-qwen3-1.7b.yaml"  # names /shared paths and logs to wandb online
 
@@ -54,7 +54,7 @@ def test_a_run_whose_controller_logs_here_needs_wandb_here(no_wandb):
 def test_a_slurm_job_without_wandb_on_its_first_node_fails_saying_so(tmp_path, no_wandb):
     """The job's first step (it runs the controller's node) looks for wandb as it looks for the
     model: a run that would log nowhere ends at once, naming the key and the node."""
-    from rlctl.launchers.slurm_job import write_plan
+    from rlctl.launchers.slurm.steps import write_plan
 
     r = load_recipe(QUICKSTART, ["launcher=slurm", "tracking.wandb.mode=online", *FAST])
     rd = create_run_dir(tmp_path, r.run.name, recipe_to_yaml(r), {"launcher": "slurm", "plan": None})

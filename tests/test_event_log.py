@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rlctl.metrics import Recorder
-from rlctl.rundir import HOST, EventLog, RunClock, RunDir, read_jsonl
+from rlctl.run.dir import HOST, EventLog, RunClock, RunDir, read_jsonl
 
 
 def test_run_clock_is_wall_time_that_never_goes_back():
@@ -76,8 +76,8 @@ def test_controller_flushes_buffered_events_on_sigterm(tmp_path):
     script = (
         "import asyncio, os, signal, sys\n"
         "from pathlib import Path\n"
-        "from rlctl.controller import _flush_on_sigterm\n"
-        "from rlctl.rundir import EventLog\n"
+        "from rlctl.control.controller import _flush_on_sigterm\n"
+        "from rlctl.run.dir import EventLog\n"
         "async def main():\n"
         "    log = EventLog(Path(sys.argv[1]), max_delay_s=3600)\n"
         "    _flush_on_sigterm(log)\n"

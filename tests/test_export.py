@@ -91,7 +91,7 @@ def test_a_symlink_within_the_checkpoint_is_copied_as_its_file(tmp_path):
 
 
 def test_the_command_refuses_a_checkpoint_with_a_symlink_out_in_one_line(tmp_path):
-    from rlctl.ckpt_manifest import write_manifest
+    from rlctl.run.manifest import write_manifest
 
     hf = a_checkpoint(tmp_path)
     write_manifest(hf.parent)  # as the run wrote it; the link is planted after

@@ -1,7 +1,7 @@
 """Failover, end to end: a rollout server SIGKILLed or frozen (SIGSTOP) in the middle of a step
 is taken out, its requests go to the other server, it is restarted, gets the weights at the next
 sync and rejoins; the run completes, and the events show that no sample was lost or trained
-twice and that every sample of a step came from the step's weights (rlctl/failover.py)."""
+twice and that every sample of a step came from the step's weights (rlctl/control/failover.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import QUICKSTART, rlctl, wait_for
-from rlctl.auth import bearer, key_of, read_token
+from rlctl.process.auth import bearer, key_of, read_token
 from rlctl.recipe import load_recipe
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +46,7 @@ def busy(rd: RunDir, victim: str, vllm: bool = False) -> None:
     wait_for(lambda: any(e["event"] == "step_end" and e["step"] >= 1 for e in rd.events()), 240, "step 1 to end")
     port = rd.read()["processes"][victim]["port"]
     path = "/metrics" if vllm else "/v1/loads"
-    key = key_of(read_token(rd.path), rd.read()["processes"], victim)  # the victim's own key (rlctl/auth.py)
+    key = key_of(read_token(rd.path), rd.read()["processes"], victim)  # the victim's own key (rlctl/process/auth.py)
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=bearer(key))
 
     def running():

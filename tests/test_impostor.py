@@ -1,6 +1,6 @@
 """A process that takes a dead rollout server's port before the run starts it again (on a shared
 node: anyone's job). What it hears opens nothing: probes carry no credential, and a request
-carries only the dead process's own key (rlctl/auth.py role_key). The run does not take it for
+carries only the dead process's own key (rlctl/process/auth.py role_key). The run does not take it for
 its server (it answers /health, but no start of the run has recorded a new key), the real
 server's restarts fail on the held port and say so, and once the port is free the server is
 started again, rejoins with the weights, and the run goes on."""
@@ -17,8 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import FAST, QUICKSTART, rejoined, rlctl, wait_for
-from rlctl.auth import bearer, key_of, read_token
-from rlctl.rundir import RunDir
+from rlctl.process.auth import bearer, key_of, read_token
+from rlctl.run.dir import RunDir
 
 pytestmark = pytest.mark.e2e
 

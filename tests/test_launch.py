@@ -13,7 +13,7 @@ import pytest
 
 from conftest import FAST, QUICKSTART, descendants, processes_mentioning, rlctl, wait_for
 from rlctl.metrics import chrome_trace
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 from test_metrics import assert_slices_nest
 
 pytestmark = pytest.mark.e2e

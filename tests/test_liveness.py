@@ -22,8 +22,8 @@ from rlctl.commands import follow as following
 from rlctl.errors import RunError, UsageError
 from rlctl.launchers import liveness
 from rlctl.launchers.liveness import holding, let_go, read_run
-from rlctl.rundir import RunDir, RunState
-from rlctl.status import summary
+from rlctl.run.dir import RunDir, RunState
+from rlctl.launchers.status import summary
 
 OTHER = os.getpid()
 """A pid that is alive and is no process of any run written here (pid reuse)."""

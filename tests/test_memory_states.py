@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import free_port, wait_http
-from rlctl.checkpoint import save_checkpoint
+from rlctl.run.checkpoint import save_checkpoint
 from rlctl.engines.rollout.builtin.memory_routes import NOT_IDLE, TAGS
 from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest

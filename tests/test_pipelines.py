@@ -16,7 +16,7 @@ import pytest
 from conftest import FAST, QUICKSTART, rlctl
 from rlctl.errors import RunError
 from rlctl.recipe import load_recipe
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 from rlctl.sim.run import simulate_run
 
 ROLLOUTPIPE = [("frontier", True), ("fifo", True), ("frontier", False), ("fifo", False)]

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, REPO, rejoined, rlctl, wait_for
-from rlctl.auth import LEASE_ROLE, bearer, key_of, read_token, role_key
-from rlctl.rundir import RunDir, pid_alive, read_jsonl
+from rlctl.process.auth import LEASE_ROLE, bearer, key_of, read_token, role_key
+from rlctl.run.dir import RunDir, pid_alive, read_jsonl
 
 pytestmark = pytest.mark.e2e
 

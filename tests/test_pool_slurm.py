@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, processes_mentioning, rejoined, rlctl, wait_for
-from rlctl.rundir import RunDir, read_jsonl
+from rlctl.run.dir import RunDir, read_jsonl
 
 if not os.environ.get("RLCTL_SLURM_TESTS"):
     if os.environ.get("CI"):

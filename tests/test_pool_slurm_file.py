@@ -62,7 +62,7 @@ def test_slurm_pool_file_errors_name_the_key(overrides, key, words):
 @pytest.mark.process
 def test_a_slurm_pool_gives_each_run_ports_of_its_own_on_each_node_and_takes_them_back():
     from rlctl.launchers.pool.slurm import PortBook
-    from rlctl.topology import local_topology
+    from rlctl.process.topology import local_topology
 
     plan = local_topology(load_recipe(QUICKSTART, check_paths=False))  # two servers, one trainer rank
     nodes = {"rollout-0": "n1", "rollout-1": "n2", "trainer-0": "n1"}

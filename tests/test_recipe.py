@@ -185,7 +185,7 @@ def test_every_section_is_a_checked_section():
 
 def test_a_cluster_recipes_paths_are_looked_for_on_the_cluster_not_here():
     """launcher=slurm: the model and data live where the job runs (its first node checks them,
-    rlctl/launchers/slurm_job.py); a local run needs them here."""
+    rlctl/launchers/slurm/steps.py); a local run needs them here."""
     cluster = ["model.init=null", "model.path=/cluster/only/Qwen3-1.7B", "data.source=jsonl", "data.path=/cluster/d.jsonl"]
     r = load_recipe(QUICKSTART, ["launcher=slurm", *cluster])
     assert (r.model.path, r.data.path) == ("/cluster/only/Qwen3-1.7B", "/cluster/d.jsonl")

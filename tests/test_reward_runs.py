@@ -15,7 +15,7 @@ from conftest import FAST, QUICKSTART, descendants, processes_mentioning, rlctl,
 from rlctl.pipelines.scoring import PooledScorer
 from rlctl.recipe import RewardConfig
 from rlctl.rewards.failures import VerifierFailed
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 
 RAISES = "def score(response, answer):\n    return 1 / 0\n"
 SLEEPS = ("import pathlib, time\n\ndef score(response, answer):\n"

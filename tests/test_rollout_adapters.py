@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import QUICKSTART
-from rlctl.controller import sync_backend, sync_target
+from rlctl.control.controller import sync_backend, sync_target
 from rlctl.engines.rollout.builtin.adapter import BuiltinAdapter
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.rollout.registry import ADAPTERS, SPEAKERS, rollout_adapter, rollout_client, speaker

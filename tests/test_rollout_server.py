@@ -145,7 +145,7 @@ def test_a_sync_cut_by_a_dead_server_leaves_the_others_ready_for_the_next(start_
     """A server dies in the middle of a sync, after the others opened their update sessions: the
     failed sync closes them, so the sync done again without the dead server is not refused
     ("a weight-update session is already open", as SGLang says) and gives the living one every
-    weight. The failover path (rlctl/failover.py) does exactly this."""
+    weight. The failover path (rlctl/control/failover.py) does exactly this."""
     urls = [start_server(seed=0), start_server(seed=1)]
     weights, expected = unseen_weights(tiny_model_dir)
 

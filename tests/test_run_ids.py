@@ -1,5 +1,5 @@
 """Run ids never collide: a run's directory is created exclusively, and a launch whose id is taken
-draws another (rlctl/runid.py), so runs made at once (a sweep's, in the same second) each get
+draws another (rlctl/run/ids.py), so runs made at once (a sweep's, in the same second) each get
 their own directory and no launch stops on another's."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import rlctl.runid
-from rlctl.rundir import RunDir, create_run_dir, find_run, list_runs
-from rlctl.runid import RUN_ID, new_run_id
+import rlctl.run.ids
+from rlctl.run.dir import RunDir, create_run_dir, find_run, list_runs
+from rlctl.run.ids import RUN_ID, new_run_id
 
 
 def test_an_id_whose_directory_exists_is_drawn_again(tmp_path, monkeypatch):
     drawn = iter(["q-20261201-120000-aaaaaaaa", "q-20261201-120000-aaaaaaaa", "q-20261201-120000-bbbbbbbb"])
-    monkeypatch.setattr(rlctl.runid, "new_run_id", lambda name: next(drawn))
+    monkeypatch.setattr(rlctl.run.ids, "new_run_id", lambda name: next(drawn))
     first = create_run_dir(tmp_path, "q", "run: {}\n", {})
     second = create_run_dir(tmp_path, "q", "run: {}\n", {})
     assert (first.id, second.id) == ("q-20261201-120000-aaaaaaaa", "q-20261201-120000-bbbbbbbb")
@@ -25,7 +25,7 @@ def test_an_id_whose_directory_exists_is_drawn_again(tmp_path, monkeypatch):
 def test_hundreds_of_runs_made_at_once_each_get_their_own_directory(tmp_path, monkeypatch):
     """Suffixes drawn from 256 values, so that runs made in one second collide often: every
     collision is drawn again, none is an error, and no run's files are another's."""
-    monkeypatch.setattr(rlctl.runid.secrets, "token_hex", lambda n: f"{random.randrange(256):0{2 * n}x}")
+    monkeypatch.setattr(rlctl.run.ids.secrets, "token_hex", lambda n: f"{random.randrange(256):0{2 * n}x}")
     with ThreadPoolExecutor(8) as pool:
         runs = list(
             pool.map(lambda i: create_run_dir(tmp_path, "sweep", f"run: {{seed: {i}}}\n", {"seed": i}), range(200))

@@ -14,7 +14,7 @@ from rlctl.pipelines.core import GroupRunner, ServerSet
 from rlctl.pipelines.scoring import PooledScorer, Score, inline_scorer
 from rlctl.recipe import RewardConfig
 from rlctl.rewards.verifiers import make_verifier
-from rlctl.rundir import RunClock
+from rlctl.run.dir import RunClock
 
 pytestmark = pytest.mark.process
 

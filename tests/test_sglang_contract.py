@@ -77,7 +77,7 @@ def test_bad_sglang_settings_name_the_key(tmp_path, override, key):
 
 
 def test_local_sglang_servers_get_their_own_gpus(monkeypatch):
-    from rlctl.devices import gpu_group
+    from rlctl.process.devices import gpu_group
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # indices in rollout.gpus are the visible ones
     assert [gpu_group([], 2, i) for i in range(2)] == ["4,5", "6,7"]
@@ -304,7 +304,7 @@ def test_an_unaligned_bucket_is_refused_as_sglang_refuses_it(sglang):
 def test_the_door_opens_what_sglang_opens(sglang, version):
     """The paths SGLang answers without its api key (utils/auth.py: path.startswith(...)) are
     the ones rlctl's servers answer without the run's token; both refuse with {"error": ...}."""
-    from rlctl.auth import OPEN_PREFIXES
+    from rlctl.process.auth import OPEN_PREFIXES
 
     tree = sglang(version).module("sglang/srt/utils/auth.py")
     opened = {call.args[0].value for call in ast.walk(tree) if isinstance(call, ast.Call)

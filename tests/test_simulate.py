@@ -8,7 +8,7 @@ import pytest
 
 from conftest import QUICKSTART, REPO, rlctl_here
 from rlctl.recipe import load_recipe
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 from rlctl.sim.run import simulate_run
 
 SIM = REPO / "recipes" / "sim-1024gpu.yaml"

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, processes_mentioning, rejoined, rlctl, wait_for
-from rlctl.checkpoint import list_checkpoints
-from rlctl.rundir import RunDir
+from rlctl.run.checkpoint import list_checkpoints
+from rlctl.run.dir import RunDir
 
 if not os.environ.get("RLCTL_SLURM_TESTS"):
     if os.environ.get("CI"):
@@ -357,7 +357,7 @@ def test_state_is_read_by_column_name_whatever_the_job_name(tmp_path, monkeypatc
     format, a partition filter) must neither shift Slurm's columns nor hide the job."""
     from rlctl.launchers import slurm
     from rlctl.launchers.slurm import JobInfo
-    from rlctl.rundir import create_run_dir
+    from rlctl.run.dir import create_run_dir
 
     def job_when(job_id: str, ready: Callable[[JobInfo], bool]) -> JobInfo | None:
         job = slurm.query([job_id]).get(job_id)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import FAST, QUICKSTART, REPO, rlctl, rlctl_here
 from rlctl.launchers.slurm import JobInfo, render_batch_script
-from rlctl.topology import slurm_topology
+from rlctl.process.topology import slurm_topology
 from rlctl.recipe import load_recipe
 
 GOLDEN = REPO / "tests" / "golden" / "slurm"
@@ -290,7 +290,7 @@ def test_job_states_in_words():
 
 
 def _slurm_run(tmp_path, state: str, last_state: str | None):
-    from rlctl.rundir import create_run_dir
+    from rlctl.run.dir import create_run_dir
 
     rd = create_run_dir(tmp_path, "r", "run: {}\n", {"launcher": "slurm", "mode": "sync", "steps_total": 3, "plan": None})
     last = None if last_state is None else JobInfo("7", last_state, "None", "0:05", ["node1", "node2"]).to_json()

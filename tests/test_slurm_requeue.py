@@ -1,5 +1,5 @@
 """slurm.requeue without a cluster: the batch script's lines, the recipe's checks, and the job
-step that decides whether a job requeues itself (rlctl/launchers/slurm_job.py), on real run
+step that decides whether a job requeues itself (rlctl/launchers/slurm/steps.py), on real run
 directories. The whole cycle on the test cluster is test_slurm_cluster.py's
 test_a_preempted_job_checkpoints_requeues_and_resumes_until_the_run_completes."""
 
@@ -35,7 +35,7 @@ def test_a_warning_that_cannot_come_before_the_limit_is_refused(tmp_path, overri
 
 def slurm_run(tmp_path, *overrides: str):
     from rlctl.recipe import load_recipe, recipe_to_yaml
-    from rlctl.rundir import create_run_dir
+    from rlctl.run.dir import create_run_dir
 
     r = load_recipe(QUICKSTART, ["launcher=slurm", *overrides], check_paths=False)
     rd = create_run_dir(tmp_path, r.run.name, recipe_to_yaml(r), {"launcher": "slurm", "mode": "sync", "steps_total": 100,
@@ -47,7 +47,7 @@ def slurm_run(tmp_path, *overrides: str):
 def checkpoint_at(rd, steps: int) -> None:
     """A checkpoint as list_checkpoints sees one (the controller's file is written last) and as
     a resume accepts it (with its manifest)."""
-    from rlctl.ckpt_manifest import write_manifest
+    from rlctl.run.manifest import write_manifest
 
     d = rd.path / "checkpoints" / f"step-{steps:06d}"
     d.mkdir(parents=True)
@@ -56,7 +56,7 @@ def checkpoint_at(rd, steps: int) -> None:
 
 
 def test_a_job_requeues_itself_only_after_progress_and_at_most_max_requeues_times(tmp_path, monkeypatch):
-    from rlctl.launchers.slurm_job import requeue, start_attempt
+    from rlctl.launchers.slurm.steps import requeue, start_attempt
 
     assert start_attempt(rd := slurm_run(tmp_path, "slurm.max_requeues=2")) == 1
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
@@ -81,7 +81,7 @@ def test_a_job_requeues_itself_only_after_progress_and_at_most_max_requeues_time
 
 
 def test_max_requeues_and_an_attempt_without_any_checkpoint_end_the_run(tmp_path, monkeypatch):
-    from rlctl.launchers.slurm_job import requeue
+    from rlctl.launchers.slurm.steps import requeue
 
     rd = slurm_run(tmp_path / "a", "slurm.max_requeues=2")
     checkpoint_at(rd, 3)
@@ -99,7 +99,7 @@ def test_max_requeues_and_an_attempt_without_any_checkpoint_end_the_run(tmp_path
 def test_status_shows_an_attempt_that_ended_before_the_next_one_began(tmp_path, monkeypatch):
     """`rlctl resume` of a Slurm run records how the attempt ended; until the new job's first step
     folds that into run.json's attempts, status shows the ended attempt and the waiting one."""
-    from rlctl.status import attempts
+    from rlctl.launchers.status import attempts
 
     rd = slurm_run(tmp_path)
     rd.update(lambda d: d.update(state="starting", slurm={"job_id": "9"},
@@ -109,7 +109,7 @@ def test_status_shows_an_attempt_that_ended_before_the_next_one_began(tmp_path, 
     assert [(a["attempt"], a["state"], a["slurm_job"], a["exit_reason"]) for a in rows] == [
         (1, "cancelled", "7", "scancel"), (2, "starting", "9", None)]
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    from rlctl.launchers.slurm_job import start_attempt
+    from rlctl.launchers.slurm.steps import start_attempt
 
     rd.update(lambda d: d["slurm"].update(attempts_started=1))
     assert start_attempt(rd) == 2  # the new job's first step: the same two attempts, now in run.json

@@ -14,9 +14,9 @@ from rich.console import Console
 
 from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, rlctl_here
 from rlctl.commands.status import render_detail, render_table
-from rlctl.rundir import RunDir, list_runs
-from rlctl.status import detail, summary
-from rlctl.tail import last_jsonl_record, last_jsonl_records, last_log_line, tail_lines
+from rlctl.run.dir import RunDir, list_runs
+from rlctl.launchers.status import detail, summary
+from rlctl.run.tail import last_jsonl_record, last_jsonl_records, last_log_line, tail_lines
 
 
 def fake_run(root, run_id: str, state: str, steps: int, rewards: list[float], mode: str = "sync") -> RunDir:
@@ -100,7 +100,7 @@ def test_status_says_where_it_looked_when_there_are_no_runs(tmp_path, monkeypatc
 def test_the_listing_piped_is_the_table_and_json_a_run_per_line(tmp_path):
     """Piped, the rows go out whole as the table renders them; --json is a list with a run per
     line (the same data as before, in a layout json writes fast at thousands of runs)."""
-    from rlctl.status import summaries
+    from rlctl.launchers.status import summaries
 
     fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 100, [0.2, 0.7])
     fake_run(tmp_path, "long-tail-20260101-000001-bbbb", "failed", 40, [])
@@ -124,7 +124,7 @@ def test_a_row_finds_the_last_metrics_record_behind_long_lines(tmp_path):
 def test_status_lists_the_sweeps_under_the_runs(tmp_path, monkeypatch):
     """A sweep's record is hidden in .sweeps/ (never taken for a run); `rlctl status` lists each
     sweep after the runs, with how many of its runs are in each state."""
-    from rlctl.sweep import Sweep
+    from rlctl.run.sweep import Sweep
 
     monkeypatch.setenv("COLUMNS", "300")
     sw = Sweep.create(tmp_path, "quickstart", QUICKSTART, [("train.lr", ["1e-4", "3e-4"]), ("run.seed", ["0", "1"])],
@@ -213,7 +213,7 @@ def test_ctrl_c_in_launch_cancels_the_run(tmp_path):
 
 
 def test_one_unreadable_run_is_a_row_not_a_crash(tmp_path):
-    from rlctl.status import summaries
+    from rlctl.launchers.status import summaries
 
     fake_run(tmp_path, "quickstart-20260101-000000-aaaa", "completed", 100, [0.2, 0.7])
     bad = fake_run(tmp_path, "broken-20260101-000001-bbbb", "completed", 100, [])

@@ -79,23 +79,23 @@ def test_from_package_import_module_is_an_import_of_that_module(tmp_path):
     write(tmp_path, {
         "rlctl/launchers/__init__.py": "",
         "rlctl/launchers/slurm.py": "",
-        "rlctl/rundir.py": "from rlctl.launchers import slurm\n",
-        "rlctl/worker.py": "from rlctl import rundir\n",
+        "rlctl/run/dir.py": "from rlctl.launchers import slurm\n",
+        "rlctl/worker.py": "from rlctl.run import dir\n",
     })
     assert messages(tmp_path) == [
-        "rlctl.rundir -> rlctl.launchers.slurm (layer foundation may not import layer orchestration)"]
+        "rlctl.run.dir -> rlctl.launchers.slurm (layer foundation may not import layer orchestration)"]
 
 
 def test_relative_imports_resolve_inside_the_package(tmp_path):
     write(tmp_path, {
         "rlctl/engines/__init__.py": "",
         "rlctl/engines/train/__init__.py": "",
-        "rlctl/engines/train/engine.py": "from ..weightsync import send\nfrom ... import controller\n",
+        "rlctl/engines/train/engine.py": "from ..weightsync import send\nfrom ...control import controller\n",
         "rlctl/engines/weightsync.py": "",
-        "rlctl/controller.py": "",
+        "rlctl/control/controller.py": "",
     })
     assert messages(tmp_path) == [
-        "rlctl.engines.train.engine -> rlctl.controller (layer engines may not import layer orchestration)"]
+        "rlctl.engines.train.engine -> rlctl.control.controller (layer engines may not import layer orchestration)"]
 
 
 @pytest.mark.parametrize("module, layer", [
@@ -103,12 +103,12 @@ def test_relative_imports_resolve_inside_the_package(tmp_path):
     ("rlctl.commands.status", "INTERFACE"),
     ("rlctl.launchers.slurm.script", "ORCHESTRATION"),
     ("rlctl.launchers.some_new_helpers", "ORCHESTRATION"),
-    ("rlctl.controller", "ORCHESTRATION"),
-    ("rlctl.status", "ORCHESTRATION"),
+    ("rlctl.control.controller", "ORCHESTRATION"),
+    ("rlctl.launchers.status", "ORCHESTRATION"),
     ("rlctl.sim.run", "SIMULATION"),
     ("rlctl.pipelines.core", "SCHEDULING"),
     ("rlctl.engines.train.client", "ENGINES"),
-    ("rlctl.rundir", "FOUNDATION"),
+    ("rlctl.run.dir", "FOUNDATION"),
     ("rlctl.metrics.step", "FOUNDATION"),
     ("rlctl.a_new_module", "FOUNDATION"),
     ("rlctl.recipe", "SCHEMA"),
@@ -199,9 +199,9 @@ def test_a_branch_on_an_engine_kind_outside_its_adapter_is_reported(tmp_path):
                "    if recipe.rollout.engine is RolloutEngine.SGLANG:\n"
                "        return 1\n"
                "    return recipe.rollout.protocol == 'vllm'\n")
-    root = write(tmp_path, {"rlctl/__init__.py": "", "rlctl/recipe/__init__.py": "", "rlctl/controller.py": branchy,
+    root = write(tmp_path, {"rlctl/__init__.py": "", "rlctl/recipe/__init__.py": "", "rlctl/control/controller.py": branchy,
                             "rlctl/engines/rollout/sglang/adapter.py": branchy,
                             "rlctl/engines/rollout/registry.py": branchy, "tests/test_x.py": branchy})
     found = [str(v) for v in structure.check(root)]
-    assert found == ["rlctl/controller.py:3: branch on RolloutEngine.SGLANG: ask the engine's adapter",
-                     "rlctl/controller.py:5: branch on the protocol by name: ask the engine's adapter"]
+    assert found == ["rlctl/control/controller.py:3: branch on RolloutEngine.SGLANG: ask the engine's adapter",
+                     "rlctl/control/controller.py:5: branch on the protocol by name: ask the engine's adapter"]

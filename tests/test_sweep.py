@@ -8,7 +8,7 @@ import pytest
 
 from conftest import FAST, QUICKSTART, rlctl, rlctl_here
 from rlctl.errors import UsageError
-from rlctl.sweep import parse_grid, points, split_values
+from rlctl.run.sweep import parse_grid, points, split_values
 
 ONE_STEP = [o for o in FAST if not o.startswith("run.steps=")] + ["run.steps=1"]  # a sweep's mechanics, not learning
 

@@ -1,4 +1,4 @@
-"""The controller's trainer (rlctl/controller.py compose_trainer): layers around the trainer's client
+"""The controller's trainer (rlctl/control/controller.py compose_trainer): layers around the trainer's client
 in one order, each a TrainerLayer that passes on every call it does not change."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import QUICKSTART
-from rlctl.controller import CheckedTrainer, compose_trainer
-from rlctl.failover import FailoverTrainer
+from rlctl.control.controller import CheckedTrainer, compose_trainer
+from rlctl.control.failover import FailoverTrainer
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 from rlctl.plex.gates import PooledTrainer
 from rlctl.recipe import load_recipe

@@ -19,7 +19,7 @@ from rlctl.engines.rollout.vllm.client import VllmClient, completion_body
 from rlctl.engines.weightsync import tensor_sha256
 from rlctl.engines.rollout.vllm.sender import VllmWeightSender
 from rlctl.errors import RunError
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 
 VERSION = "0.34.0"
 
@@ -295,7 +295,7 @@ def test_launch_command_keeps_the_token_off_the_command_line():
 def test_the_trainer_is_told_the_protocol_and_what_the_servers_hold():
     """vLLM has no route that says its dtype: the controller tells the trainer, which casts wider
     weights to it before they leave (a bf16 Megatron trainer's checked syncs depend on it)."""
-    from rlctl.controller import sync_target
+    from rlctl.control.controller import sync_target
     from rlctl.recipe import load_recipe
 
     def told(*overrides):

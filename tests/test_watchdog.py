@@ -1,4 +1,4 @@
-"""The watchdogs of the trainer and the controller (rlctl/watchdog.py): a frozen one fails the
+"""The watchdogs of the trainer and the controller (rlctl/process/watchdog.py): a frozen one fails the
 run within run.stall_timeout_s (and 10x the slowest call of its kind), saying which; the deadline
 rules themselves in-process."""
 
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from conftest import FAST, QUICKSTART, descendants, rlctl, wait_for
-from rlctl.rundir import RunDir
-from rlctl.watchdog import CallTimer, heartbeat_age
+from rlctl.run.dir import RunDir
+from rlctl.process.watchdog import CallTimer, heartbeat_age
 
 STALL_S = 15
 

@@ -92,7 +92,7 @@ def test_a_server_opens_only_its_own_runs_buffers_and_still_takes_its_trainers_s
                                                                                     tmp_path):
     """Shared memory of the host that the run's trainer did not tag is refused over HTTP and left
     as it was; a trainer of another run (tags of another token) is refused; the run's own syncs."""
-    from rlctl.auth import new_token
+    from rlctl.process.auth import new_token
     from test_ipc_open import Segment, over, payload
 
     token = new_token()
@@ -213,7 +213,7 @@ def test_our_pickles_are_ones_sglangs_unpickler_allows(sglang, version):
 
 
 def test_ipc_recipes_are_checked_and_auto_picks_ipc_only_on_one_gpu():
-    from rlctl.controller import sync_backend
+    from rlctl.control.controller import sync_backend
     from rlctl.errors import RecipeError
     from rlctl.recipe import SyncBackend, load_recipe
 

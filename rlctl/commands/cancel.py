@@ -13,7 +13,7 @@ import typer
 from rlctl.errors import RunError
 
 if TYPE_CHECKING:
-    from rlctl.rundir import RunDir
+    from rlctl.run.dir import RunDir
 
 WAIT_S = 30.0
 
@@ -24,7 +24,7 @@ def cancel(
 ) -> None:
     """Cancel a run: its supervisor (or Slurm: scancel) ends every process; waits until they are gone."""
     from rlctl.launchers.liveness import read_run
-    from rlctl.rundir import RunState, UnreadableRun, find_run
+    from rlctl.run.dir import RunState, UnreadableRun, find_run
 
     rd = find_run(run, runs_dir)
     try:
@@ -90,7 +90,7 @@ def _cancel_slurm(rd: RunDir, info: dict) -> None:
     """scancel the run's job and wait until Slurm says it ended: then no process of the run is
     left on any node (Slurm kills every step of the job)."""
     from rlctl.launchers import slurm
-    from rlctl.rundir import RunState
+    from rlctl.run.dir import RunState
 
     job_id = slurm.job_id_of(info)
     if job_id is None:

@@ -44,7 +44,7 @@ def _cells(*values: Any) -> list[Text]:
     escaped), never read as markup."""
     from rich.text import Text
 
-    from rlctl.runcheck import one_line
+    from rlctl.run.check import one_line
 
     return [Text(one_line(str(v), 2000)) for v in values]
 
@@ -80,7 +80,7 @@ def _config_table(config: dict[str, Any], labels: list[str]) -> Table:
 
 
 def _learning_table(comp: dict[str, Any], labels: list[str]) -> Table:
-    from rlctl.compare import sparkline
+    from rlctl.run.compare import sparkline
 
     t = _table("learning (mean of the last records; best; vs A)")
     for col, justify in (("metric", "left"), ("run", "left"), ("last", "right"), ("best", "right"),
@@ -167,8 +167,8 @@ def plot(comp: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
-    from rlctl.compare import finite, metrics_by_step, progress_x
-    from rlctl.rundir import RunDir
+    from rlctl.run.compare import finite, metrics_by_step, progress_x
+    from rlctl.run.dir import RunDir
 
     labels = [r["label"] for r in comp["runs"]]
     by, unit = comp["x"]["by"], comp["x"]["unit"]
@@ -215,9 +215,9 @@ def compare(
     """Compare runs: config diff, learning, time breakdown."""
     from rich.console import Console
 
-    from rlctl.compare import comparison, failing
-    from rlctl.rundir import find_run
-    from rlctl.sweep import find_sweep
+    from rlctl.run.compare import comparison, failing
+    from rlctl.run.dir import find_run
+    from rlctl.run.sweep import find_sweep
 
     if len(runs) < 2 and not (runs and find_sweep(runs[0], runs_dir)):
         raise UsageError("compare needs at least two runs, or a sweep")
@@ -246,7 +246,7 @@ def compare(
     if hits:
         raise RunError(f"--fail-if {fail_if!r} holds: " + "; ".join(hits))
     if comp.get("unreadable"):  # shown above, left out of the comparison: not a clean result
-        from rlctl.runcheck import one_line
+        from rlctl.run.check import one_line
 
         first, *more = comp["unreadable"]
         raise RunError(f"{one_line(first['id'], 120)}: unreadable: {first['why']} (left out of the comparison"

@@ -86,13 +86,13 @@ def export(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
     """Write a checkpoint's policy as a Hugging Face model directory."""
-    from rlctl.checkpoint import find_checkpoint
-    from rlctl.ckpt_manifest import check_manifest
-    from rlctl.rundir import find_run
+    from rlctl.run.checkpoint import find_checkpoint
+    from rlctl.run.manifest import check_manifest
+    from rlctl.run.dir import find_run
 
     rd = find_run(run, runs_dir)
     ckpt = find_checkpoint(rd.path, step)
-    check_manifest(ckpt.path)  # what is copied is what was saved (rlctl/ckpt_manifest.py)
+    check_manifest(ckpt.path)  # what is copied is what was saved (rlctl/run/manifest.py)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} exists and is not an empty directory; give a new directory")
     write_export(ckpt.hf, ckpt.path, out)

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rlctl.errors import RunError
-from rlctl.rundir import RunDir, RunState
+from rlctl.run.dir import RunDir, RunState
 
 if TYPE_CHECKING:
     from rlctl.launchers.liveness import Reading

@@ -101,9 +101,9 @@ def launch_local(r, recipe: Path, overrides: list[str], *, detach: bool) -> int:
 def start_local_run(r, recipe: Path, overrides: list[str]):
     """Create the run directory and start its supervisor (which starts every process); the RunDir."""
     from rlctl.launchers.local import start_supervisor
-    from rlctl.topology import local_topology
+    from rlctl.process.topology import local_topology
     from rlctl.recipe import Launcher, recipe_to_yaml
-    from rlctl.rundir import create_run_dir
+    from rlctl.run.dir import create_run_dir
 
     _check_engines_importable(r)
     info = _run_info(r, recipe, overrides, local_topology(r).to_json())
@@ -145,7 +145,7 @@ def dry_run_script(r) -> tuple[str, Path]:
     import sys
 
     from rlctl.launchers import slurm
-    from rlctl.rundir import new_run_id
+    from rlctl.run.dir import new_run_id
 
     run_id = new_run_id(r.run.name)
     run_dir = (Path(r.run.output_dir) / run_id).resolve()
@@ -155,7 +155,7 @@ def dry_run_script(r) -> tuple[str, Path]:
 def submit(rd, script: Path) -> str:
     """sbatch the run's batch script and record the job; the job id."""
     from rlctl.launchers import slurm
-    from rlctl.rundir import RunState
+    from rlctl.run.dir import RunState
 
     try:
         job_id = slurm.submit(script)
@@ -173,7 +173,7 @@ def write_batch_script(r, recipe: Path, overrides: list[str]):
 
     from rlctl.launchers import slurm
     from rlctl.recipe import recipe_to_yaml
-    from rlctl.rundir import create_run_dir
+    from rlctl.run.dir import create_run_dir
 
     python = r.slurm.python or sys.executable
     rd = create_run_dir(Path(r.run.output_dir), r.run.name, recipe_to_yaml(r), _run_info(r, recipe, overrides, None),

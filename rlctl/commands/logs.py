@@ -14,7 +14,7 @@ import typer
 from rlctl.errors import RunError, UsageError
 
 if typing.TYPE_CHECKING:
-    from rlctl.rundir import RunDir
+    from rlctl.run.dir import RunDir
 
 ROLE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 """A role as the logs directory names it: controller, trainer-0, rollout-1, job ... (no path)."""
@@ -27,9 +27,9 @@ def logs(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
     """Print a role's log."""
-    from rlctl.rundir import find_run
-    from rlctl.runcheck import one_line
-    from rlctl.tail import open_regular
+    from rlctl.run.dir import find_run
+    from rlctl.run.check import one_line
+    from rlctl.run.tail import open_regular
 
     rd = find_run(run, runs_dir)
     path = log_file(rd, role or "controller")
@@ -49,8 +49,8 @@ def log_file(rd: RunDir, role: str) -> Path:
     path (../../etc/passwd, /etc/passwd) is refused (exit 2), and so is a log that is a symlink
     leading out of logs/, or a logs/ leading out of the run directory (exit 1). run.json is not
     needed: the logs of a run whose run.json is damaged are what tells why."""
-    from rlctl.rundir import UnreadableRun
-    from rlctl.runcheck import one_line
+    from rlctl.run.dir import UnreadableRun
+    from rlctl.run.check import one_line
 
     if not ROLE.fullmatch(role) or ".." in role:
         raise UsageError(f"'{one_line(role, 80)}' is not a role; roles are names like controller, trainer-0, rollout-1")
@@ -81,7 +81,7 @@ def _copy(f: typing.BinaryIO, rd: RunDir, follow: bool) -> None:
 
 
 def _finished(rd: RunDir) -> bool:
-    from rlctl.rundir import RunState, UnreadableRun
+    from rlctl.run.dir import RunState, UnreadableRun
 
     try:
         return RunState(rd.read()["state"]).finished

@@ -51,7 +51,7 @@ def up(pool_file: Path = typer.Argument(..., help="The pool file (see recipes/po
     deadline = time.monotonic() + UP_TIMEOUT_S
     while not pd.alive():
         if proc.poll() is not None or time.monotonic() > deadline:
-            from rlctl.tail import last_log_line
+            from rlctl.run.tail import last_log_line
 
             proc.kill()
             raise RunError(f"pool {pd.name} did not come up: {last_log_line(pd.log_path) or 'no output'}; "
@@ -65,7 +65,7 @@ def _up_on_slurm(spec, pd) -> None:
     """sbatch the pool's job and wait for its service to answer, or say it is still pending."""
     from rlctl.launchers import slurm
     from rlctl.launchers.pool.slurm import submit_pool
-    from rlctl.tail import last_log_line
+    from rlctl.run.tail import last_log_line
 
     try:
         job_id = submit_pool(spec, pd.path)
@@ -96,7 +96,7 @@ def down(name: str = typer.Argument(..., help="The pool's name."),
     """Detach every run (their engines stop; the runs fail) and stop the pool's service."""
     from rlctl.launchers.pool.client import request
     from rlctl.launchers.pool.pooldir import PoolDir
-    from rlctl.rundir import pid_alive
+    from rlctl.run.dir import pid_alive
 
     pd = PoolDir(pools_dir / name)
     state = pd.read()

@@ -11,7 +11,7 @@ import typer
 from rlctl.errors import UsageError
 
 if TYPE_CHECKING:
-    from rlctl.rundir import RunDir, RunState
+    from rlctl.run.dir import RunDir, RunState
 
 
 def resume(
@@ -20,7 +20,7 @@ def resume(
     detach: bool = typer.Option(False, "--detach", "-d", help="Return at once; the run goes on in the background."),
 ) -> None:
     """Continue a failed or cancelled run at the step after its newest checkpoint."""
-    from rlctl.rundir import find_run
+    from rlctl.run.dir import find_run
 
     raise typer.Exit(resume_run(find_run(run, runs_dir), detach))
 
@@ -44,11 +44,11 @@ def resumable(rd: RunDir) -> tuple[RunState, str | None, dict]:
 
 def resume_run(rd: RunDir, detach: bool) -> int:
     """Continue the run at the step after its newest checkpoint; the exit code."""
-    from rlctl.checkpoint import find_checkpoint, prepare_resume
+    from rlctl.run.checkpoint import find_checkpoint, prepare_resume
     from rlctl.commands.follow import follow
     from rlctl.launchers.local import start_supervisor
     from rlctl.launchers.pool.pooldir import PoolDir
-    from rlctl.rundir import RunState
+    from rlctl.run.dir import RunState
 
     state, why, info = resumable(rd)
     if state is RunState.COMPLETED:
@@ -72,11 +72,11 @@ def resume_run(rd: RunDir, detach: bool) -> int:
 
 def resubmit(rd: RunDir, steps: int, detach: bool) -> int:
     """A Slurm run: submit its batch script again. The new job's first step sees a later attempt
-    and resumes from the newest checkpoint (rlctl/launchers/slurm_job.py)."""
-    from rlctl.checkpoint import SLURM_ATTEMPT_KEYS
+    and resumes from the newest checkpoint (rlctl/launchers/slurm/steps.py)."""
+    from rlctl.run.checkpoint import SLURM_ATTEMPT_KEYS
     from rlctl.commands.follow import follow
     from rlctl.launchers import slurm
-    from rlctl.rundir import RunState, now_iso
+    from rlctl.run.dir import RunState, now_iso
 
     script = rd.path / "job.sbatch"
     if not script.is_file():
@@ -104,9 +104,9 @@ def resume_recipe(r, recipe: Path, detach: bool) -> int | None:
     run.output_dir) from its newest checkpoint; the exit code, or None where a new run should
     start (no earlier run, or one without a checkpoint). A batch script that always calls it
     runs the recipe to its end, however often it is stopped."""
-    from rlctl.checkpoint import list_checkpoints
+    from rlctl.run.checkpoint import list_checkpoints
     from rlctl.recipe import recipe_to_yaml
-    from rlctl.rundir import RunState, list_runs
+    from rlctl.run.dir import RunState, list_runs
 
     runs = [rd for rd in list_runs(Path(r.run.output_dir)) if rd.id.rsplit("-", 3)[0] == r.run.name]
     if not runs:
@@ -133,7 +133,7 @@ def recipe_differences(a: str, b: str) -> list[str]:
     """The dotted keys whose values differ between two resolved recipes (YAML)."""
     import yaml
 
-    from rlctl.compare import flatten
+    from rlctl.run.compare import flatten
 
     fa, fb = flatten(yaml.safe_load(a)), flatten(yaml.safe_load(b))
     return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))

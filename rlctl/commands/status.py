@@ -1,5 +1,5 @@
 """`rlctl status [RUN] [--json] [--watch]`: runs and their state. What is shown comes from
-rlctl/status.py; this module parses the command line and renders it."""
+rlctl/launchers/status.py; this module parses the command line and renders it."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def render_table(rows: list[dict[str, Any]]) -> Text:
 
 def table_text(rows: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int, str]]]:
     """The runs table as plain text, and its styles as (start, end, style)."""
-    from rlctl.runcheck import one_line
+    from rlctl.run.check import one_line
 
     header: tuple[str, ...] = ("RUN", "MODE", "LAUNCHER", "STATE", "STEP", "REWARD", "ELAPSED")
     right = {4, 5, 6}
@@ -92,7 +92,7 @@ def _event_cells(e: dict[str, Any]) -> tuple[str, str, str]:
 
 def _metrics_lines(m: dict[str, Any]) -> list[str]:
     """The last step's numbers, when they are all there; else the record as it is, cut."""
-    from rlctl.runcheck import one_line
+    from rlctl.run.check import one_line
 
     def nums(*keys: str) -> bool:
         return all(isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool) for k in keys)
@@ -149,7 +149,7 @@ def render_detail(d: dict[str, Any]) -> Group:
     from rich.table import Table
     from rich.text import Text
 
-    from rlctl.runcheck import one_line
+    from rlctl.run.check import one_line
 
     head = Text()  # built from parts, never markup: ids and paths are the run directory's, not ours
     head.append(one_line(d["id"], 120), style="bold")
@@ -189,7 +189,7 @@ def render_detail(d: dict[str, Any]) -> Group:
     if len(d.get("attempts") or []) > 1:
         parts.append(Text("attempts:"))
         parts.extend(Text(one_line(_attempt_line(a), 300)) for a in d["attempts"])
-    if d.get("checkpoints"):  # rlctl/checkpoint.py: step, size, when it was completed
+    if d.get("checkpoints"):  # rlctl/run/checkpoint.py: step, size, when it was completed
         parts.append(Text(f"checkpoints/ (attempt {len(d.get('attempts') or [1])} of the run):"))
         parts.extend(Text(f"  step {c['step']:>6}  {c['bytes'] / 2**20:9.1f} MiB  {c['time']}  {Path(c['path']).name}")
                      for c in d["checkpoints"])
@@ -206,9 +206,9 @@ def _sweep_status(sweep: Any, as_json: bool) -> None:
     from rich.console import Console
     from rich.text import Text
 
-    from rlctl.rundir import RunDir
-    from rlctl.runcheck import one_line
-    from rlctl.status import safe_summary
+    from rlctl.run.dir import RunDir
+    from rlctl.run.check import one_line
+    from rlctl.launchers.status import safe_summary
 
     data = sweep.read()
     rows = []
@@ -234,7 +234,7 @@ def _sweep_status(sweep: Any, as_json: bool) -> None:
 
 def render_sweeps(sweeps: list[dict[str, Any]]) -> str:
     """The sweeps under the runs table, one line each (`rlctl status SWEEP` shows one whole)."""
-    from rlctl.runcheck import one_line
+    from rlctl.run.check import one_line
 
     lines = [f"sweeps ({len(sweeps)}; `rlctl status SWEEP` shows one):"]
     for s in sweeps:
@@ -308,8 +308,8 @@ def status(
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every 2 s until Ctrl-C."),
 ) -> None:
     """Show runs and sweeps, or one run (or sweep) in detail."""
-    from rlctl.status import run_detail, summaries, sweep_summaries
-    from rlctl.sweep import find_sweep
+    from rlctl.launchers.status import run_detail, summaries, sweep_summaries
+    from rlctl.run.sweep import find_sweep
 
     sweep = find_sweep(run, runs_dir) if run else None
     if sweep is not None:

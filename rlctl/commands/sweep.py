@@ -1,4 +1,4 @@
-"""`rlctl sweep RECIPE key=a,b key2=x,y [--seeds N]`: a grid of runs under one sweep id (rlctl/sweep.py)."""
+"""`rlctl sweep RECIPE key=a,b key2=x,y [--seeds N]`: a grid of runs under one sweep id (rlctl/run/sweep.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def sweep(
 ) -> None:
     """Run a recipe over a grid of overrides and seeds; `rlctl status SWEEP`, `rlctl compare SWEEP --group-by KEY`."""
     from rlctl.recipe import Launcher
-    from rlctl.sweep import Sweep, parse_grid, points
+    from rlctl.run.sweep import Sweep, parse_grid, points
 
     if seeds < 0 or parallel < 1:
         raise UsageError("--seeds must be >= 0 and --parallel >= 1")
@@ -67,7 +67,7 @@ def _start_local(recipe: Path):
 
 def _drive(sw: Any, parallel: int) -> None:
     """The local driver, in the foreground: Ctrl-C cancels the runs it started that still run."""
-    from rlctl.sweep import drive_local, finished
+    from rlctl.run.sweep import drive_local, finished
 
     recipe = Path(sw.read()["recipe"])
     try:
@@ -94,7 +94,7 @@ def _submit_all(sw: Any, recipe: Path) -> None:
     """Slurm: every point its own heterogeneous job, submitted now; Slurm's queue runs them."""
     from rlctl.commands.launch import submit, write_batch_script
     from rlctl.recipe import load_recipe
-    from rlctl.sweep import overrides_of
+    from rlctl.run.sweep import overrides_of
 
     data = sw.read()
     for i, _ in enumerate(data["points"]):
@@ -106,7 +106,7 @@ def _submit_all(sw: Any, recipe: Path) -> None:
 
 
 if __name__ == "__main__":  # the background driver (--detach), in the directory the sweep was started in
-    from rlctl.sweep import Sweep
+    from rlctl.run.sweep import Sweep
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _drive(Sweep(Path(sys.argv[1])), int(sys.argv[2]))

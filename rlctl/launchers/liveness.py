@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rlctl.rundir import RunDir, RunState, pid_alive
+from rlctl.run.dir import RunDir, RunState, pid_alive
 
 STARTING_GRACE_S = 30.0
 """A local run with no supervisor pid yet is still starting for this long, then failed."""
@@ -85,7 +85,7 @@ def _attempt_age_s(info: dict[str, Any]) -> float:
     """Seconds since the run's current attempt began: `rlctl resume` starts an attempt of a run
     created long ago, and its supervisor has its grace from then (run.json's `created` where the
     attempt's start is not a time)."""
-    begun = dt.datetime.fromisoformat(info["created"])  # checked by rlctl/runcheck.py
+    begun = dt.datetime.fromisoformat(info["created"])  # checked by rlctl/run/check.py
     attempts = info.get("attempts")
     current = attempts[-1] if isinstance(attempts, list) and attempts and isinstance(attempts[-1], dict) else {}
     try:

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlctl.checkpoint import PREEMPTED_EXIT
-from rlctl.auth import TOKEN_FILE, TOKEN_FILE_ENV
-from rlctl import lifetime
+from rlctl.run.checkpoint import PREEMPTED_EXIT
+from rlctl.process.auth import TOKEN_FILE, TOKEN_FILE_ENV
+from rlctl.process import lifetime
 from rlctl.launchers.health import healthy
 from rlctl.errors import RunError
-from rlctl.topology import Role, Topology
+from rlctl.process.topology import Role, Topology
 from rlctl.recipe import Launcher, Recipe, recipe_from_yaml
-from rlctl.rundir import RunDir, RunState
-from rlctl.tail import last_log_line
-from rlctl.watchdog import HEARTBEAT_FILE, heartbeat_age
+from rlctl.run.dir import RunDir, RunState
+from rlctl.run.tail import last_log_line
+from rlctl.process.watchdog import HEARTBEAT_FILE, heartbeat_age
 
 POLL_S = 0.2
 TERM_GRACE_S = 5.0
@@ -56,7 +56,7 @@ def spawn(cmd: list[str], log: Path, *, die_with_parent: bool, env: dict[str, st
 
 def run_env(rd: RunDir) -> dict[str, str]:
     """What a local run's processes get on top of this environment (the supervisor's children
-    inherit it): the path of the run's token file (rlctl/auth.py), and loopback for the sockets
+    inherit it): the path of the run's token file (rlctl/process/auth.py), and loopback for the sockets
     gloo and NCCL open for their peers, which are all on this host (unless already set)."""
     env = {TOKEN_FILE_ENV: str(rd.path.resolve() / TOKEN_FILE)}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -138,7 +138,7 @@ class Supervisor:
                     self.servers_down.add(c.role.name)
                     self.rd.event("server_down", role=c.role.name)
                     if self.running and self._replace(c, code):
-                        continue  # failover (rlctl/failover.py): the run goes on without it meanwhile
+                        continue  # failover (rlctl/control/failover.py): the run goes on without it meanwhile
                 last = last_log_line(self.rd.log_path(c.role.name))
                 if c.role.kind == "controller" and code == PREEMPTED_EXIT:  # SIGUSR1: checkpointed, as asked
                     return RunState.CANCELLED, f"{last or 'stopped after a checkpoint'}; `rlctl resume` continues it"
@@ -213,7 +213,7 @@ class Supervisor:
 
     def _stalled(self, controller: Child) -> tuple[RunState, str] | None:
         """run.stall_timeout_s: a controller whose heartbeat stopped is frozen or hung: it is
-        killed, and the run fails saying so (rlctl/watchdog.py)."""
+        killed, and the run fails saying so (rlctl/process/watchdog.py)."""
         age = heartbeat_age(self.rd.path / HEARTBEAT_FILE)
         if age is None or age <= self.recipe.run.stall_timeout_s:
             return None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rlctl.metrics.step import StepMetrics
 
 if TYPE_CHECKING:
-    from rlctl.tracking import Tracker
+    from rlctl.run.tracking import Tracker
 
 
 class EventWriter(Protocol):

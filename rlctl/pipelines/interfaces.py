@@ -51,7 +51,7 @@ class RunTrainer(Trainer, Protocol):
 
 class TrainerLayer:
     """A layer around a trainer: it passes every call of RunTrainer on to `inner`, and a subclass
-    changes the calls it is about. Every layer of a run's trainer (rlctl/controller.py
+    changes the calls it is about. Every layer of a run's trainer (rlctl/control/controller.py
     compose_trainer) is one, so each says in its own code what it changes and nothing is
     forwarded unseen."""
 

@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlctl.errors import RunError
-from rlctl.lifetime import die_with_parent
+from rlctl.process.lifetime import die_with_parent
 from rlctl.rewards.failures import VerifierFailed
 
 if TYPE_CHECKING:
@@ -253,7 +253,7 @@ def serve(conn: Connection, load: Callable[[], tuple[Callable[[list[int]], str],
 
 def _serve_recipe(conn: Connection, model_path: str, reward: RewardConfig, parent: int) -> None:
     """A spawned scoring process: the model's tokenizer and the recipe's verifier. It dies with
-    the controller that spawned it, however that ends (a SIGKILL included: rlctl/lifetime.py)."""
+    the controller that spawned it, however that ends (a SIGKILL included: rlctl/process/lifetime.py)."""
     die_with_parent(parent)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # decoding needs no thread pool; the cores are the engines'
 

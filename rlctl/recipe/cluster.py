@@ -320,7 +320,7 @@ class WandbConfig(Section):
     def missing_here(self) -> str | None:
         """Why wandb cannot log from this machine (it is not installed), or None. Asked where the
         controller logs from: this machine (Recipe.check), or for launcher=slurm the job's first
-        node (rlctl/launchers/slurm_job.py), so the submitting machine needs no wandb."""
+        node (rlctl/launchers/slurm/steps.py), so the submitting machine needs no wandb."""
         if self.mode is not WandbMode.DISABLED and importlib.util.find_spec("wandb") is None:
             return "wandb is not installed: pip install 'rlctl[wandb]', or set it to disabled"
         return None

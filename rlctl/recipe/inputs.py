@@ -52,7 +52,7 @@ class RunConfig(Section):
     """The watchdog of the controller and the trainer (rollout servers have rollout.stall_timeout_s):
     the run fails, saying which, when the controller's heartbeat has stopped this long (the
     supervisor checks it), or when a call to the trainer has taken this long and 10x the slowest
-    call of its kind so far (rlctl/watchdog.py)."""
+    call of its kind so far (rlctl/process/watchdog.py)."""
 
     def check(self) -> None:
         positive("steps", self.steps)

@@ -52,7 +52,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), che
 
     check_paths=False skips the checks that local files exist (model, data): a simulation of a
     cluster run needs neither. A launcher=slurm recipe names the cluster's paths, which this
-    machine need not hold: the job checks them on its first node (rlctl/launchers/slurm_job.py)."""
+    machine need not hold: the job checks them on its first node (rlctl/launchers/slurm/steps.py)."""
     file = str(path)
     try:
         with open(path, "rb") as f:

@@ -9,7 +9,7 @@ from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
 from rlctl.recipe.choices import Device, RolloutEngine, ServerProtocol, SGLangDtype
 
 # Flags the sglang engine sets itself (rlctl/engines/rollout/sglang/launch.py).
-# --config carries the run's token as the api key (rlctl/auth.py); SGLang takes one --config only,
+# --config carries the run's token as the api key (rlctl/process/auth.py); SGLang takes one --config only,
 # and an admin key would lock the run's own token out of the weight routes.
 SGLANG_MANAGED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--tp", "--random-seed", "--api-key",
                         "--mem-fraction-static", "--dtype", "--skip-tokenizer-init", "--dp-size", "--dp",
@@ -237,7 +237,7 @@ class RolloutConfig(Section):
     run draw groups for ever (verl's max_num_gen_batches)."""
     stall_timeout_s: float = 60.0
     """A server whose /health has not answered 200 for this long is lost: its requests go to the
-    other servers, and a local one is killed and restarted (rlctl/failover.py)."""
+    other servers, and a local one is killed and restarted (rlctl/control/failover.py)."""
     max_restarts: int = 3
     """How often each lost server is started again: locally by the supervisor, under Slurm as a new
     step on its node, in a pool by the pool on its device (0: the run goes on without it)."""

@@ -22,7 +22,7 @@ from typing import Any
 from rlctl.errors import UsageError
 from rlctl.metrics.spans import SpanKind, SpanPairer
 from rlctl.recipe import Device, GpuKind, load_recipe
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 from rlctl.costs.model import HARDWARE, CostModel, ModelShape, algo_passes
 
 

@@ -22,7 +22,7 @@ from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.scoring import inline_scorer
 from rlctl.costs.recipe import cost_model
 from rlctl.recipe import DataConfig, Recipe, recipe_to_yaml
-from rlctl.rundir import SIMULATION_PREFIX, EventLog, RunDir, RunState, create_run_dir
+from rlctl.run.dir import SIMULATION_PREFIX, EventLog, RunDir, RunState, create_run_dir
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
 

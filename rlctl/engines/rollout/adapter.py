@@ -21,12 +21,12 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
-from rlctl.devices import gpu_group, process_device
-from rlctl.auth import listen_address, listening_socket, new_key_id, read_token, redact_output, role_key
+from rlctl.process.devices import gpu_group, process_device
+from rlctl.process.auth import listen_address, listening_socket, new_key_id, read_token, redact_output, role_key
 from rlctl.errors import RunError
-from rlctl.topology import Role, Topology
+from rlctl.process.topology import Role, Topology
 from rlctl.recipe import Launcher, Recipe, RolloutConfig, RolloutEngine, ServerProtocol, SyncBackend
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 
 if TYPE_CHECKING:
     import aiohttp
@@ -49,7 +49,7 @@ def run_token(rd: RunDir) -> str:
 
 
 def record_key_id(rd: RunDir, role: Role) -> str:
-    """This start's key_id (rlctl/auth.py role_key), recorded in run.json for the others."""
+    """This start's key_id (rlctl/process/auth.py role_key), recorded in run.json for the others."""
     key_id = new_key_id()
     rd.record_process(role.name, key_id=key_id)
     return key_id
@@ -176,7 +176,7 @@ class RolloutAdapter:
 
     def sync_backend(self, recipe: Recipe) -> SyncBackend | None:
         """train.sync_backend=auto: the backend this engine needs, None where the run's placement
-        decides (rlctl/controller.py sync_backend)."""
+        decides (rlctl/control/controller.py sync_backend)."""
         return None
 
     # The protocol's side: the adapters of SGLang and vLLM, the two protocols.

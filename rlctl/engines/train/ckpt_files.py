@@ -1,4 +1,4 @@
-"""The trainer's part of a checkpoint, as files (rlctl/checkpoint.py has the layout and the
+"""The trainer's part of a checkpoint, as files (rlctl/run/checkpoint.py has the layout and the
 atomic rename; this module writes and reads what goes inside):
 
     hf/                       the policy as a Hugging Face model directory: config.json,

@@ -9,10 +9,10 @@ from typing import Any
 
 import aiohttp
 
-from rlctl.auth import bearer
+from rlctl.process.auth import bearer
 from rlctl.engines.rollout.client import wait_healthy
 from rlctl.errors import RunError
-from rlctl.watchdog import CallTimer
+from rlctl.process.watchdog import CallTimer
 
 
 class TrainerClient:
@@ -22,10 +22,10 @@ class TrainerClient:
         self.session = session
         self.set_key(token)
         self.timer = timer
-        """Each call's deadline (rlctl/watchdog.py); None: calls wait as long as they take."""
+        """Each call's deadline (rlctl/process/watchdog.py); None: calls wait as long as they take."""
 
     def set_key(self, key: str | None) -> None:
-        """The trainer's own key (rlctl/auth.py role_key), asked by every route but /health."""
+        """The trainer's own key (rlctl/process/auth.py role_key), asked by every route but /health."""
         self.headers = bearer(key)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +65,7 @@ class TrainerClient:
     async def init_weight_sync(self, servers: list[dict[str, str]], master_address: str, master_port: int,
                                backend: str, bucket_mb: float, protocol: str = "sglang",
                                server: dict[str, Any] | None = None) -> None:
-        """`servers`: each one's url, role and key_id (rlctl/controller.py RunKeys.servers);
+        """`servers`: each one's url, role and key_id (rlctl/control/controller.py RunKeys.servers);
         `protocol`: what the servers speak ("sglang" or "vllm"); `server`: for vLLM, what they
         hold their weights as ({"dtype", "model_path"}), which vLLM has no route to tell."""
         await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,

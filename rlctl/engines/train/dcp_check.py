@@ -18,7 +18,7 @@ an index holds (METADATA_GLOBALS, torch's dtypes), and every byte object with
 torch.load(weights_only=True); each must also lie in a file of the directory itself. Whatever
 passes holds nothing that can run code, and Megatron's unrestricted reads of the same bytes then
 build the same plain objects. Anything else refuses the checkpoint in one line, before Megatron
-reads it. The checkpoint's manifest (rlctl/ckpt_manifest.py) has been checked before this.
+reads it. The checkpoint's manifest (rlctl/run/manifest.py) has been checked before this.
 """
 
 from __future__ import annotations

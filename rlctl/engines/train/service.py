@@ -21,15 +21,15 @@ tag is released, the commands that need it are refused with HTTP 400 (train and 
 both, accumulate and weight reads the weights); /info gives the footprint under `memory`.
 
 Given the run's token, every route but /health asks for `Authorization: Bearer <key>`, the key
-of this start of the trainer (401 without it, 403 with a wrong one; rlctl/auth.py role_key), and
+of this start of the trainer (401 without it, 403 with a wrong one; rlctl/process/auth.py role_key), and
 the service's own clients of the rollout servers send each server its own key, derived here
 from the token and the role and key_id the controller names.
 
 The checkpoint routes touch the run's own checkpoints only: /save_checkpoint writes only into
 RUN/checkpoints/.tmp-step-NNNNNN-PID and /load_checkpoint reads only RUN/checkpoints/step-NNNNNN,
-with symbolic links and `..` resolved (rlctl/checkpoint.py: confined_checkpoint_dir); any other
+with symbolic links and `..` resolved (rlctl/run/checkpoint.py: confined_checkpoint_dir); any other
 path is refused with 403, naming the path and the rule. /load_checkpoint first checks the
-checkpoint against its manifest (rlctl/ckpt_manifest.py: 400 and the first file that differs).
+checkpoint against its manifest (rlctl/run/manifest.py: 400 and the first file that differs).
 
 Rank 0 forwards each train command (and memory release or resume) to the other ranks with
 broadcast_object_list, then every rank runs it; a command refused for released memory is refused
@@ -54,9 +54,9 @@ from typing import Any
 import torch.distributed as dist
 from aiohttp import web
 
-from rlctl.checkpoint import CheckpointPathRefused, confined_checkpoint_dir
-from rlctl.ckpt_manifest import check_manifest
-from rlctl.auth import role_key, token_middleware
+from rlctl.run.checkpoint import CheckpointPathRefused, confined_checkpoint_dir
+from rlctl.run.manifest import check_manifest
+from rlctl.process.auth import role_key, token_middleware
 from rlctl.engines.train.base import TrainEngine, TrainSample
 from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, WeightSender, as_served, tensor_sha256
 from rlctl.errors import RunError
@@ -102,7 +102,7 @@ class TrainerService:
         self.engine = engine
         self.world_size = world_size
         self.token = token
-        """The run's token: never sent; each server's key is derived from it (rlctl/auth.py role_key)."""
+        """The run's token: never sent; each server's key is derived from it (rlctl/process/auth.py role_key)."""
         self.key = key if key is not None else token
         """What every request but /health must carry: this process's own key."""
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -222,8 +222,8 @@ class TrainerService:
             group["group_name"] = f"{DEFAULT_GROUP_NAME}-{self.groups_formed}"
         port = int(body["master_port"])
         if not port:  # chosen here, where the group's store listens (the controller may be elsewhere)
-            from rlctl.auth import listen_address
-            from rlctl.topology import free_ports
+            from rlctl.process.auth import listen_address
+            from rlctl.process.topology import free_ports
 
             port = free_ports(1, listen_address(body["master_address"]))[0]
         common = dict(master_address=body["master_address"], master_port=port, backend=body.get("backend", "gloo"),

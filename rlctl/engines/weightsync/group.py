@@ -92,7 +92,7 @@ def tcp_store(init_method: str, rank: int, world_size: int, timeout: datetime.ti
     socket bound here is handed to it (TCPStore's master_listen_fd). Other ranks connect."""
     import torch.distributed as dist
 
-    from rlctl.auth import listening_socket
+    from rlctl.process.auth import listening_socket
 
     host, port = _host_port(init_method)
     if rank != 0:

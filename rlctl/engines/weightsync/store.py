@@ -36,12 +36,12 @@ _DROP_ALL = struct.pack("HBBI", 0x06, 0, 0, 0)  # classic BPF: BPF_RET | BPF_K, 
 
 class HostedStore:
     """The store of a tcp://HOST:PORT rendezvous, served by rank 0 on HOST's address only
-    (rlctl/auth.py listening_socket, handed to TCPStore); `client` is what the process group uses."""
+    (rlctl/process/auth.py listening_socket, handed to TCPStore); `client` is what the process group uses."""
 
     def __init__(self, host: str, port: int, world_size: int, timeout: datetime.timedelta) -> None:
         import torch.distributed as dist
 
-        from rlctl.auth import listening_socket
+        from rlctl.process.auth import listening_socket
 
         sock = listening_socket(host, port)
         self._listener: socket.socket | None = socket.socket(fileno=os.dup(sock.fileno()))  # to seal it later

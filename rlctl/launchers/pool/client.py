@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from rlctl.auth import LEASE_ROLE, bearer, role_key
+from rlctl.process.auth import LEASE_ROLE, bearer, role_key
 from rlctl.errors import RunError
 from rlctl.launchers.pool.pooldir import PoolDir
 

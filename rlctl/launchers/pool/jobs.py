@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.engines.train.adapter import trainer_adapter
-from rlctl.auth import key_of, read_token
+from rlctl.process.auth import key_of, read_token
 from rlctl.errors import RunError
 from rlctl.models.hf_config import declared_dtype, read_config
-from rlctl.topology import Role, Topology
+from rlctl.process.topology import Role, Topology
 from rlctl.plex.placement import Block
 from rlctl.plex.scheduler import Model, State
 from rlctl.recipe import Device, Recipe, recipe_from_yaml
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 
 _HAS = {State.ACTIVE: {"weights", "working"}, State.WEIGHTS: {"weights"}, State.OFFLOADED: set()}
 
@@ -194,7 +194,7 @@ class EngineMover:
         from rlctl.engines.rollout.client import RolloutClient
         from rlctl.engines.train.client import TrainerClient
 
-        processes = job.rd.read().get("processes", {})  # each engine's own key (rlctl/auth.py role_key)
+        processes = job.rd.read().get("processes", {})  # each engine's own key (rlctl/process/auth.py role_key)
         if model.name == "trainer":
             return TrainerClient(job.plan.trainer_url, self.session(),
                                  key_of(job.token, processes, job.plan.trainers[0].name))

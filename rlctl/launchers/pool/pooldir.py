@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlctl.auth import TOKEN_FILE, create_token, read_token_file
+from rlctl.process.auth import TOKEN_FILE, create_token, read_token_file
 from rlctl.errors import RunError
-from rlctl.rundir import append_jsonl, now_iso, pid_alive, read_jsonl, write_atomic
+from rlctl.run.dir import append_jsonl, now_iso, pid_alive, read_jsonl, write_atomic
 
 
 class PoolDir:

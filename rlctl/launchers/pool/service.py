@@ -13,7 +13,7 @@ Routes (every one but /health asks for a token):
     GET    /status                                    pool token: devices, jobs, usage
     POST   /shutdown                                  pool token: detach every job and stop
 
-A run's calls carry its lease key, derived from the run's token (rlctl/auth.py role_key with
+A run's calls carry its lease key, derived from the run's token (rlctl/process/auth.py role_key with
 LEASE_ROLE), which only that run (and the pool that started its engines) can read: one run cannot
 take or give back another's slices, and the token itself never goes to the pool's port.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.engines.train.adapter import trainer_adapter
-from rlctl.auth import LEASE_ROLE, listen_address, listening_socket, refusal, role_key
+from rlctl.process.auth import LEASE_ROLE, listen_address, listening_socket, refusal, role_key
 from rlctl.errors import RlctlError, RunError
 from rlctl.launchers.pool.engines import EngineStarter
 from rlctl.launchers.pool.slices import Leases, SliceRoutes
@@ -94,7 +94,7 @@ class PoolService:
             token = self.token
             if len(parts) == 3 and parts[0] == "jobs" and parts[2] in ("slice", "release", "renew"):
                 job = self.jobs.get(parts[1])
-                # the job's lease key (rlctl/auth.py LEASE_ROLE); an unknown job: refused below, or 404
+                # the job's lease key (rlctl/process/auth.py LEASE_ROLE); an unknown job: refused below, or 404
                 token = role_key(job.token, LEASE_ROLE, job.name) if job else self.token
             status = refusal(request.path, request.headers.get("Authorization"), token)
             if status is not None:

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rlctl.errors import RunError
-from rlctl.topology import Topology
+from rlctl.process.topology import Topology
 from rlctl.recipe import Device
 from rlctl.recipe.pool import PoolFile
 
@@ -68,7 +68,7 @@ exec "$PY" -m rlctl.launchers.pool.service --pool-dir {shlex.quote(str(pool_dir)
 def submit_pool(spec: PoolFile, pool_dir: Path) -> str:
     """Write the batch script into the pool's directory and sbatch it: the job id."""
     from rlctl.launchers import slurm
-    from rlctl.rundir import write_atomic
+    from rlctl.run.dir import write_atomic
 
     script = pool_dir / "pool.sbatch"
     write_atomic(script, render_pool_script(spec, pool_dir))

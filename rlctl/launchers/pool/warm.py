@@ -71,7 +71,7 @@ class Forker:
     """The pool's end: starts the forker and asks it for processes."""
 
     def __init__(self, log: Path, ready_timeout_s: float = 300.0) -> None:
-        from rlctl.lifetime import die_with_parent
+        from rlctl.process.lifetime import die_with_parent
 
         self.ready_timeout_s = ready_timeout_s
         with log.open("ab") as err:
@@ -148,7 +148,7 @@ def _child(req: dict) -> None:
     try:
         signal.set_wakeup_fd(-1)  # the forker's, closed below
         os.setsid()
-        from rlctl.lifetime import die_with_parent
+        from rlctl.process.lifetime import die_with_parent
 
         die_with_parent()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):

@@ -4,9 +4,10 @@
     client.py     Slurm's command-line client: sbatch, squeue, scontrol, sacct, scancel
     job.py        a job's state as rlctl records and describes it
     reconcile.py  the run's state in run.json joined with its job's
+    steps.py      the steps the batch script runs besides the roles (plan, health, state, ...),
+                  on the job's first node
 
-The steps the batch script runs besides the roles (plan, health, state) are in
-rlctl/launchers/slurm_job.py. Callers use the names below: `from rlctl.launchers import slurm`.
+Callers use the names below: `from rlctl.launchers import slurm`.
 """
 
 from rlctl.launchers.slurm.client import cancel, query, submit

@@ -8,8 +8,8 @@ from typing import Any
 
 from rlctl.launchers.slurm.client import query
 from rlctl.launchers.slurm.job import ACTIVE, JobInfo
-from rlctl.rundir import RunDir, RunState
-from rlctl.tail import last_log_line
+from rlctl.run.dir import RunDir, RunState
+from rlctl.run.tail import last_log_line
 
 
 def job_id_of(info: dict[str, Any]) -> str | None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from rlctl.checkpoint import PREEMPTED_EXIT
+from rlctl.run.checkpoint import PREEMPTED_EXIT
 from rlctl.engines.rollout.registry import rollout_adapter
 from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.launchers.slurm.values import refuse_control_characters, sbatch_value
@@ -335,7 +335,7 @@ srun --het-group=0 --nodes={t_nodes} --ntasks={n_ranks} --ntasks-per-node={ranks
   --export=ALL --kill-on-bad-exit=1 --output="$RLCTL_LOGS/trainer-%t.log" \\
   "$PY" -m rlctl.worker trainer --run-dir "$RUN_DIR" 2>"$RLCTL_LOGS/trainer.srun.log" &
 TRAINER=$!
-rm -f "$RUN_DIR/heartbeat"  # the controller's loop touches it every 2 s (rlctl/watchdog.py)
+rm -f "$RUN_DIR/heartbeat"  # the controller's loop touches it every 2 s (rlctl/process/watchdog.py)
 {rq['controller_start']}
 CONTROLLER=$!
 rlctl_step state --state running

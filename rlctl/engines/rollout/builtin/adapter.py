@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from rlctl.devices import process_device
-from rlctl.auth import token_path
+from rlctl.process.devices import process_device
+from rlctl.process.auth import token_path
 from rlctl.engines.rollout.adapter import RolloutAdapter, ServerStart, bound, record_key_id
 from rlctl.recipe import Device, Launcher, Recipe, RolloutConfig, RolloutEngine, ServerProtocol, SyncBackend
 
@@ -80,7 +80,7 @@ class BuiltinAdapter(RolloutAdapter):
 
 def colocated(recipe: Recipe) -> bool:
     """Is every rollout server on trainer rank 0's GPU? Local runs of TP-1 servers on CUDA, placed
-    as the worker places them (rlctl/devices.py process_device)."""
+    as the worker places them (rlctl/process/devices.py process_device)."""
     r = recipe.rollout
     if (recipe.launcher is not Launcher.LOCAL or recipe.train.device is not Device.CUDA or r.device is not Device.CUDA
             or r.builtin.tp_size != 1):

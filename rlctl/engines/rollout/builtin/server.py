@@ -11,7 +11,7 @@ resuming the model's memory); engine.py is the generation loop.
 
 With `--api-key-file FILE` (every rlctl run gives its token file) every route but /health asks for
 `Authorization: Bearer <token>`, or with `--key-scope ROLE/KEY_ID` too for this process's own key
-derived from that token (what an rlctl run does: rlctl/auth.py role_key), 401 without it and 403
+derived from that token (what an rlctl run does: rlctl/process/auth.py role_key), 401 without it and 403
 with a wrong one, and
 `--weight-group-master HOST[:PORT]` names the only trainer address (and port) it joins a weight group at.
 Without them the server is open, as SGLang is without --api-key: for ad-hoc use on one's own host.
@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from rlctl.auth import read_token_file, role_key, token_middleware
+from rlctl.process.auth import read_token_file, role_key, token_middleware
 from rlctl.engines.rollout.builtin.engine import Engine
 from rlctl.engines.rollout.builtin.generation_routes import GenerationRoutes
 from rlctl.engines.rollout.builtin.memory_routes import MemoryRoutes
@@ -86,7 +86,7 @@ class BuiltinServer:
         self.memory = MemoryRoutes(self.state, self.weights)
         self.vllm = VllmRoutes(self.state)
         # --api-key-file: every route but /health asks for this token, or with --key-scope for
-        # the key derived from it (rlctl/auth.py); none = open
+        # the key derived from it (rlctl/process/auth.py); none = open
         self.token = read_token_file(args.api_key_file) if args.api_key_file else None
         if self.token and args.key_scope:
             role, _, key_id = args.key_scope.rpartition("/")
@@ -234,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
                    help="every route but /health asks for `Authorization: Bearer` + the token in FILE (an rlctl "
                         "run's token file); without it the server is open to anyone who reaches it")
     p.add_argument("--key-scope", default="", metavar="ROLE/KEY_ID",
-                   help="ask for the key derived from the --api-key-file token for this process (rlctl/auth.py "
+                   help="ask for the key derived from the --api-key-file token for this process (rlctl/process/auth.py "
                         "role_key) instead of the token itself")
     p.add_argument("--offload-dir", default="", metavar="DIR",
                    help="where a CPU server's released weights wait (a private directory made inside DIR); "

@@ -163,7 +163,7 @@ class WeightRoutes:
 
     def _ipc_key(self) -> bytes:
         if self.ipc_key is None:
-            from rlctl.auth import read_token_file
+            from rlctl.process.auth import read_token_file
             from rlctl.engines.weightsync.ipc import ipc_key
 
             path = self.state.args.api_key_file

@@ -13,7 +13,7 @@ from rlctl.recipe import RolloutConfig, RolloutEngine
 if TYPE_CHECKING:
     from rlctl.engines.rollout.client import RolloutClient
 
-log = logging.getLogger("rlctl.controller")
+log = logging.getLogger("rlctl.control.controller")
 
 
 class SGLangAdapter(RolloutAdapter):

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from rlctl.engines.rollout.protocol import UPDATE_SESSION_SINCE, parse_version
-from rlctl.auth import write_secret
+from rlctl.process.auth import write_secret
 from rlctl.errors import RunError
 from rlctl.recipe import SGLANG_NEWEST as NEWEST_SPOKEN
 from rlctl.recipe import SGLANG_OLDEST as OLDEST_SPOKEN

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from rlctl.engines.rollout.client import RolloutClient
     from rlctl.engines.weightsync.sender import WeightSender
 
-log = logging.getLogger("rlctl.controller")
+log = logging.getLogger("rlctl.control.controller")
 
 
 class VllmAdapter(RolloutAdapter):

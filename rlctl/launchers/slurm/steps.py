@@ -21,12 +21,12 @@ import re
 import socket
 from pathlib import Path
 
-from rlctl.checkpoint import list_checkpoints, prepare_resume
+from rlctl.run.checkpoint import list_checkpoints, prepare_resume
 from rlctl.launchers.health import healthy
-from rlctl.topology import Topology, slurm_topology
+from rlctl.process.topology import Topology, slurm_topology
 from rlctl.recipe import FieldError, recipe_from_yaml
-from rlctl.rundir import RunDir, RunState, now_iso
-from rlctl.tail import last_log_line
+from rlctl.run.dir import RunDir, RunState, now_iso
+from rlctl.run.tail import last_log_line
 
 # What srun says on its own stderr when a task of its step ends badly.
 _SRUN_TASK_ERROR = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)")

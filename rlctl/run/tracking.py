@@ -9,7 +9,7 @@ import statistics
 from typing import Any, Protocol
 
 from rlctl.recipe import Recipe, WandbMode, recipe_to_dict
-from rlctl.rundir import RunDir
+from rlctl.run.dir import RunDir
 
 SUMMARY_KEYS = ("step_time", "rollout_time", "train_time", "sync_time", "trainer_wait_ratio", "rollout_to_train_end",
                 "efficiency", "tokens_per_s", "reward_mean")
@@ -44,7 +44,7 @@ class WandbTracker:
 
         cfg = recipe.tracking.wandb
         os.environ.setdefault("WANDB_SILENT", "true")
-        config = recipe_to_dict(recipe)  # holds no secret: the run's token is a file of its own (rlctl/auth.py)
+        config = recipe_to_dict(recipe)  # holds no secret: the run's token is a file of its own (rlctl/process/auth.py)
         self.run = wandb.init(
             project=cfg.project, entity=cfg.entity or None, group=cfg.group or None, tags=list(cfg.tags) or None,
             mode=cfg.mode, id=rd.id, name=rd.id, dir=str(rd.path), resume="allow",

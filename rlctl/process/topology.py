@@ -22,7 +22,7 @@ class Role:
     index: int
     host: str
     """Where the others reach it (a node name on a cluster), and where it listens: 127.0.0.1 in a
-    local run, the node's own address on a cluster (rlctl/auth.py listen_address), never all."""
+    local run, the node's own address on a cluster (rlctl/process/auth.py listen_address), never all."""
     port: int | None = None
     bind: str | None = None
     """Address its server listens on when not `host`. Plans no longer set it (older run.json

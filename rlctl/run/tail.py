@@ -118,7 +118,7 @@ def read_jsonl_counted(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The records of a JSONL file, and how many of its lines are not JSON objects (bad bytes,
     NUL bytes, a cut line, a list). Its last line, when it has no newline yet, is being written
     and is skipped without being counted. A missing file has no records; a file that cannot be
-    read (a FIFO, a directory) raises OSError (see rlctl/tail.py's open_regular)."""
+    read (a FIFO, a directory) raises OSError (see rlctl/run/tail.py's open_regular)."""
     try:
         with open_regular(path) as f:
             data = f.read()

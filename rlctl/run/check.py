@@ -1,5 +1,5 @@
 """What a run.json must hold before anything reads it: the keys and types that `rlctl status`,
-`compare`, `cancel`, `trace` and the launchers rely on (rlctl/rundir.py's `RunDir.read()` checks
+`compare`, `cancel`, `trace` and the launchers rely on (rlctl/run/dir.py's `RunDir.read()` checks
 every run.json it reads with `info_problem`).
 
 The check covers only what readers use; keys it does not know are left alone, so a newer writer

@@ -6,7 +6,7 @@ servers, and runs `run.steps` steps. The Recorder (rlctl/metrics/recorder.py) st
 to events.jsonl and, at each step's end, writes the step's metrics to metrics.jsonl and the
 tracker; nothing is kept in memory from one step to the next but what the metrics need.
 With run.save_every it writes a checkpoint after every save_every steps and the last one
-(rlctl/checkpoint.py); an attempt started by `rlctl resume` first loads the newest one into the
+(rlctl/run/checkpoint.py); an attempt started by `rlctl resume` first loads the newest one into the
 trainer and the scheduler and sends its weights to the servers. SIGUSR1 (a Slurm job's warning
 before its time limit, passed on by the batch script) asks for a checkpoint at the end of the
 step in progress, after which the controller stops with exit code PREEMPTED_EXIT and the job
@@ -24,13 +24,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from rlctl.checkpoint import Checkpoint, Preempted, resume_point, save_checkpoint, should_save
+from rlctl.run.checkpoint import Checkpoint, Preempted, resume_point, save_checkpoint, should_save
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.rollout.registry import rollout_adapter, rollout_client
 from rlctl.engines.train.client import TrainerClient
-from rlctl.auth import key_of
+from rlctl.process.auth import key_of
 from rlctl.errors import RunError
-from rlctl.failover import FailoverTrainer, ServerWatch
+from rlctl.control.failover import FailoverTrainer, ServerWatch
 from rlctl.metrics import Recorder
 from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.build import build_pipeline
@@ -38,19 +38,19 @@ from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 from rlctl.pipelines.servers import ServerSet
 from rlctl.pipelines.scoring import PooledScorer
-from rlctl.topology import Topology
+from rlctl.process.topology import Topology
 from rlctl.recipe import Device, Launcher, Recipe, SyncBackend
 from rlctl.rewards.verifiers import make_verifier
-from rlctl.rundir import HOST, PROCESS_CLOCK, EventLog, RunDir
-from rlctl.tracking import make_tracker
-from rlctl.watchdog import HEARTBEAT_FILE, CallTimer, beat
+from rlctl.run.dir import HOST, PROCESS_CLOCK, EventLog, RunDir
+from rlctl.run.tracking import make_tracker
+from rlctl.process.watchdog import HEARTBEAT_FILE, CallTimer, beat
 
 if TYPE_CHECKING:
     import aiohttp
 
     from rlctl.launchers.pool.client import PoolLease
 
-log = logging.getLogger("rlctl.controller")
+log = logging.getLogger("rlctl.control.controller")
 
 READY_TIMEOUT_S = 300.0
 
@@ -125,7 +125,7 @@ def compose_trainer(recipe: Recipe, plan: Topology, keys: RunKeys, client: Train
                     emit: EventSink, clock: Clock, lease: PoolLease | None) -> RunTrainer:
     """The trainer as the pipeline and the checkpointer call it, from the inside out: the HTTP
     client of trainer rank 0; failover (each sync goes to the servers the run has now, the weight
-    group formed anew when they changed: rlctl/failover.py); with pipeline.check_weights, every
+    group formed anew when they changed: rlctl/control/failover.py); with pipeline.check_weights, every
     sync's checksums compared on every server; with launcher=pool, every call inside a slice of
     the shared pool (rlctl/plex/gates.py). Each is a TrainerLayer around the one before."""
     failover = FailoverTrainer(client, watch, weight_group_former(client, recipe, plan, keys))
@@ -194,7 +194,7 @@ async def send_initial_weights(trainer: RunTrainer, emit: EventSink, clock: Cloc
 async def load_checkpoint(trainer: RunTrainer, ckpt: Checkpoint, emit: EventSink,
                           clock: Clock) -> dict[str, Any]:
     """The trainer continues from the checkpoint (weights, optimizer, RNG); returns the
-    controller's part of it (rlctl/checkpoint.py)."""
+    controller's part of it (rlctl/run/checkpoint.py)."""
     start = clock.now()
     state = ckpt.controller_state()
     loaded = await trainer.load_checkpoint(str(ckpt.path.resolve()))
@@ -267,8 +267,8 @@ async def _http_session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def _run_token(rd: RunDir) -> str:
-    """The run's token (rlctl/auth.py): every server of the run, and the trainer, ask for it."""
-    from rlctl.auth import read_token
+    """The run's token (rlctl/process/auth.py): every server of the run, and the trainer, ask for it."""
+    from rlctl.process.auth import read_token
 
     try:
         return read_token(rd.path)
@@ -277,7 +277,7 @@ def _run_token(rd: RunDir) -> str:
 
 
 class RunKeys:
-    """What the controller sends each process of the run: that process's own key (rlctl/auth.py
+    """What the controller sends each process of the run: that process's own key (rlctl/process/auth.py
     role_key), from the run's token and the key_id its newest start recorded in run.json."""
 
     def __init__(self, rd: RunDir, token: str) -> None:

@@ -6,7 +6,7 @@ checkpoint is saved and checked before anything of it is loaded.
                               "hf/model.safetensors": {...}, "trainer/engine.json": {...}, ...}}
 
 The controller writes it after the trainer has written its part and before the directory is
-renamed into place (rlctl/checkpoint.py). `rlctl resume`, a Slurm job's next attempt, the
+renamed into place (rlctl/run/checkpoint.py). `rlctl resume`, a Slurm job's next attempt, the
 trainer's /load_checkpoint and `rlctl export` check it: a file missing, one more, another size or
 other bytes, or a symbolic link anywhere in the checkpoint, and the checkpoint is refused with one
 line naming it and the first file that differs. It tells a checkpoint that was changed or broken

@@ -8,7 +8,7 @@
                               Megatron: megatron/, dist_checkpointing), rng-rank-R.json per rank
         controller.json       steps done, weight version, the prompt cursor and the scheduler's
                               RNG states, the groups left unfinished, the run clock at the save
-        manifest.json         every other file's size and sha256 (rlctl/ckpt_manifest.py)
+        manifest.json         every other file's size and sha256 (rlctl/run/manifest.py)
       .tmp-step-000006-PID/   a checkpoint being written: never listed, never loaded
 
 A checkpoint is written into a temporary directory inside checkpoints/ (the trainer writes hf/
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlctl.ckpt_manifest import check_manifest, write_manifest
+from rlctl.run.manifest import check_manifest, write_manifest
 from rlctl.errors import RunError, UsageError
-from rlctl.rundir import RunDir, now_iso, read_jsonl, write_atomic
+from rlctl.run.dir import RunDir, now_iso, read_jsonl, write_atomic
 
 CHECKPOINTS = "checkpoints"
 CONTROLLER_FILE = "controller.json"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.errors import RunError, UsageError
-from rlctl.rundir import RunDir, RunState
+from rlctl.run.dir import RunDir, RunState
 
 SWEEPS = ".sweeps"
 MAX_RECORD = 16 << 20
@@ -123,8 +123,8 @@ class Sweep:
         """The record, checked to hold what the readers use (record_problem); UnreadableSweep saying
         why when it is missing, not a regular file, over MAX_RECORD bytes, not JSON (nested too
         deep, `null`) or not a sweep's record."""
-        from rlctl.runcheck import one_line
-        from rlctl.tail import describe_open_error, read_regular
+        from rlctl.run.check import one_line
+        from rlctl.run.tail import describe_open_error, read_regular
 
         try:
             raw = read_regular(self.path, MAX_RECORD)

@@ -42,7 +42,7 @@ REDACTED = b"<run token>"
 LEASE_ROLE = "pool-lease"
 """The role whose key (role_key(token, LEASE_ROLE, job)) a pooled run asks its pool for slices with."""
 
-log = logging.getLogger("rlctl.auth")
+log = logging.getLogger("rlctl.process.auth")
 
 
 def new_token() -> str:

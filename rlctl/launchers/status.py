@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.launchers.liveness import is_run_process, read_run
-from rlctl.rundir import RunDir, UnreadableRun, find_run, list_runs
-from rlctl.runcheck import one_line
-from rlctl.tail import jsonl_tail
+from rlctl.run.dir import RunDir, UnreadableRun, find_run, list_runs
+from rlctl.run.check import one_line
+from rlctl.run.tail import jsonl_tail
 
 ROW_TAIL_BYTES = 8192
 """How much of the end of metrics.jsonl a row reads for its last record at first (a record is
@@ -71,7 +71,7 @@ def unreadable_row(rd: RunDir, why: str) -> dict[str, Any]:
 
 def safe_summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """summary(), or the unreadable row when the run cannot be read. The checks of run.json
-    (rlctl/runcheck.py) cover what summary reads; a value they let through and a reader still
+    (rlctl/run/check.py) cover what summary reads; a value they let through and a reader still
     trips on marks the run too, so that one run never stops the listing of the others."""
     try:
         return summary(rd, info)
@@ -100,7 +100,7 @@ def detail(rd: RunDir) -> dict[str, Any]:
     `problems`: what is damaged in the run directory besides run.json (lines skipped, a file
     that is not a file). Raises UnreadableRun when run.json cannot be read."""
     info = rd.read()
-    from rlctl.checkpoint import list_checkpoints
+    from rlctl.run.checkpoint import list_checkpoints
 
     out = summary(rd, info)
     problems = out.pop("problems", [])
@@ -118,7 +118,7 @@ def detail(rd: RunDir) -> dict[str, Any]:
     pool = info.get("pool")  # launcher=pool: the pool's name and this run's usage of its devices
     out["pool"] = {"name": pool.get("name"), "usage": pool.get("usage") or {}} if isinstance(pool, dict) else None
     out["logs"] = [str(p) for p in rd.log_files().values()]
-    out["checkpoints"] = [c.describe() for c in list_checkpoints(rd.path)]  # rlctl/checkpoint.py
+    out["checkpoints"] = [c.describe() for c in list_checkpoints(rd.path)]  # rlctl/run/checkpoint.py
     out["attempts"] = attempts(info)
     out["problems"] = problems + events_problems + _recipe_problems(rd)
     return out
@@ -127,7 +127,7 @@ def detail(rd: RunDir) -> dict[str, Any]:
 def attempts(info: dict[str, Any]) -> list[dict[str, Any]]:
     """Every attempt of the run, the current one last: where it started (a checkpoint's step),
     when, how it ended and why (requeued, failed, cancelled), and its Slurm job."""
-    from rlctl.checkpoint import attempt_ending
+    from rlctl.run.checkpoint import attempt_ending
 
     records = [dict(a) for a in (info.get("attempts") or []) if isinstance(a, dict)]
     if not records:
@@ -150,7 +150,7 @@ def attempts(info: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _recipe_problems(rd: RunDir) -> list[str]:
     """recipe.yaml missing or not a file (its content is read by `rlctl compare`, not here)."""
-    from rlctl.tail import describe_open_error, open_regular
+    from rlctl.run.tail import describe_open_error, open_regular
 
     try:
         with open_regular(rd.recipe_path):
@@ -160,11 +160,11 @@ def _recipe_problems(rd: RunDir) -> list[str]:
 
 
 def sweep_summaries(runs_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every sweep in runs_dir (rlctl/sweep.py): its id, recipe, grid keys, how many runs it has,
+    """Every sweep in runs_dir (rlctl/run/sweep.py): its id, recipe, grid keys, how many runs it has,
     and how many are in each state, from `rows` (the runs' summaries: no run is read again). A
     point not started yet counts as `not started`, a run gone from runs_dir as `missing`; a sweep
     record that cannot be read is a row with `unreadable: why`."""
-    from rlctl.sweep import UnreadableSweep, list_sweeps
+    from rlctl.run.sweep import UnreadableSweep, list_sweeps
 
     state_of = {r["id"]: r["state"] for r in rows}
     out = []

@@ -13,7 +13,7 @@ kernel), or a server whose engine died (the built-in server's /health is 503 the
   (rlctl/launchers/local.py) or the batch script (rlctl/launchers/slurm/script.py) starts a
   dead one again, up to rollout.max_restarts times.
 A server that was started again while nobody noticed (a new key_id in run.json: every start of
-a server draws one once it holds its port, rlctl/auth.py) is lost too: the new process holds
+a server draws one once it holds its port, rlctl/process/auth.py) is lost too: the new process holds
 none of the run's weights. A lost server rejoins once it has been started again and answers
 /health; one that answers under its old key_id is not the run's (the process it was is dead,
 someone else holds its port) and gets nothing but keyless probes. It rejoins at the next weight
@@ -43,9 +43,9 @@ from rlctl.pipelines.servers import ServerSet
 from rlctl.recipe import Launcher, Recipe
 
 if TYPE_CHECKING:
-    from rlctl.rundir import RunDir
+    from rlctl.run.dir import RunDir
 
-log = logging.getLogger("rlctl.failover")
+log = logging.getLogger("rlctl.control.failover")
 
 POLL_S = 1.0
 SYNC_TRIES = 3
@@ -66,7 +66,7 @@ class ServerWatch:
         self.back: set[str] = set()
         """Lost servers started again that answer /health: they rejoin at the next sync."""
         self.key_ids, self.pids = self._starts()
-        """The key_id (rlctl/auth.py) of the start each client's key belongs to, and the pid of
+        """The key_id (rlctl/process/auth.py) of the start each client's key belongs to, and the pid of
         that start. A server with another pid or key_id in run.json has been started again: a
         new process, which holds no weights of the run yet. And a lost server that answers
         /health under its old key_id is no start of the run's: a dead process cannot answer, so

@@ -35,9 +35,9 @@ from typing import Any
 from collections.abc import Callable, Iterator
 
 from rlctl.errors import RunError, UsageError
-from rlctl.runcheck import info_problem, one_line
-from rlctl.runid import RUN_ID, make_run_path, new_run_id  # noqa: F401 - new_run_id: rlctl launch --dry-run
-from rlctl.tail import describe_open_error, read_jsonl_counted, read_regular
+from rlctl.run.check import info_problem, one_line
+from rlctl.run.ids import RUN_ID, make_run_path, new_run_id  # noqa: F401 - new_run_id: rlctl launch --dry-run
+from rlctl.run.tail import describe_open_error, read_jsonl_counted, read_regular
 
 SCHEMA_VERSION = 1
 
@@ -228,7 +228,7 @@ class RunDir:
     # -- run.json ------------------------------------------------------------------------------
 
     def read(self) -> dict[str, Any]:
-        """run.json, checked (rlctl/runcheck.py): it holds the keys and types readers rely on.
+        """run.json, checked (rlctl/run/check.py): it holds the keys and types readers rely on.
         Raises UnreadableRun saying why when it is missing, not a regular file (a directory, a
         FIFO, a dangling symlink: refused at once, never waited on), larger than MAX_RUN_JSON,
         not UTF-8 JSON, or not what a run.json holds."""
@@ -314,10 +314,10 @@ def create_run_dir(output_dir: Path, name: str, recipe_yaml: str, info: dict[str
     """Make runs/<id>/ with recipe.yaml, run.json (state starting) and the run's token (0600).
     The directory is its owner's alone (0700), or readable by its group too (0750,
     `run.shared_group`): the token file stays 0600 either way."""
-    from rlctl.auth import create_token
+    from rlctl.process.auth import create_token
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    run_id, path = make_run_path(output_dir, name)  # rlctl/runid.py: never another run's directory
+    run_id, path = make_run_path(output_dir, name)  # rlctl/run/ids.py: never another run's directory
     path.chmod(0o750 if shared_group else 0o700)  # exactly, whatever the umask
     create_token(path)
     (path / "logs").mkdir()

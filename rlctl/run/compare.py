@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from rlctl.rundir import RunDir, UnreadableRun
+from rlctl.run.dir import RunDir, UnreadableRun
 
 QUALITY = ("reward_mean", "response_len_mean")
 NOT_CONFIG = ("run.output_dir",)  # where a run was written is not what it was
@@ -79,7 +79,7 @@ def read_metrics(rd: RunDir) -> tuple[list[dict[str, Any]], int]:
     longer than MAX_METRICS_LINE. Streamed line by line, so a file of gigabytes costs the records
     kept, not the file (records whose step is not an integer >= 0 are left out). UnreadableRun if
     it cannot be read at all."""
-    from rlctl.tail import describe_open_error, stream_jsonl
+    from rlctl.run.tail import describe_open_error, stream_jsonl
 
     by_step: dict[int, dict[str, Any]] = {}
     bad = 0
@@ -139,8 +139,8 @@ def _recipe_config(rd: RunDir) -> tuple[dict[str, Any] | None, str | None]:
     the bounds of a recipe (rlctl/recipe/bounded_yaml.py): a damaged recipe.yaml (an alias bomb,
     50 MB, a FIFO) costs nothing."""
     from rlctl.recipe.bounded_yaml import MAX_RECIPE_BYTES, YamlLimit, parse_bounded
-    from rlctl.runcheck import one_line
-    from rlctl.tail import describe_open_error, open_regular, read_capped
+    from rlctl.run.check import one_line
+    from rlctl.run.tail import describe_open_error, open_regular, read_capped
 
     try:
         with open_regular(rd.recipe_path) as f:

@@ -1,0 +1,12 @@
+"""A run as files: the run directory that is its source of truth, and what reads and writes it.
+
+    dir.py         the run directory (recipe, run.json, events.jsonl, metrics.jsonl, logs, checkpoints)
+    ids.py         run ids and the directory each names
+    check.py       what a run.json must hold before anything reads it
+    tail.py        the end of a large, growing file (a log, metrics.jsonl)
+    checkpoint.py  a step's checkpoint: what it holds, saving it whole, finding the newest good one
+    manifest.py    a checkpoint's files with their sizes and hashes, checked before loading
+    compare.py     two or more runs side by side (`rlctl compare`)
+    sweep.py       one recipe over a grid of overrides and seeds
+    tracking.py    experiment trackers (wandb) fed a copy of what the run directory holds
+"""
