@@ -203,6 +203,7 @@ def simulated(recipe):
     from rlctl.metrics import KeptEvents, Recorder
     from rlctl.pipelines.build import build_pipeline
     from rlctl.pipelines.scoring import inline_scorer
+    from rlctl.rewards.verifiers import scored_by
     from rlctl.sim.engines import SimRollout, SimTrainer
     from rlctl.sim.loop import VirtualClock
     from rlctl.costs.recipe import cost_model
@@ -211,8 +212,8 @@ def simulated(recipe):
     servers = [SimRollout(f"rollout-{i}", cost, recipe.rollout.max_running_requests) for i in range(4)]
     trainer, events, rng = SimTrainer(cost, servers), KeptEvents(), random.Random(0)
     pipeline = build_pipeline(recipe, servers, trainer, VirtualClock(), Recorder(events, lambda r: None).emit,
-                              lambda step: None, tokenize=lambda text: [0] * 64,
-                              score=inline_scorer(lambda ids: "", lambda r, a: float(rng.random() < 0.5)))
+                              lambda step: None, tokenize=lambda prompt: [0] * 64,
+                              score=inline_scorer(lambda ids: "", scored_by(lambda r, a: float(rng.random() < 0.5))))
     return pipeline, trainer, events
 
 

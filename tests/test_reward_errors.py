@@ -24,7 +24,7 @@ from rlctl.costs.recipe import cost_model
 from rlctl.recipe import RewardConfig, load_recipe
 from rlctl.recipe.choices import RewardOnError
 from rlctl.rewards.failures import RewardError, RewardErrors, VerifierFailed, excerpt
-from rlctl.rewards.verifiers import make_verifier
+from rlctl.rewards.verifiers import Scored, make_verifier, scored_by
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
 
@@ -53,7 +53,7 @@ def test_a_reward_module_beside_the_recipe_loads_without_pythonpath(tmp_path):
     r = load_recipe(recipe, ["reward.verifier=function", f"reward.function={name}:score"])
     assert r.reward.module_dir == str(tmp_path / "exp")
     verify = make_verifier(r.reward)
-    assert (verify("9", "9"), verify("8", "9")) == (1.0, 0.0)
+    assert (verify("9", "9").reward, verify("8", "9").reward) == (1.0, 0.0)
 
 
 def test_module_dir_is_relative_to_the_recipe_not_the_current_directory(tmp_path, monkeypatch):
@@ -73,8 +73,11 @@ BAD_FUNCTIONS = {
     "missing-callable": ("def score(response, answer):\n    return 1.0\n", "{n}:scor", "has no 'scor'; name a function"),
     "not-callable": ("score = 3\n", "{n}:score", "is not callable (its type is int)"),
     "one-parameter": ("def score(response):\n    return 1.0\n", "{n}:score",
-                      "cannot be called as score(response, answer); give it those two parameters"),
-    "keyword-only": ("def score(*, response, answer):\n    return 1.0\n", "{n}:score", "cannot be called as"),
+                      "cannot be called as a reward: it names no parameter for the answer"),
+    "unnamed-keyword-only": ("def score(*, r, a):\n    return 1.0\n", "{n}:score",
+                             "it takes neither (response, answer) as its first two parameters nor parameters named"),
+    "positional-only-by-name": ("def score(response, /, answer):\n    return 1.0\n", "{n}:score",
+                                "positional-only parameters cannot be passed by name"),
     "raises-on-import": ("raise RuntimeError('no GPU here')\n", "{n}:score",
                          "importing '{n}' raised RuntimeError: no GPU here; fix the module"),
     "imports-a-missing-package": ("import nosuchpackage_xyz\n", "{n}:score", "install what it imports"),
@@ -129,7 +132,7 @@ def test_a_simulation_does_not_import_the_reward_function(tmp_path):
 def failing(verify: Callable[[str, str], float], response: str = "the response") -> VerifierFailed:
     """The VerifierFailed that scoring `response` with `verify` gives."""
     with pytest.raises(VerifierFailed) as e:
-        asyncio.run(inline_scorer(lambda ids: response, verify)([1, 2], "9"))
+        asyncio.run(inline_scorer(lambda ids: response, verify)([1, 2], Prompt(0, "max(1,9)=", "9")))
     return e.value
 
 
@@ -153,7 +156,7 @@ def test_a_reward_function_that_returns_no_number_is_a_reward_error(tmp_path, re
 
 
 def test_scoring_says_the_response_before_the_verifier_runs():
-    replies = scoring_replies("resp", "9", lambda r, a: {}["missing"])
+    replies = scoring_replies("resp", ("9", "max(1,9)=", {}), scored_by(lambda r, a: {}["missing"]))
     assert next(replies) == ("text", "resp")
     kind, error, _ = next(replies)
     assert (kind, error) == ("error", "KeyError: 'missing'")
@@ -212,8 +215,8 @@ def simulate(overrides: list[str], verify: Callable[[str, str], float]) -> tuple
     events, records = KeptEvents(), []
     recorder = Recorder(events, records.append)
     pipeline = build_pipeline(recipe, servers, SimTrainer(cost, servers), VirtualClock(), recorder.emit,
-                              lambda step: None, tokenize=lambda text: [0] * 8,
-                              score=inline_scorer(lambda ids: "response", verify))
+                              lambda step: None, tokenize=lambda prompt: [0] * 8,
+                              score=inline_scorer(lambda ids: "response", scored_by(verify)))
     prompts = pipeline.producer.prompts
 
     def at_most_200() -> Iterator[Prompt]:  # the producer opens groups on its own task: this ends it
@@ -264,6 +267,9 @@ def test_on_error_zero_fails_the_run_past_max_errors():
 # -- the pooled scorer: timeouts, and a worker that is replaced -----------------------------------
 
 
+NINE = Prompt(0, "max(1,9)=", "9")
+
+
 class ServingThread:
     """A scoring worker's own loop (scoring.serve) in a thread of this process instead of a
     spawned process; kill() releases a verifier that waits for it."""
@@ -277,7 +283,7 @@ class ServingThread:
 
     def _run(self, conn, verify) -> None:
         try:
-            serve(conn, lambda: ((lambda ids: " ".join(map(str, ids))), verify))
+            serve(conn, lambda: ((lambda ids: " ".join(map(str, ids))), scored_by(verify)))
         except OSError:  # its pipe closed by stop()
             pass
 
@@ -317,8 +323,8 @@ def test_a_verifier_that_never_returns_times_out_and_its_worker_is_replaced():
     async def main() -> tuple[VerifierFailed, tuple[str, float]]:
         await scorer.ready()
         with pytest.raises(VerifierFailed) as e:
-            await scorer([1], "9")
-        return e.value, await scorer([9], "9")
+            await scorer([1], NINE)
+        return e.value, await scorer([9], NINE)
 
     try:
         failure, after = asyncio.run(main())
@@ -327,7 +333,7 @@ def test_a_verifier_that_never_returns_times_out_and_its_worker_is_replaced():
     assert failure.error == "did not return within 0.2 s (reward.timeout_s); its scoring process was stopped"
     assert failure.response == "1"  # said before the verifier ran
     assert len(started) == 2 and started[0].exitcode == -9
-    assert after == ("9", 1.0)  # the new worker scores
+    assert after == ("9", Scored(1.0))  # the new worker scores
 
 
 def test_a_raising_verifier_in_a_worker_fails_the_scoring_and_the_worker_stays():
@@ -335,14 +341,14 @@ def test_a_raising_verifier_in_a_worker_fails_the_scoring_and_the_worker_stays()
 
     async def main() -> tuple[VerifierFailed, tuple[str, float]]:
         with pytest.raises(VerifierFailed) as e:
-            await scorer([0], "9")
-        return e.value, await scorer([4, 2], "9")
+            await scorer([0], NINE)
+        return e.value, await scorer([4, 2], NINE)
 
     try:
         failure, after = asyncio.run(main())
     finally:
         scorer.close()
-    assert (failure.error, failure.response, after) == ("ZeroDivisionError: division by zero", "0", ("4 2", 0.5))
+    assert (failure.error, failure.response, after) == ("ZeroDivisionError: division by zero", "0", ("4 2", Scored(0.5)))
     assert len(started) == 1
 
 
@@ -353,7 +359,7 @@ def test_a_closed_scorer_scores_nothing_and_starts_no_worker():
         await scorer.ready()
         scorer.close()  # the run is ending while scorings still come (a group's task not yet cancelled)
         with pytest.raises(RunError, match="scoring stopped"):
-            await scorer([1], "9")
+            await scorer([1], NINE)
 
     asyncio.run(main())
     assert len(started) == 1 and not started[0].is_alive()

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from rlctl.data import prompt_stream
+from rlctl.data import DataError, prompt_stream
 from rlctl.errors import RunError
 from rlctl.recipe import DataConfig, RewardConfig
 from rlctl.rewards.tasks import TASKS
@@ -17,17 +17,17 @@ from rlctl.rewards.verifiers import make_verifier
 
 def test_exact_and_numeric():
     exact = make_verifier(RewardConfig(verifier="exact"))
-    assert exact(" 9 ", "9") == 1.0 and exact("9.0", "9") == 0.0
+    assert exact(" 9 ", "9").reward == 1.0 and exact("9.0", "9").reward == 0.0
     numeric = make_verifier(RewardConfig(verifier="numeric"))
-    assert numeric("so the answer is 1,234.0", "1234") == 1.0
-    assert numeric("12 then 13", "12") == 0.0  # the last number counts
-    assert numeric("no number", "1") == 0.0
+    assert numeric("so the answer is 1,234.0", "1234").reward == 1.0
+    assert numeric("12 then 13", "12").reward == 0.0  # the last number counts
+    assert numeric("no number", "1").reward == 0.0
 
 
 def test_math_verify_equivalence():
     math = make_verifier(RewardConfig(verifier="math"))
-    assert math("The answer is $\\frac{1}{2}$", "0.5") == 1.0
-    assert math("The answer is $\\frac{1}{3}$", "0.5") == 0.0
+    assert math("The answer is $\\frac{1}{2}$", "0.5").reward == 1.0
+    assert math("The answer is $\\frac{1}{3}$", "0.5").reward == 0.0
 
 
 def test_user_function_by_import_path(tmp_path, monkeypatch):
@@ -37,8 +37,8 @@ def test_user_function_by_import_path(tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = make_verifier(RewardConfig(verifier="function", function="my_reward:length_bonus"))
-    assert fn("7", "7") == 1.0  # clamped into [0, 1]
-    assert fn("8", "7") == 0.0
+    assert fn("7", "7").reward == 1.0  # clamped into [0, 1]
+    assert fn("8", "7").reward == 0.0
     sys.modules.pop("my_reward", None)
     with pytest.raises(RunError, match="reward.function"):
         make_verifier(RewardConfig(verifier="function", function="my_reward:missing"))
@@ -51,7 +51,7 @@ def test_tasks_are_verifiable_by_their_own_answers(name):
     task = TASKS[name]
     for _ in range(50):
         prompt, answer = task.sample(rng)
-        assert exact(answer, answer) == 1.0
+        assert exact(answer, answer).reward == 1.0
         assert set(prompt + answer) <= set(task.alphabet)
 
 
@@ -73,5 +73,5 @@ def test_jsonl_stream_cycles_through_every_row(tmp_path):
 def test_jsonl_bad_row_names_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "c"}\n')
-    with pytest.raises(RunError, match=r"d.jsonl:2: .*'answer'"):
+    with pytest.raises(DataError, match=r"d.jsonl:2: no field 'answer' \(data.answer_key\)"):
         next(prompt_stream(DataConfig(source="jsonl", path=str(path)), 0))

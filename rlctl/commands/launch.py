@@ -24,6 +24,7 @@ def launch(
 
     r = load_recipe(recipe, overrides or [])
     _check_trainer_fits(r, recipe)
+    _check_data(r)
     if resume and not dry_run:
         from rlctl.commands.resume import resume_recipe
 
@@ -77,6 +78,14 @@ def _check_trainer_fits(r, recipe: Path) -> None:
     problem = micro_batch_problem(r)
     if problem is not None:
         raise RecipeError(str(recipe), *problem)
+
+
+def _check_data(r) -> None:
+    """Every row of the data file, read and checked here: a malformed one stops the launch before
+    anything starts (rlctl/data/check.py)."""
+    from rlctl.data.check import check_data
+
+    check_data(r)
 
 
 def _check_engines_importable(r) -> None:

@@ -37,6 +37,7 @@ from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 from rlctl.pipelines.servers import ServerSet
+from rlctl.data.chat import PromptRenderer
 from rlctl.pipelines.scoring import PooledScorer
 from rlctl.process.topology import Topology
 from rlctl.recipe import Device, Launcher, Recipe, SyncBackend
@@ -58,7 +59,7 @@ READY_TIMEOUT_S = 300.0
 async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path: str) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    renderer = PromptRenderer(AutoTokenizer.from_pretrained(model_path), recipe.data)
     clock = PROCESS_CLOCK
     events = EventLog(rd.events_path)
     _flush_on_sigterm(events)
@@ -97,7 +98,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
             recorder.events.flush()
             pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,
                                       on_step_end=lambda step: _log_step(recorder.last),
-                                      tokenize=lambda text: tokenizer(text)["input_ids"], score=scorer, server_set=server_set)
+                                      tokenize=renderer.ids, score=scorer, server_set=server_set)
             if state:
                 restore_pipeline(pipeline, state, recorder.emit, clock)
             pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock, preempt)

@@ -50,6 +50,10 @@ class _Step:
     trained_ready: list[float | None] = field(default_factory=list)
     """When each trained group became ready (None: not in the log, counted as the first request)."""
     rewards: list[float] = field(default_factory=list)
+    source_rewards: dict[str, list[float]] = field(default_factory=dict)
+    """The rewards of each data source's groups (the row's data_source), when the data names one."""
+    scores: dict[str, list[float]] = field(default_factory=dict)
+    """Each named score a reward function returned, over the step's samples that have it."""
     lengths: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
@@ -198,6 +202,10 @@ def _take(s: _Step, e: dict[str, Any], kind: str) -> None:
         s.groups += 1
         s.t_last_ready = t if s.t_last_ready is None else max(s.t_last_ready, t)
         s.rewards += e["rewards"]
+        if e.get("source"):
+            s.source_rewards.setdefault(str(e["source"]), []).extend(e["rewards"])
+        for name, values in (e.get("scores") or {}).items():
+            s.scores.setdefault(str(name), []).extend(v for v in values if isinstance(v, int | float))
         s.lengths += e["lengths"]
         s.versions += e["versions"]
     elif kind == "group_dropped":
@@ -277,7 +285,14 @@ def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
     for key in TRAIN_STATS:
         if key in s.train_stats:
             m[key] = statistics.fmean(s.train_stats[key])
-    return m
+    return m | _by_source_and_score(s)
+
+
+def _by_source_and_score(s: _Step) -> dict[str, float]:
+    """reward_mean/<source> per data source and score_<name> per named score, where the data or
+    the reward function gives them."""
+    m = {f"reward_mean/{source}": statistics.fmean(rewards) for source, rewards in sorted(s.source_rewards.items())}
+    return m | {f"score_{name}": statistics.fmean(values) for name, values in sorted(s.scores.items()) if values}
 
 
 def step_metrics(events: Iterable[dict[str, Any]], step: int) -> dict[str, Any]:

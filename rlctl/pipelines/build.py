@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from rlctl.data import prompt_stream
+from rlctl.data import Prompt, prompt_stream
 from rlctl.engines.rollout.protocol import SamplingRequest
 from rlctl.pipelines.admission import make_admission
 from rlctl.pipelines.async_ import AsyncPipeline
@@ -22,7 +22,7 @@ from rlctl.workloads import LengthDistribution
 
 
 def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
-                   on_step_end: Callable[[int], None], *, tokenize: Callable[[str], list[int]],
+                   on_step_end: Callable[[int], None], *, tokenize: Callable[[Prompt], list[int]],
                    score: Score, server_set: ServerSet | None = None) -> Pipeline:
     """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated).
     `server_set`: the servers' ServerSet when the caller watches it (failover); one is made otherwise."""
@@ -44,7 +44,10 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
         resume_aborted=p.mode is PipelineMode.ASYNC and p.inflight_at_update is InflightAtUpdate.ABORT_RESUME,
         reward_errors=RewardErrors.of(recipe.reward),
     )
-    producer = GroupProducer(runner, prompt_stream(recipe.data, recipe.run.seed),
+    prompts = prompt_stream(recipe.data, recipe.run.seed, prompt_tokens=lambda prompt: len(tokenize(prompt)))
+    if prompts.rows:
+        emit("data_loaded", clock.now(), rows=len(prompts.rows), left_out=prompts.left_out)
+    producer = GroupProducer(runner, prompts,
                              dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit,
                              max_equal_in_a_row=recipe.rollout.max_gen_batches * recipe.rollout.batch_size or None)
     common = dict(batch_size=recipe.rollout.batch_size, groups_per_batch=recipe.train.groups_per_batch,

@@ -45,6 +45,8 @@ class Sample:
     t_start: float
     t_end: float
     finish_reason: str
+    scores: dict[str, float] = field(default_factory=dict)
+    """The named scores the reward function returned (empty when it returned a number)."""
 
     @property
     def weight_version(self) -> int:
@@ -112,7 +114,7 @@ class GroupRunner:
     A response the verifier fails on goes to `reward_errors` (by default: the run fails)."""
 
     def __init__(self, servers: ServerSet, admission: Admission, sampling: SamplingRequest, group_size: int,
-                 tokenize: Callable[[str], list[int]], score: Score, clock: Clock, emit: EventSink,
+                 tokenize: Callable[[Prompt], list[int]], score: Score, clock: Clock, emit: EventSink,
                  lengths: Callable[[], int] | None = None, resume_aborted: bool = False,
                  reward_errors: RewardErrors | None = None) -> None:
         self.servers = servers
@@ -129,7 +131,7 @@ class GroupRunner:
         self.rids_of: dict[int, set[str]] = {}
 
     def new_group(self, group_id: int, step: int, prompt: Prompt) -> Group:
-        return Group(group_id, step, prompt, self.tokenize(prompt.text))
+        return Group(group_id, step, prompt, self.tokenize(prompt))
 
     async def run(self, group: Group) -> Group:
         self.rids_of[group.id] = set()
@@ -190,16 +192,23 @@ class GroupRunner:
             segment += 1
         t_end = self.clock.now()  # the server's part ends here; waiting for a scoring slot is not its busy time
         try:
-            text, reward = await self.score(output, group.prompt.answer)
+            text, scored = await self.score(output, group.prompt)
+            reward, scores = scored.reward, scored.scores
         except VerifierFailed as failure:
-            text = failure.response
+            text, scores = failure.response, {}
             reward = self.reward_errors.failed(failure, self.emit, self.clock.now(), prompt=group.prompt.text,
                                                answer=group.prompt.answer, step=group.step, group=group.id,
                                                sample=index)
         return Sample(group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=output,
-                      logprobs=logprobs, text=text, reward=reward,
+                      logprobs=logprobs, text=text, reward=reward, scores=scores,
                       versions=versions, n_tokens=n_tokens, server=server.name, t_start=t0, t_end=t_end,
                       finish_reason=reason)
+
+
+def named_scores(samples: list[Sample]) -> dict[str, list[float | None]]:
+    """Each named score over a group's samples, in sample order (None where a sample lacks it)."""
+    names = sorted({name for x in samples for name in x.scores})
+    return {name: [x.scores.get(name) for x in samples] for name in names}
 
 
 class GroupProducer:
@@ -289,6 +298,8 @@ class GroupProducer:
             rewards=[x.reward for x in s], lengths=[x.n_tokens for x in s],
             versions=[x.weight_version for x in s], segments=[len(x.versions) for x in s],
             servers=[x.server for x in s], starts=[x.t_start for x in s], ends=[x.t_end for x in s],
+            **({"scores": named_scores(s)} if any(x.scores for x in s) else {}),
+            **({"source": group.prompt.source} if group.prompt.source else {}),
         )
         if self.dynamic_sampling and group.all_equal:
             self.emit("group_dropped", now, step=group.step, group=group.id, reason="all_equal")

@@ -22,44 +22,53 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rlctl.errors import RunError
 from rlctl.process.lifetime import die_with_parent
 from rlctl.rewards.failures import VerifierFailed
+from rlctl.rewards.verifiers import Scored, Verify
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
+    from rlctl.data import Prompt
+
     from rlctl.recipe import RewardConfig
 
-Score = Callable[[list[int], str], Awaitable[tuple[str, float]]]
-"""(response token ids, reference answer) -> (response text, reward); VerifierFailed when the
-verifier fails on it."""
+Score = Callable[[list[int], "Prompt"], Awaitable[tuple[str, Scored]]]
+"""(response token ids, its prompt) -> (response text, the verdict); VerifierFailed when the
+verifier fails on it. The verifier sees the prompt's answer, its prompt and its row's fields."""
 
 SCORING_WORKERS = 2
 
 
-def inline_scorer(detokenize: Callable[[list[int]], str], verify: Callable[[str, str], float]) -> Score:
+def inline_scorer(detokenize: Callable[[list[int]], str], verify: Verify) -> Score:
     """Scores on the calling task, without yielding to the loop: for simulated engines, whose
     scoring costs nothing. No timeout: nothing can stop a verifier that runs on the loop itself."""
 
-    async def score(output_ids: list[int], answer: str) -> tuple[str, float]:
+    async def score(output_ids: list[int], prompt: Prompt) -> tuple[str, Scored]:
         text = detokenize(output_ids)
-        kind, *said = list(scoring_replies(text, answer, verify))[-1]
+        kind, *said = list(scoring_replies(text, _job(prompt), verify))[-1]
         if kind == "error":
             raise VerifierFailed(text, *said)
-        return text, said[0]
+        return text, Scored(*said)
 
     return score
 
 
-def scoring_replies(text: str, answer: str, verify: Callable[[str, str], float]) -> Iterator[tuple[Any, ...]]:
-    """What a scoring says, in order: ("text", response), then ("reward", value) or ("error",
-    the traceback's last line, the traceback). A worker sends each as it comes, so that the
-    response is known even if the verifier never returns."""
+def _job(prompt: Prompt) -> tuple[str, Any, dict[str, Any]]:
+    """What a verifier is given besides the response: (answer, prompt, the row's fields), plain
+    values (they go over a worker's pipe)."""
+    return prompt.answer, prompt.prompt, dict(prompt.fields)
+
+
+def scoring_replies(text: str, job: tuple[str, Any, dict[str, Any]], verify: Verify) -> Iterator[tuple[Any, ...]]:
+    """What a scoring says, in order: ("text", response), then ("reward", value, named scores)
+    or ("error", the traceback's last line, the traceback). A worker sends each as it comes, so
+    that the response is known even if the verifier never returns."""
     yield "text", text
     try:
-        reward = verify(text, answer)
+        scored = verify(text, *job)
     except Exception as e:  # noqa: BLE001 - the verifier is the user's code: any error is a reward error
         yield "error", error_line(e), "".join(traceback.format_exception(type(e), e, _past_own_frames(e.__traceback__)))
         return
-    yield "reward", reward
+    yield "reward", scored.reward, scored.scores
 
 
 def _past_own_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -108,14 +117,14 @@ class PooledScorer:
         for w in self._workers:
             await w.started()
 
-    async def __call__(self, output_ids: list[int], answer: str) -> tuple[str, float]:
+    async def __call__(self, output_ids: list[int], prompt: Prompt) -> tuple[str, Scored]:
         # A caller cancelled mid-scoring (its group was aborted) leaves the scoring to finish, so
         # that the worker's replies are read and it goes back to the idle ones.
-        scoring = asyncio.ensure_future(self._score(output_ids, answer))
+        scoring = asyncio.ensure_future(self._score(output_ids, _job(prompt)))
         scoring.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(scoring)
 
-    async def _score(self, output_ids: list[int], answer: str) -> tuple[str, float]:
+    async def _score(self, output_ids: list[int], job: tuple[str, Any, dict[str, Any]]) -> tuple[str, Scored]:
         if self._idle is None:
             self._idle = asyncio.Queue()
             for w in self._workers:
@@ -126,14 +135,14 @@ class PooledScorer:
             if self._closed:  # the run is ending: no scoring on a stopped worker, and no new one
                 raise RunError("scoring stopped: the run is ending")
             await worker.started()
-            worker.conn.send((output_ids, answer))
+            worker.conn.send((output_ids, *job))
             deadline = asyncio.get_running_loop().time() + self.timeout_s
             while True:
                 kind, *said = await worker.reply(deadline)
                 if kind == "text":
                     text = said[0]
                 elif kind == "reward":
-                    return text, said[0]
+                    return text, Scored(*said)
                 else:
                     raise VerifierFailed(text, *said)
         except TimeoutError:
@@ -179,7 +188,7 @@ class Process(Protocol):
 
 class ScoringWorker:
     """One scoring process (`serve`) and the pipe to it. It says ("ready", pid) or ("failed",
-    why) once loaded, then takes (response ids, answer) and answers with scoring_replies()."""
+    why) once loaded, then takes (response ids, answer, prompt, fields) and answers with scoring_replies()."""
 
     def __init__(self, conn: Connection, process: Process) -> None:
         self.conn, self.process = conn, process
@@ -233,7 +242,7 @@ class ScoringWorker:
         self.process.join(5)
 
 
-def serve(conn: Connection, load: Callable[[], tuple[Callable[[list[int]], str], Callable[[str, str], float]]]) -> None:
+def serve(conn: Connection, load: Callable[[], tuple[Callable[[list[int]], str], Verify]]) -> None:
     """A scoring worker's loop: load (detokenize, verify), say so, then score what comes until
     the controller goes away."""
     try:
@@ -244,10 +253,10 @@ def serve(conn: Connection, load: Callable[[], tuple[Callable[[list[int]], str],
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            output_ids, answer = conn.recv()
+            output_ids, *job = conn.recv()
         except (EOFError, OSError):
             return
-        for message in scoring_replies(detokenize(output_ids), answer, verify):
+        for message in scoring_replies(detokenize(output_ids), tuple(job), verify):
             conn.send(message)
 
 
@@ -257,7 +266,7 @@ def _serve_recipe(conn: Connection, model_path: str, reward: RewardConfig, paren
     die_with_parent(parent)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # decoding needs no thread pool; the cores are the engines'
 
-    def load() -> tuple[Callable[[list[int]], str], Callable[[str, str], float]]:
+    def load() -> tuple[Callable[[list[int]], str], Verify]:
         from transformers import AutoTokenizer
 
         from rlctl.rewards.verifiers import make_verifier

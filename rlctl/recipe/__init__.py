@@ -48,7 +48,8 @@ from rlctl.recipe.choices import (
     WandbMode,
 )
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, SlurmRolloutConfig, SlurmTrainerConfig, TrackingConfig, WandbConfig
-from rlctl.recipe.inputs import DataConfig, ModelConfig, ModelInit, RewardConfig, RunConfig
+from rlctl.recipe.data import DataConfig
+from rlctl.recipe.inputs import ModelConfig, ModelInit, RewardConfig, RunConfig
 from rlctl.recipe.load import check_recipe, load_recipe, recipe_from_yaml, recipe_to_dict, recipe_to_yaml
 from rlctl.recipe.rollout import (
     SGLANG_MANAGED_FLAGS,

@@ -104,7 +104,11 @@ class Launcher(enum.StrEnum):
 
 
 class DataSource(enum.StrEnum):
+    """Where prompts come from: a built-in task, or a file of rows (rlctl/data/rows.py reads
+    JSONL, Parquet and save_to_disk datasets; `jsonl` is the older name of `file`)."""
+
     TASK = "task"
+    FILE = "file"
     JSONL = "jsonl"
 
 

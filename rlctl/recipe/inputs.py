@@ -1,4 +1,4 @@
-"""The sections that say what a run trains and on what: run, model, data, reward."""
+"""The sections that say what a run trains and on what: run, model, reward (data: rlctl/recipe/data.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
-from rlctl.recipe.choices import DataSource, RewardOnError, TaskName, Verifier
+from rlctl.recipe.choices import RewardOnError, Verifier
+from rlctl.recipe.reward_call import RewardCall
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,99}$")
 """A run name: it begins the run id, which names the run's directory, its Slurm job (#SBATCH
@@ -134,28 +135,6 @@ class ModelConfig(Section):
                                      "give a local model directory")
 
 
-@dataclass(kw_only=True)
-class DataConfig(Section):
-    source: DataSource = DataSource.TASK
-    """`task` (a built-in verifiable task generator) or `jsonl` (a file of prompt/answer rows)."""
-    task: TaskName = TaskName.MAX_DIGIT
-    """Built-in task: `max-digit` or `add` (rlctl/rewards/tasks.py)."""
-    path: str | None = None
-    """JSONL file for source=jsonl."""
-    prompt_key: str = "prompt"
-    """source=jsonl: the field of each row that holds the prompt."""
-    answer_key: str = "answer"
-    """source=jsonl: the field of each row that holds the answer the verifier checks against."""
-
-    def check(self) -> None:
-        if self.source is DataSource.JSONL and not self.path:
-            raise FieldError("path", "data.source=jsonl needs data.path, a JSONL file of prompt/answer rows")
-
-    def check_files(self) -> None:
-        if self.source is DataSource.JSONL and not Path(os.path.expanduser(self.path or "")).is_file():
-            raise FieldError("path", f"'{self.path}' does not exist; give a JSONL file of prompt/answer rows")
-
-
 MAX_VERIFY_S = 86_400.0
 """reward.timeout_s at most: a day, more than any verification of one response takes."""
 
@@ -165,10 +144,17 @@ class RewardConfig(Section):
     verifier: Verifier = Verifier.EXACT
     """exact | numeric | math (math-verify) | function (user code, see `function`)."""
     function: str | None = None
-    """`module:callable` (or `package.module:callable`) for verifier=function: called as
-    `callable(response, answer)` and returning a float, clipped to [0, 1]. The module is looked
-    for on the Python path, then in `module_dir`. `rlctl launch` imports it and checks that it
-    takes those two arguments before anything starts."""
+    """`module:callable` (or `package.module:callable`) for verifier=function. It is called with
+    the response's text, the reference answer and, by parameter name, the row's fields
+    (rlctl/recipe/reward_call.py says which argument goes where: `score(response, answer)` and
+    verl's `compute_score(data_source, solution_str, ground_truth, extra_info)` both work). It
+    returns a number, or a dict of named scores (e.g. {format: 0.1, correct: 1.0}), each logged
+    as the step metric `score_<name>`, whose sum (or `score_key`'s entry) is the reward. The
+    reward is clipped to [0, 1]. The module is looked for on the Python path, then in
+    `module_dir`. `rlctl launch` imports it and checks its parameters before anything starts."""
+    score_key: str | None = None
+    """verifier=function returning a dict: the entry that is the reward (e.g. `score`, as verl's
+    functions return it); unset, the sum of the entries."""
     module_dir: str | None = None
     """Where `function`'s module may lie besides the Python path: relative to the recipe file, and
     the recipe's own directory when unset (so `my_reward:score` finds my_reward.py beside the
@@ -196,7 +182,7 @@ class RewardConfig(Section):
         positive("timeout_s", self.timeout_s)
         at_most("timeout_s", self.timeout_s, MAX_VERIFY_S)
         if self.verifier is not Verifier.FUNCTION:
-            for key in ("function", "module_dir"):
+            for key in ("function", "module_dir", "score_key"):
                 if getattr(self, key) is not None:
                     raise FieldError(key, "only used with reward.verifier=function; remove it or set the verifier")
             return
@@ -216,7 +202,7 @@ class RewardConfig(Section):
 
     def load_function(self) -> Callable[..., Any]:
         """Import `function` (module_dir after the Python path) and check that it can be called as
-        rlctl calls it, `fn(response, answer)`: the callable, or a FieldError naming the fix.
+        rlctl calls it (rlctl/recipe/reward_call.py): the callable, or a FieldError naming the fix.
         The recipe's check, the controller and every scoring process load it through here."""
         module_name, _, attr = (self.function or "").partition(":")
         where = f"in {self.module_dir} or on the Python path" if self.module_dir else "on the Python path"
@@ -247,8 +233,7 @@ class RewardConfig(Section):
         except (TypeError, ValueError):  # no signature to read (a builtin): its first call will tell
             return fn
         try:
-            signature.bind("response", "answer")
-        except TypeError:
-            raise FieldError("function", f"'{self.function}{signature}' cannot be called as {attr}(response, "
-                                         "answer); give it those two parameters") from None
+            RewardCall.of(signature)
+        except ValueError as e:
+            raise FieldError("function", f"'{self.function}{signature}' cannot be called as a reward: {e}") from None
         return fn

@@ -255,9 +255,10 @@ def recipe_to_dict(obj: Any) -> Any:
 
 def _resolve_relative_paths(recipe: Recipe, base: Path) -> None:
     """Paths in a recipe are relative to the recipe file, as users expect from config files."""
-    for section in (recipe.model, recipe.data):
-        if section.path and not os.path.isabs(os.path.expanduser(section.path)) and (base / section.path).exists():
-            section.path = str(base / section.path)
+    model = recipe.model
+    if model.path and not os.path.isabs(os.path.expanduser(model.path)) and (base / model.path).exists():
+        model.path = str(base / model.path)
+    recipe.data.resolve(base)
     recipe.reward.resolve(base)
 
 

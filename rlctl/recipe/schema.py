@@ -18,7 +18,8 @@ from rlctl.recipe.choices import (
     TrainEngine,
 )
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
-from rlctl.recipe.inputs import DataConfig, ModelConfig, RewardConfig, RunConfig
+from rlctl.recipe.data import DataConfig
+from rlctl.recipe.inputs import ModelConfig, RewardConfig, RunConfig
 from rlctl.recipe.pool import PoolConfig
 from rlctl.recipe.rollout import RolloutConfig
 from rlctl.recipe.train import PipelineConfig, TrainConfig

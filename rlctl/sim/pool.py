@@ -26,6 +26,7 @@ from typing import Any
 from rlctl.metrics import Recorder
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.scoring import inline_scorer
+from rlctl.rewards.verifiers import scored_by
 from rlctl.plex.gates import PooledRollout, PooledTrainer
 from rlctl.plex.placement import Block, Layout, co_location_fits
 from rlctl.plex.scheduler import Model, SliceScheduler, State
@@ -138,8 +139,8 @@ async def _run_job(recipe: Recipe, cost: CostModel, sched: SliceScheduler, job: 
     prompt = [0] * recipe.sim.prompt_tokens
     recorder = Recorder(_Dropped(), lambda record: None)
     pipeline = build_pipeline(
-        recipe, servers, trainer, VirtualClock(), recorder.emit, lambda step: None, tokenize=lambda text: prompt,
-        score=inline_scorer(lambda ids: "", lambda r, a: 1.0 if rng.random() < recipe.sim.reward_rate else 0.0))
+        recipe, servers, trainer, VirtualClock(), recorder.emit, lambda step: None, tokenize=lambda _: prompt,
+        score=inline_scorer(lambda ids: "", scored_by(lambda r, a: float(rng.random() < recipe.sim.reward_rate))))
     await pipeline.run(recipe.run.steps)
     done[job] = asyncio.get_running_loop().time()
 

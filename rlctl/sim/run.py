@@ -20,6 +20,7 @@ from typing import Any
 from rlctl.metrics import KeptEvents, Recorder
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.scoring import inline_scorer
+from rlctl.rewards.verifiers import scored_by
 from rlctl.costs.recipe import cost_model
 from rlctl.recipe import DataConfig, Recipe, recipe_to_yaml
 from rlctl.run.dir import SIMULATION_PREFIX, EventLog, RunDir, RunState, create_run_dir
@@ -63,8 +64,8 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
     # recipe whose data lives on a cluster's filesystem simulates anywhere.
     pipeline = build_pipeline(
         replace(recipe, data=DataConfig()), servers, SimTrainer(cost, servers), VirtualClock(), recorder.emit, lambda step: None,
-        tokenize=lambda text: prompt,
-        score=inline_scorer(lambda ids: "", lambda response, answer: 1.0 if rng.random() < sim.reward_rate else 0.0),
+        tokenize=lambda _: prompt,
+        score=inline_scorer(lambda ids: "", scored_by(lambda response, answer: float(rng.random() < sim.reward_rate))),
     )
     start = time.perf_counter()
     # Small, acyclic objects (samples, groups) come and go by the hundred thousand each step: the

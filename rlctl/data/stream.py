@@ -1,49 +1,60 @@
-"""Prompt sources: where each group's prompt and reference answer come from."""
+"""The stream of a run's prompts: a built-in task drawn at random, or a file's rows in an order
+reshuffled each epoch, both seeded, with a cursor that a checkpoint saves."""
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlctl.errors import RunError
+from rlctl.data.prompts import Prompt, file_prompts
+from rlctl.data.rows import DataError, read_rows
 from rlctl.recipe import DataConfig, DataSource
 
 
-@dataclass(frozen=True)
-class Prompt:
-    index: int
-    """Position in the stream of prompts (0, 1, 2, ...); stable for a given seed."""
-    text: str
-    answer: str
+def read_prompts(cfg: DataConfig) -> list[Prompt]:
+    """Every prompt of data.path (source=file); DataError naming the row on a malformed one."""
+    path = Path(cfg.path or "").expanduser()
+    return file_prompts(path, read_rows(path), cfg.prompt_key, cfg.answer_key)
 
 
-def prompt_stream(cfg: DataConfig, seed: int) -> PromptStream:
-    """An endless, seeded stream of prompts: a built-in task, or a JSONL file reshuffled each epoch."""
-    return PromptStream(cfg, seed)
+def prompt_stream(cfg: DataConfig, seed: int, prompt_tokens: Callable[[Prompt], int] | None = None) -> PromptStream:
+    """An endless, seeded stream of prompts: a built-in task, or a file's rows reshuffled each
+    epoch. prompt_tokens: a prompt's length in tokens as the servers get it, for
+    data.max_prompt_tokens (not given: no row is left out)."""
+    return PromptStream(cfg, seed, prompt_tokens)
 
 
 class PromptStream:
     """The prompts of a run in a fixed order, with a cursor that a checkpoint saves.
 
     `state()` is where the stream is: the next prompt's index and the RNG state at the start of
-    the current epoch (JSONL) or now (task); `restore(state)` continues exactly there, so a
+    the current epoch (a file) or now (task); `restore(state)` continues exactly there, so a
     resumed run draws the prompts the uninterrupted run would have drawn next."""
 
-    def __init__(self, cfg: DataConfig, seed: int) -> None:
+    def __init__(self, cfg: DataConfig, seed: int, prompt_tokens: Callable[[Prompt], int] | None = None) -> None:
         self.rng = random.Random(seed)
         self.position = 0
         """Prompts handed out so far: the index of the next one."""
         self.task = None
-        self.rows: list[tuple[str, str]] = []
+        self.rows: list[Prompt] = []
+        self.left_out = 0
+        """Rows longer than data.max_prompt_tokens, left out."""
         if cfg.source is DataSource.TASK:
             from rlctl.rewards.tasks import TASKS
 
             self.task = TASKS[cfg.task]
         else:
-            self.rows = read_jsonl_prompts(Path(cfg.path or ""), cfg.prompt_key, cfg.answer_key)
+            self.rows = read_prompts(cfg)
+            if cfg.max_prompt_tokens is not None and prompt_tokens is not None:
+                total = len(self.rows)
+                self.rows = [p for p in self.rows if prompt_tokens(p) <= cfg.max_prompt_tokens]
+                self.left_out = total - len(self.rows)
+                if not self.rows:
+                    raise DataError(f"{cfg.path}: every one of its {total} prompts is longer than "
+                                    f"data.max_prompt_tokens={cfg.max_prompt_tokens}; raise it")
         self._epoch_rng: Any = None
         self._order: list[int] = []
 
@@ -58,7 +69,7 @@ class PromptStream:
         offset = index % len(self.rows)
         if offset == 0:
             self._new_epoch()
-        return Prompt(index, *self.rows[self._order[offset]])
+        return replace(self.rows[self._order[offset]], index=index)
 
     def _new_epoch(self) -> None:
         self._epoch_rng = self.rng.getstate()
@@ -87,21 +98,3 @@ def rng_to_json(state: Any) -> list[Any]:
 def rng_from_json(data: list[Any]) -> tuple[Any, ...]:
     version, internal, gauss = data
     return (version, tuple(internal), gauss)
-
-
-def read_jsonl_prompts(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:
-    rows: list[tuple[str, str]] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                rows.append((str(row[prompt_key]), str(row[answer_key])))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise RunError(
-                    f"{path}:{lineno}: not a JSON object with '{prompt_key}' and '{answer_key}' ({e}); fix the row or data.prompt_key/answer_key"
-                ) from None
-    if not rows:
-        raise RunError(f"{path}: no prompts in the file; data.source=jsonl needs at least one row")
-    return rows
