@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, QUICKSTART, descendants, processes_mentioning, rlctl, wait_for
+from rlctl.data import Prompt
 from rlctl.pipelines.scoring import PooledScorer
 from rlctl.recipe import RewardConfig
 from rlctl.rewards.failures import VerifierFailed
+from rlctl.rewards.verifiers import Scored
 from rlctl.run.dir import RunDir
 
 RAISES = "def score(response, answer):\n    return 1 / 0\n"
@@ -80,11 +82,11 @@ def test_a_verifier_that_loops_is_stopped_in_its_process_and_replaced(tiny_model
     scorer = PooledScorer(str(tiny_model_dir), reward, workers=1)
     first = [w.process.pid for w in scorer._workers]
 
-    async def main() -> tuple[VerifierFailed, tuple[str, float]]:
+    async def main() -> tuple[VerifierFailed, tuple[str, Scored]]:
         await scorer.ready()
         with pytest.raises(VerifierFailed) as e:
-            await scorer([], "loop")
-        return e.value, await scorer([], "9")
+            await scorer([], Prompt(0, "max(1,9)=", "loop"))
+        return e.value, await scorer([], Prompt(1, "max(1,9)=", "9"))
 
     try:
         failure, after = asyncio.run(main())
@@ -93,7 +95,7 @@ def test_a_verifier_that_loops_is_stopped_in_its_process_and_replaced(tiny_model
         scorer.close()
     assert failure.error.startswith("did not return within 1 s (reward.timeout_s)")
     assert replaced != first and not Path(f"/proc/{first[0]}").exists()
-    assert after == ("", 1.0)  # the new process scores
+    assert after == ("", Scored(1.0))  # the new process scores
 
 
 @pytest.mark.e2e

@@ -13,7 +13,7 @@ from rlctl.pipelines.admission import FifoAdmission
 from rlctl.pipelines.core import GroupRunner, ServerSet
 from rlctl.pipelines.scoring import PooledScorer, Score, inline_scorer
 from rlctl.recipe import RewardConfig
-from rlctl.rewards.verifiers import make_verifier
+from rlctl.rewards.verifiers import Scored, make_verifier
 from rlctl.run.dir import RunClock
 
 pytestmark = pytest.mark.process
@@ -101,15 +101,15 @@ def test_pooled_scorings_in_flight_are_bounded(tiny_model_dir, tmp_path, monkeyp
     answer = tokenizer.decode(responses[3], skip_special_tokens=True)
     scorer = PooledScorer(str(tiny_model_dir), reward, workers=2)
 
-    async def main() -> list[tuple[str, float]]:
-        return await asyncio.gather(*(scorer(ids, answer) for ids in responses))
+    async def main() -> list[tuple[str, Scored]]:
+        return await asyncio.gather(*(scorer(ids, Prompt(i, "max(1,2)=", answer)) for i, ids in enumerate(responses)))
 
     try:
         out = asyncio.run(main())
     finally:
         scorer.close()
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
-    assert out == [(t, float(t == answer)) for t in texts]
+    assert out == [(t, Scored(float(t == answer))) for t in texts]
     spans = [tuple(map(float, line.split())) for line in (tmp_path / "scorings.log").read_text().splitlines()]
     assert len(spans) == 8
     most = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
