@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
+import pytest
+
 from rlctl.launchers.pool.slices import Leases
 
 
@@ -48,3 +50,47 @@ def test_a_released_lease_ends_its_slice_and_a_leaving_job_cancels_its_calls():
     _, _, task = grant(leases, "run-a")
     leases.drop_job("run-a")
     assert task.cancelled() and leases.held() == []
+
+
+class _GoneServer:
+    """A rollout client whose server has stopped listening."""
+
+    async def release_memory_occupation(self, tags):
+        from rlctl.errors import ServerUnreachable
+
+        raise ServerUnreachable("http://127.0.0.1:1/release_memory_occupation: server unreachable")
+
+    resume_memory_occupation = release_memory_occupation
+
+
+class _DyingJob:
+    """A pool job whose engine's exit is reported a few polls after it stopped listening, as a
+    warm-started engine's exit reaches the pool (through its forker's message)."""
+
+    def __init__(self, reported_after: int | None) -> None:
+        self.ended, self.started, self.polls, self.reported_after = None, {"rollout-0"}, 0, reported_after
+
+    def exited(self):
+        self.polls += 1
+        return ("rollout-0", -9) if self.reported_after is not None and self.polls > self.reported_after else None
+
+
+@pytest.mark.parametrize("reported_after", [3, None])
+def test_a_move_of_an_engine_that_just_died_waits_for_its_exit_instead_of_failing_the_slice(monkeypatch, reported_after):
+    """A server killed a moment ago refuses the move's release call before its exit is reported: the
+    move is nothing to do once the exit is reported (the pool restarts or lets it go), and an
+    error only when no exit is reported (a server that does not listen but lives)."""
+    from rlctl.errors import ServerUnreachable
+    from rlctl.launchers.pool import jobs
+    from rlctl.plex.state import Model, State
+
+    monkeypatch.setattr(jobs, "EXIT_NOTICE_S", 0.3)
+    job = _DyingJob(reported_after)
+    mover = jobs.EngineMover({"a": job}, session_factory=lambda: None)
+    monkeypatch.setattr(mover, "_client", lambda job, model: _GoneServer())
+    move = mover(Model("a", "rollout-0", (0,), 1.0, 1.0, state=State.ACTIVE), State.OFFLOADED)
+    if reported_after is None:
+        with pytest.raises(ServerUnreachable):
+            asyncio.run(move)
+    else:
+        assert asyncio.run(move) is None and job.polls == reported_after + 1

@@ -19,7 +19,7 @@ from typing import Any
 
 from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.process.auth import key_of, read_token
-from rlctl.errors import RunError
+from rlctl.errors import RunError, ServerUnreachable
 from rlctl.models.hf_config import declared_dtype, read_config
 from rlctl.process.topology import Role, Topology
 from rlctl.plex.placement import Block
@@ -184,8 +184,8 @@ class EngineMover:
                     if isinstance(reply, dict) and isinstance(reply.get("seconds"), int | float):
                         said["bytes"] = said.get("bytes", 0) + int(reply.get("bytes") or 0)
                         said["engine_s"] = said.get("engine_s", 0.0) + float(reply["seconds"])
-        except Exception:
-            if job.ended or job.exited():
+        except Exception as e:
+            if job.ended or job.exited() or (isinstance(e, ServerUnreachable) and await _exit_noticed(job)):
                 return None  # its engine is gone, and its memory with it: nothing to move (the pool lets it go)
             raise
         return said
@@ -201,6 +201,23 @@ class EngineMover:
         index = int(model.name.rsplit("-", 1)[1])
         return RolloutClient(job.plan.server_urls[index], self.session(),
                              key_of(job.token, processes, job.plan.rollout[index].name))
+
+
+EXIT_NOTICE_S = 5.0
+"""How long an engine that refuses connections may take to be reported exited. A warm-started
+engine's exit reaches the pool as a message from its forker (rlctl/launchers/pool/warm.py), a
+moment after the engine stopped listening: a move that finds it gone in between would otherwise
+fail another job's slice."""
+
+
+async def _exit_noticed(job: PoolJob) -> bool:
+    """Whether one of the job's engines is reported exited within EXIT_NOTICE_S."""
+    deadline = time.monotonic() + EXIT_NOTICE_S
+    while time.monotonic() < deadline:
+        if job.ended or job.exited():
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 async def wait_healthy(urls: list[str], job: PoolJob, timeout_s: float) -> None:
