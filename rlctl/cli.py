@@ -21,7 +21,8 @@ from typing import Any
 
 import typer
 
-from rlctl.commands import cancel, compare, export, launch, logs, plan, pool, resume, simulate, status, sweep, trace
+from rlctl.commands import (cancel, compare, export, launch, logs, plan, pool, resume, samples, simulate, status, sweep,
+                            trace)
 from rlctl.errors import RlctlError
 
 
@@ -170,6 +171,7 @@ app.command("launch", no_args_is_help=True)(launch.launch)
 app.command("status")(status.status)
 app.command("cancel", no_args_is_help=True)(cancel.cancel)
 app.command("logs", no_args_is_help=True)(logs.logs)
+app.command("samples", no_args_is_help=True)(samples.samples)
 app.command("simulate", no_args_is_help=True)(simulate.simulate)
 app.command("plan", no_args_is_help=True)(plan.plan)
 app.command("trace", no_args_is_help=True)(trace.trace)

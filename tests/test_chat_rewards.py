@@ -4,6 +4,8 @@ called as written, and named scores and data sources become step metrics."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rlctl.data import DataError, Prompt
@@ -170,3 +172,14 @@ def test_a_run_on_verl_parquet_with_a_dict_reward_logs_scores_per_source(tmp_pat
         assert 0.0 < m["score_index"] < 0.32
     loaded = [e for e in RunDir(path).events() if e["event"] == "data_loaded"]
     assert [(e["rows"], e["left_out"]) for e in loaded] == [(32, 0)]
+    # samples.jsonl: the first 2 groups of each step (run.sample_groups), 4 samples each, readable
+    written = [json.loads(line) for line in RunDir(path).samples_path.read_text().splitlines()]
+    groups = {(x["step"], x["group"]) for x in written}
+    assert [sum(step == s for step, _ in groups) for s in (0, 1)] == [2, 2]
+    assert [sum(x["step"] == s for x in written) for s in (0, 1)] == [8, 8]
+    for x in written:
+        assert x["prompt"][0]["role"] == "user" and x["source"] in ("easy", "hard")
+        assert set(x["scores"]) == {"score", "short", "index"} and x["reward"] == x["scores"]["score"]
+    shown = rlctl("samples", path.name, "--best", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("step 1 · group ") and "  response:" in shown.stdout

@@ -37,6 +37,7 @@ from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 from rlctl.pipelines.servers import ServerSet
+from rlctl.control.samples import SampleWriter
 from rlctl.data.chat import PromptRenderer
 from rlctl.pipelines.scoring import PooledScorer
 from rlctl.process.topology import Topology
@@ -102,6 +103,8 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
             if state:
                 restore_pipeline(pipeline, state, recorder.emit, clock)
             pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock, preempt)
+            if recipe.run.sample_groups:
+                pipeline.producer.on_completed = SampleWriter(rd, recipe.run.sample_groups)
             watching = asyncio.create_task(watch.run())
             try:
                 await pipeline.run(recipe.run.steps, start)

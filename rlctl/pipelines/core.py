@@ -239,6 +239,8 @@ class GroupProducer:
         self.open: dict[int, tuple[Group, asyncio.Task[Group]]] = {}
         self.failure: BaseException | None = None
         """The first error a group ended with: it ends the producer too, instead of a new group."""
+        self.on_completed: Callable[[Group], None] | None = None
+        """Given every group that completes (trained or dropped), e.g. to write its samples."""
         self._ready: asyncio.Queue[Group | BaseException] = asyncio.Queue()
         self._changed = asyncio.Event()
 
@@ -301,6 +303,8 @@ class GroupProducer:
             **({"scores": named_scores(s)} if any(x.scores for x in s) else {}),
             **({"source": group.prompt.source} if group.prompt.source else {}),
         )
+        if self.on_completed is not None:
+            self.on_completed(group)
         if self.dynamic_sampling and group.all_equal:
             self.emit("group_dropped", now, step=group.step, group=group.id, reason="all_equal")
             self.equal_in_a_row += 1

@@ -49,6 +49,10 @@ class RunConfig(Section):
     resume` continues from and `rlctl export` exports (run_dir/checkpoints/step-NNNNNN/)."""
     keep_checkpoints: int = 2
     """How many checkpoints to keep, the newest (0 = all)."""
+    sample_groups: int = 2
+    """Groups a step whose samples (prompt, response, answer, reward and named scores, weight
+    version, finish reason, lengths) go to the run directory's samples.jsonl, the first groups
+    to complete in each step (0 = none); `rlctl samples RUN` prints them."""
     stall_timeout_s: float = 600.0
     """The watchdog of the controller and the trainer (rollout servers have rollout.stall_timeout_s):
     the run fails, saying which, when the controller's heartbeat has stopped this long (the
@@ -62,6 +66,7 @@ class RunConfig(Section):
         at_most("threads_per_process", self.threads_per_process, 1024)
         within("save_every", self.save_every, 0, MAX_STEPS)
         within("keep_checkpoints", self.keep_checkpoints, 0, 10_000)
+        within("sample_groups", self.sample_groups, 0, 1_000_000)
         within("stall_timeout_s", self.stall_timeout_s, 1.0, 7 * 86400.0)
         if not RUN_NAME.fullmatch(self.name):
             raise FieldError("name", f"'{self.name}' is not a usable name; use up to 100 letters, digits and _.+- "

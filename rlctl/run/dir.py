@@ -5,6 +5,7 @@
       run.json        id, state, processes (role, pid, host, port, log), created/ended, exit reason
       events.jsonl    append-only timeline; `t` is seconds since the epoch on the writer's RunClock
       metrics.jsonl   one line per step
+      samples.jsonl   prompts, responses, answers and rewards of a few groups a step (run.sample_groups)
       logs/<role>.log one log per process
 
 Writes are atomic (temp file + rename) or appends of whole lines. run.json is read-modify-written
@@ -195,6 +196,11 @@ class RunDir:
     @property
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"
+
+    @property
+    def samples_path(self) -> Path:
+        """Prompts, responses and rewards of run.sample_groups groups a step (rlctl/run/samples.py)."""
+        return self.path / "samples.jsonl"
 
     @property
     def recipe_path(self) -> Path:
