@@ -119,7 +119,7 @@ def test_relative_paths_resolve_against_the_recipe(tmp_path):
     (["rollout.sglang.extra_args=[--port=1]"], "rollout.sglang.extra_args[0]",
      "'--port=1' is set by rlctl; use the rollout.sglang keys or the plan"),
     (["slurm.rollout.mem=1 G"], "slurm.rollout.mem", "'1 G' has characters Slurm names do not use; letters, digits and _.,:+- only"),
-    (["model.path=/x"], "model", "set exactly one of model.path (a local HF directory) or model.init (build a tiny model)"),
+    (["model.path=/x", "model.init.hidden_size=32"], "model", "set exactly one of model.path (a local HF directory) or model.init (build a tiny model)"),
     (["rollout.batch_size=10", "train.groups_per_batch=4"], "train.groups_per_batch",
      "4 does not divide rollout.batch_size (10); pick a divisor so every train batch is full"),
     (["train.sync_backend=mpi"], "train.sync_backend", "'mpi' is not one of auto, gloo, nccl, ipc"),
@@ -257,3 +257,10 @@ def test_aliases_within_bounds_still_load(tmp_path):
     recipe.write_text("model:\n  init: {}\nrollout:\n  gpus: &g [0, 1]\ntrain:\n  gpus: *g\n  lr: 1e-3\n")
     r = load_recipe(recipe, ["rollout.cpus=[0]", "train.lr=2e-4"])
     assert r.rollout.gpus == r.train.gpus == [0, 1] and r.rollout.cpus == [0] and r.train.lr == 2e-4
+
+
+def test_a_model_path_on_the_command_line_replaces_the_recipes_init():
+    r = load_recipe(QUICKSTART, ["model.path=/models/Qwen3-0.6B"], check_paths=False)
+    assert (r.model.path, r.model.init) == ("/models/Qwen3-0.6B", None)
+    with pytest.raises(RecipeError, match="set exactly one of model.path"):
+        load_recipe(QUICKSTART, ["model.path=/models/Qwen3-0.6B", "model.init.hidden_size=32"], check_paths=False)

@@ -128,7 +128,9 @@ class ModelConfig(Section):
     path: str | None = None
     """A local Hugging Face causal-LM directory (config.json, safetensors, tokenizer)."""
     init: ModelInit | None = None
-    """Build a tiny model instead of loading one (exactly one of path / init)."""
+    """Build a tiny model instead of loading one (exactly one of path / init). `model.path=X` on
+    the command line replaces the recipe's init: `rlctl launch recipes/quickstart.yaml
+    model.path=~/models/Qwen3-0.6B` runs the quickstart on that model."""
 
     def check(self) -> None:
         if (self.path is None) == (self.init is None):

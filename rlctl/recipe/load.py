@@ -64,10 +64,20 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), che
         raise RecipeError(file, "<file>", "no such file; check the path") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(file, "<file>", f"cannot read it ({e.__class__.__name__}: {e})") from None
-    recipe = recipe_from_yaml(text, file, overrides)
+    recipe = recipe_from_yaml(text, file, model_on_the_command_line(overrides))
     _resolve_relative_paths(recipe, Path(path).resolve().parent)
     check_recipe(recipe, file, check_paths and recipe.launcher is Launcher.LOCAL)
     return recipe
+
+
+def model_on_the_command_line(overrides: Sequence[str]) -> list[str]:
+    """The one rule for a model named on the command line: `model.path=X` replaces the recipe's
+    model.init (a recipe that builds the tiny model runs on X instead), unless the command line
+    sets model.init too, which is then refused as a recipe that names both."""
+    keys = [item.partition("=")[0].strip() for item in overrides]
+    if "model.path" in keys and not any(k == "model.init" or k.startswith("model.init.") for k in keys):
+        return ["model.init=null", *overrides]
+    return list(overrides)
 
 
 @_one_line_errors
