@@ -243,6 +243,9 @@ def test_real_runs_plot_and_wandb_offline(tmp_path):
     assert len(history) == len(metrics) == 4
     for h, m in zip(history, metrics):
         assert h["_step"] == m["step"] and h["reward_mean"] == pytest.approx(m["reward_mean"])
+        assert h["samples._type"] == "table-file" and h["samples.ncols"] == 12
         assert h["rollout_to_train_end"] == pytest.approx(m["rollout_to_train_end"])
+    # samples.jsonl's lines, each in one step's table (run.sample_groups: 2 groups of 4 a step)
+    assert sum(h["samples.nrows"] for h in history) == len((b / "samples.jsonl").read_text().splitlines()) == 32
     res = rlctl("status", b.name, "--runs-dir", str(out), cwd=tmp_path)
     assert "wandb (offline): run " + b.name in res.stdout

@@ -62,3 +62,18 @@ def test_a_run_without_samples_says_so_in_one_line(tmp_path):
     assert read_samples(rd) == []
     res = rlctl_here("samples", rd.id, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "no samples yet" in res.stderr
+
+
+def test_a_tracker_gets_each_sample_line_once_and_only_whole_lines(tmp_path):
+    from rlctl.run.tracking import SamplesTail
+
+    rd = create_run_dir(tmp_path / "runs", "s", "run: {}\n", {})
+    rd.samples_path.write_text(json.dumps(sample(0, 0, 0, 1.0, "7")) + "\n")
+    tail = SamplesTail(rd)  # a resumed run: what is there was logged by the attempt before
+    assert tail.new() == []
+    with rd.samples_path.open("a") as f:
+        f.write(json.dumps(sample(1, 2, 0, 0.0, "3")) + "\nnot json\n" + '{"step": 1, "gro')
+    assert [x["response"] for x in tail.new()] == ["3"]
+    with rd.samples_path.open("a") as f:
+        f.write('up": 2}\n')
+    assert tail.new() == [{"step": 1, "group": 2}] and tail.new() == []

@@ -1,9 +1,10 @@
 """Experiment trackers fed from the controller: the run directory stays the source of truth, a
 tracker gets a copy of what is written there (the resolved recipe, each step's metrics with the
-names of metrics.jsonl, a summary at the end). wandb is imported only when the tracker is on."""
+names of metrics.jsonl and its samples.jsonl lines as a table, a summary at the end). wandb is imported only when the tracker is on."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from typing import Any, Protocol
@@ -56,10 +57,18 @@ class WandbTracker:
         # A resumed run (`rlctl resume`) continues the same wandb run (id = run id, resume="allow");
         # its summary covers the steps of the earlier attempts that metrics.jsonl kept too.
         self.history: list[dict[str, Any]] = rd.metrics()
+        self.samples = SamplesTail(rd)
 
     def log_step(self, metrics: dict[str, Any]) -> None:
+        import wandb
+
         self.history.append(metrics)
-        self.run.log(loggable(metrics), step=int(metrics["step"]))
+        logged: dict[str, Any] = loggable(metrics)
+        rows = self.samples.new()
+        if rows:  # the samples written since the last step, as a table (run.sample_groups groups a step)
+            logged["samples"] = wandb.Table(columns=list(SAMPLE_COLUMNS),
+                                            data=[[_cell(row.get(c)) for c in SAMPLE_COLUMNS] for row in rows])
+        self.run.log(logged, step=int(metrics["step"]))
 
     def finish(self, ok: bool) -> None:
         summary = {f"median/{k}": statistics.median(m[k] for m in self.history)
@@ -67,6 +76,43 @@ class WandbTracker:
         summary["steps"] = len(self.history)
         self.run.summary.update(summary)
         self.run.finish(exit_code=0 if ok else 1)
+
+
+SAMPLE_COLUMNS = ("step", "group", "sample", "source", "prompt", "response", "answer", "reward", "scores",
+                  "finish_reason", "response_tokens", "version")
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: numbers and text as they are, chat messages and named scores as JSON text."""
+    return value if value is None or isinstance(value, (int, float, str)) else json.dumps(value)
+
+
+class SamplesTail:
+    """The lines appended to a run's samples.jsonl since the last read (whole lines only)."""
+
+    def __init__(self, rd: RunDir) -> None:
+        self.path = rd.samples_path
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        """A resumed run's earlier samples were logged by its earlier attempt."""
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        whole = data[: data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        rows = []
+        for line in whole.splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
 
 
 def make_tracker(rd: RunDir, recipe: Recipe) -> Tracker | None:
