@@ -137,33 +137,23 @@ def test_named_scores_and_sources_become_step_metrics():
 def test_a_run_on_verl_parquet_with_a_dict_reward_logs_scores_per_source(tmp_path):
     """A verl-layout Parquet of chat prompts (a template file renders them for the tiny model),
     a reward function with verl's signature returning named scores: the run completes, and its
-    metrics hold each named score and the reward per data source."""
-    import random
-
+    metrics hold each named score and the reward per data source. Two held-out sets are
+    evaluated before training and at the end: the Parquet's first rows with the run's reward, and
+    a save_to_disk dataset with a verifier of its own (its own scoring process)."""
     from conftest import FAST, QUICKSTART, rlctl
-    from rlctl.rewards.tasks import TASKS
     from rlctl.run.dir import RunDir
-    from test_data_files import write_parquet
 
-    rng = random.Random(0)
-    rows = []
-    for i in range(32):
-        prompt, answer = TASKS["max-digit"].sample(rng)
-        rows.append({"data_source": "easy" if i % 2 else "hard", "prompt": [{"role": "user", "content": prompt}],
-                     "reward_model": {"ground_truth": answer}, "extra_info": {"index": i}})
-    write_parquet(tmp_path / "train.parquet", rows)
-    (tmp_path / "last.jinja").write_text("{{ messages[-1]['content'] }}")
-    (tmp_path / "verl_reward.py").write_text(
-        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    correct = float(solution_str.strip() == ground_truth)\n"
-        "    return {'score': correct, 'short': float(len(solution_str) <= 4), 'index': extra_info['index'] / 100}\n")
+    write_verl_task(tmp_path)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(QUICKSTART.read_text())
     res = rlctl("launch", str(recipe), *FAST, "run.steps=2", "model.init.warmup_steps=0", "data.source=file",
                 "data.path=train.parquet", "data.chat_template=last.jinja", "reward.verifier=function",
                 "reward.function=verl_reward:score", "reward.score_key=score", f"run.output_dir={tmp_path / 'runs'}",
+                "eval.sets=[{path: train.parquet, name: train8, limit: 8, samples: 2}, "
+                "{path: heldout, samples: 3, temperature: 0.5, reward: {verifier: exact}}]",
                 cwd=tmp_path)
     assert res.returncode == 0, res.stderr
+    assert "eval heldout (6 prompts x 3): mean@3 " in res.stderr and "(0 -> 2 steps)" in res.stderr
     (path,) = (tmp_path / "runs").iterdir()
     records = RunDir(path).metrics()
     assert len(records) == 2
@@ -183,3 +173,45 @@ def test_a_run_on_verl_parquet_with_a_dict_reward_logs_scores_per_source(tmp_pat
     shown = rlctl("samples", path.name, "--best", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("step 1 · group ") and "  response:" in shown.stdout
+    check_evals(RunDir(path), final_version=records[-1]["optimizer_steps"])
+    status = rlctl("status", path.name, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert "eval train8 (8 prompts x 2): mean@2 " in status.stdout
+
+
+def write_verl_task(tmp_path) -> None:
+    """train.parquet (verl's layout, 32 rows, sources easy and hard), a save_to_disk held-out set
+    of 6 chat prompts, a template file and a reward function of verl's signature."""
+    import random
+
+    import datasets
+
+    from rlctl.rewards.tasks import TASKS
+    from test_data_files import write_parquet
+
+    rng = random.Random(0)
+    rows = []
+    for i in range(32):
+        prompt, answer = TASKS["max-digit"].sample(rng)
+        rows.append({"data_source": "easy" if i % 2 else "hard", "prompt": [{"role": "user", "content": prompt}],
+                     "reward_model": {"ground_truth": answer}, "extra_info": {"index": i}})
+    write_parquet(tmp_path / "train.parquet", rows)
+    heldout = [TASKS["max-digit"].sample(rng) for _ in range(6)]
+    datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p}], "answer": a}
+                                for p, a in heldout]).save_to_disk(str(tmp_path / "heldout"))
+    (tmp_path / "last.jinja").write_text("{{ messages[-1]['content'] }}")
+    (tmp_path / "verl_reward.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    correct = float(solution_str.strip() == ground_truth)\n"
+        "    return {'score': correct, 'short': float(len(solution_str) <= 4), 'index': extra_info['index'] / 100}\n")
+
+
+def check_evals(rd, final_version: int) -> None:
+    """eval.jsonl: each set before training and after the last step, each at one weight version."""
+    evals = rd.evals()
+    assert [(e["set"], e["steps"]) for e in evals] == [("train8", 0), ("heldout", 0), ("train8", 2), ("heldout", 2)]
+    for e in evals:
+        assert e["versions"] == [e["version"]] == [0 if e["steps"] == 0 else final_version]
+        assert e["prompts"] == (8 if e["set"] == "train8" else 6) and e["errors"] == 0
+        assert 0.0 <= e["pass@1"] <= e[f"pass@{e['k']}"] <= 1.0
+    assert set(evals[0]["by_source"]) == {"easy", "hard"} and "by_source" not in evals[1]

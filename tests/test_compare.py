@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from conftest import FAST, QUICKSTART, REPO, rlctl, rlctl_here
-from rlctl.run.compare import bootstrap_ci, comparison, failing, metrics_by_step, sparkline
+from rlctl.run.compare import bootstrap_ci, comparison, failing, sparkline
+from rlctl.run.step_records import metrics_by_step
 from rlctl.run.dir import RunDir
 
 GOLDEN = REPO / "tests" / "golden" / "compare"
@@ -113,7 +114,7 @@ def test_cli_json_round_trips_and_fail_if_exit_codes(two_runs):
     res = rlctl_here("compare", a.id, b.id, "--runs-dir", str(root), "--json", "--last", "3", cwd=root)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
-    assert set(data) == {"runs", "x", "config", "metrics", "time", "curves", "curves_x", "groups", "fail_if"}
+    assert set(data) == {"runs", "x", "config", "metrics", "time", "eval", "curves", "curves_x", "groups", "fail_if"}
     assert data.pop("groups") is None  # no --group-by
     data.pop("fail_if")
     assert render_text(data) == render_text(comparison([a, b], last=3))  # the JSON holds the whole comparison

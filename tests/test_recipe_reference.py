@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conftest import REPO
-from rlctl.recipe import ModelConfig, ModelInit, Recipe, recipe_to_dict
+from rlctl.recipe import EvalConfig, EvalSet, ModelConfig, ModelInit, Recipe, RewardConfig, recipe_to_dict
 from rlctl.recipe.pool import PoolFile, PoolJob
 from rlctl.recipe.reference import REGENERATE, main, parts, render, undocumented
 
@@ -17,6 +17,8 @@ def _leaves(tree: dict, prefix: str = "") -> list[str]:
     for name, value in tree.items():
         if isinstance(value, dict) and value:
             keys += _leaves(value, f"{prefix}{name}.")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):  # eval.sets[]
+            keys += _leaves(value[0], f"{prefix}{name}[].")
         else:
             keys.append(f"{prefix}{name}")
     return keys
@@ -33,7 +35,8 @@ def test_docs_recipe_md_is_what_the_generator_writes():
 
 
 def test_the_reference_lists_every_key_a_resolved_recipe_holds():
-    recipe = Recipe(model=ModelConfig(init=ModelInit()))
+    recipe = Recipe(model=ModelConfig(init=ModelInit()),
+                    eval=EvalConfig(sets=[EvalSet(path="heldout.jsonl", reward=RewardConfig())]))
     listed = {k.key for p in parts(Recipe) for k in p.keys}
     resolved = set(_leaves(recipe_to_dict(recipe)))
     assert resolved == listed

@@ -9,7 +9,8 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import rlctl.run.ids
-from rlctl.run.dir import RunDir, create_run_dir, find_run, list_runs
+from rlctl.run.dir import RunDir, create_run_dir
+from rlctl.run.find import find_run, list_runs
 from rlctl.run.ids import RUN_ID, new_run_id
 
 

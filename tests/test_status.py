@@ -14,7 +14,8 @@ from rich.console import Console
 
 from conftest import FAST, QUICKSTART, processes_mentioning, rlctl, rlctl_here
 from rlctl.commands.status import render_detail, render_table
-from rlctl.run.dir import RunDir, list_runs
+from rlctl.run.dir import RunDir
+from rlctl.run.find import list_runs
 from rlctl.launchers.status import detail, summary
 from rlctl.run.tail import last_jsonl_record, last_jsonl_records, last_log_line, tail_lines
 

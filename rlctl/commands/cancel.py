@@ -24,7 +24,8 @@ def cancel(
 ) -> None:
     """Cancel a run: its supervisor (or Slurm: scancel) ends every process; waits until they are gone."""
     from rlctl.launchers.liveness import read_run
-    from rlctl.run.dir import RunState, UnreadableRun, find_run
+    from rlctl.run.dir import RunState, UnreadableRun
+    from rlctl.run.find import find_run
 
     rd = find_run(run, runs_dir)
     try:

@@ -115,6 +115,22 @@ def _time_table(times: dict[str, Any], labels: list[str]) -> Table:
     return t
 
 
+def _eval_table(rows: dict[str, Any], labels: list[str]) -> Table:
+    t = _table("eval (held-out sets: first -> latest evaluation; vs A)")
+    for col, justify in (("set and number", "left"), ("run", "left"), ("first", "right"), ("latest", "right"),
+                         ("after steps", "right"), ("diff", "right")):
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for name, cells in rows.items():
+        for i, c in enumerate(cells):
+            if c is None:
+                t.add_row(*_cells(name if i == 0 else "", labels[i], "-", "-", "-", ""))
+                continue
+            diff = f"{c['diff']:+.3f}" if c["diff"] is not None and i else ""
+            t.add_row(*_cells(name if i == 0 else "", labels[i], f"{c['first']:.3f}", f"{c['last']:.3f}", c["steps"],
+                              diff))
+    return t
+
+
 def _interval(m: dict[str, Any] | None) -> str:
     if m is None:
         return "-"
@@ -149,6 +165,8 @@ def render(comp: dict[str, Any]) -> Group:
     parts.append(Text(f"compared over 0 .. {x['end']:,.0f} {x['unit']} (--x {x['by']})", style="bold"))
     parts += [Text(f"note: {n}", style="yellow") for n in x["notes"]]
     parts += [_learning_table(comp, labels), _time_table(comp["time"], labels)]
+    if comp.get("eval"):
+        parts.append(_eval_table(comp["eval"], labels))
     if "groups" in comp:
         parts += _groups_parts(comp["groups"])
     parts += [Text(f"{r['label']} failed: {r['exit_reason']}", style="red") for r in comp["runs"] if r["state"] == "failed"]
@@ -167,7 +185,8 @@ def plot(comp: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'rlctl[plot]'") from None
-    from rlctl.run.compare import finite, metrics_by_step, progress_x
+    from rlctl.run.compare import progress_x
+    from rlctl.run.step_records import finite, metrics_by_step
     from rlctl.run.dir import RunDir
 
     labels = [r["label"] for r in comp["runs"]]
@@ -216,7 +235,7 @@ def compare(
     from rich.console import Console
 
     from rlctl.run.compare import comparison, failing
-    from rlctl.run.dir import find_run
+    from rlctl.run.find import find_run
     from rlctl.run.sweep import find_sweep
 
     if len(runs) < 2 and not (runs and find_sweep(runs[0], runs_dir)):

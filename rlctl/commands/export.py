@@ -88,7 +88,7 @@ def export(
     """Write a checkpoint's policy as a Hugging Face model directory."""
     from rlctl.run.checkpoint import find_checkpoint
     from rlctl.run.manifest import check_manifest
-    from rlctl.run.dir import find_run
+    from rlctl.run.find import find_run
 
     rd = find_run(run, runs_dir)
     ckpt = find_checkpoint(rd.path, step)

@@ -200,6 +200,7 @@ class _Lines:
 def _ended(rd: RunDir, err, now: Reading) -> int:
     """The run's end as the reading gave it: completed (exit 0), failed (an error, exit 1), else 1."""
     from rlctl.commands.status import progress_lines
+    from rlctl.run.evals import eval_lines, eval_summary
 
     state = now.state
     if state is RunState.COMPLETED:
@@ -212,6 +213,8 @@ def _ended(rd: RunDir, err, now: Reading) -> int:
                       f"{sum(last) / len(last):.3f} (last {len(last)})", highlight=False)
             for line in progress_lines(metrics):
                 err.print(f"  {line}", highlight=False, markup=False)
+        for line in eval_lines(eval_summary(rd)):
+            err.print(f"  {line}", highlight=False, markup=False)
         print(rd.id)
         return 0
     if state is RunState.FAILED:

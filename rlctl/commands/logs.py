@@ -27,7 +27,7 @@ def logs(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
     """Print a role's log."""
-    from rlctl.run.dir import find_run
+    from rlctl.run.find import find_run
     from rlctl.run.check import one_line
     from rlctl.run.tail import open_regular
 

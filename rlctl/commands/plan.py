@@ -170,7 +170,7 @@ def _launch_line(recipe: Path, given: list[str], r: Any, ranked: list[Any], per_
 def _calibration(run: str | None, runs_dir: Path, quiet: bool) -> list[str]:
     if not run:
         return []
-    from rlctl.run.dir import find_run
+    from rlctl.run.find import find_run
     from rlctl.sim.calibrate import calibrate_run
 
     measured = find_run(run, runs_dir)

@@ -20,7 +20,7 @@ def resume(
     detach: bool = typer.Option(False, "--detach", "-d", help="Return at once; the run goes on in the background."),
 ) -> None:
     """Continue a failed or cancelled run at the step after its newest checkpoint."""
-    from rlctl.run.dir import find_run
+    from rlctl.run.find import find_run
 
     raise typer.Exit(resume_run(find_run(run, runs_dir), detach))
 
@@ -106,7 +106,8 @@ def resume_recipe(r, recipe: Path, detach: bool) -> int | None:
     runs the recipe to its end, however often it is stopped."""
     from rlctl.run.checkpoint import list_checkpoints
     from rlctl.recipe import recipe_to_yaml
-    from rlctl.run.dir import RunState, list_runs
+    from rlctl.run.dir import RunState
+    from rlctl.run.find import list_runs
 
     runs = [rd for rd in list_runs(Path(r.run.output_dir)) if rd.id.rsplit("-", 3)[0] == r.run.name]
     if not runs:

@@ -23,7 +23,7 @@ def samples(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
     """Print a run's samples: prompt, response, answer, reward and named scores."""
-    from rlctl.run.dir import find_run
+    from rlctl.run.find import find_run
     from rlctl.run.samples import choose, read_samples, render
 
     if best and worst:

@@ -123,7 +123,7 @@ def simulate(
 
     from rlctl.costs.recipe import cost_model
     from rlctl.recipe import load_recipe
-    from rlctl.run.dir import find_run
+    from rlctl.run.find import find_run
     from rlctl.sim.run import simulate_into_run_dir, simulate_run
 
     fitted: list[str] = []

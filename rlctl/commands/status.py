@@ -150,6 +150,7 @@ def render_detail(d: dict[str, Any]) -> Group:
     from rich.text import Text
 
     from rlctl.run.check import one_line
+    from rlctl.run.evals import eval_lines
 
     head = Text()  # built from parts, never markup: ids and paths are the run directory's, not ours
     head.append(one_line(d["id"], 120), style="bold")
@@ -179,6 +180,7 @@ def render_detail(d: dict[str, Any]) -> Group:
     if d["last_metrics"]:
         parts.extend(Text(line) for line in _metrics_lines(d["last_metrics"]))
         parts.extend(Text(line) for line in progress_lines([d["last_metrics"]]))
+    parts.extend(Text(one_line(line, 300)) for line in eval_lines(d.get("evals") or []))
     procs = Table("ROLE", "PID", "HOST", "PORT", "ALIVE", "LOG", box=None, pad_edge=False, title_justify="left")
     for p in d["processes"]:
         cells = (one_line(str(p["role"]), 60), str(p["pid"] or "-"), one_line(str(p["host"] or "-"), 60),

@@ -17,7 +17,7 @@ def trace(
 ) -> None:
     """Export a run's timeline: a track per rollout server and per trainer rank (open in Perfetto)."""
     from rlctl.metrics import chrome_trace
-    from rlctl.run.dir import find_run
+    from rlctl.run.find import find_run
 
     rd = find_run(run, runs_dir)
     info = rd.read()  # a run whose run.json cannot be read: one line, exit 1

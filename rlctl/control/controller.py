@@ -34,9 +34,11 @@ from rlctl.control.failover import FailoverTrainer, ServerWatch
 from rlctl.metrics import Recorder
 from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.build import build_pipeline
+from rlctl.pipelines.evaluation import Evaluator
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 from rlctl.pipelines.servers import ServerSet
+from rlctl.control.evaluation import make_evaluator
 from rlctl.control.samples import SampleWriter
 from rlctl.data.chat import PromptRenderer
 from rlctl.pipelines.scoring import PooledScorer
@@ -76,6 +78,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
         if before:
             recorder.steps.carry(before[-1])
     beating = asyncio.create_task(beat(rd.path / HEARTBEAT_FILE))  # the supervisor's watchdog reads it
+    evaluator = None
     try:
         async with _http_session() as session:
             token = _run_token(rd)
@@ -103,8 +106,8 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
             if state:
                 restore_pipeline(pipeline, state, recorder.emit, clock)
             pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock, preempt)
-            if recipe.run.sample_groups:
-                pipeline.producer.on_completed = SampleWriter(rd, recipe.run.sample_groups)
+            evaluator = await samples_and_evaluations(pipeline, rd, recipe, renderer, server_set, scorer, model_path,
+                                                      recorder, clock)
             watching = asyncio.create_task(watch.run())
             try:
                 await pipeline.run(recipe.run.steps, start)
@@ -113,7 +116,25 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
     finally:
         beating.cancel()
         scorer.close()
+        if evaluator is not None:
+            evaluator.close()
         recorder.close(completed=start + recorder.recorded == recipe.run.steps)
+
+
+async def samples_and_evaluations(pipeline: Pipeline, rd: RunDir, recipe: Recipe, renderer: PromptRenderer,
+                                  server_set: ServerSet, scorer: PooledScorer, model_path: str, recorder: Recorder,
+                                  clock: Clock) -> Evaluator | None:
+    """What the run writes besides its events and metrics: the samples of run.sample_groups groups
+    a step (samples.jsonl), and the held-out evaluations of the eval section (eval.jsonl; the
+    evaluator returned, to be closed at the end: it may hold scoring processes of its own)."""
+    if recipe.run.sample_groups:
+        pipeline.producer.on_completed = SampleWriter(rd, recipe.run.sample_groups)
+    evaluator = make_evaluator(recipe, renderer.ids, server_set, scorer, model_path, recorder.emit, clock,
+                               recorder.evaluated(rd.append_eval), time.time, len(server_set.servers))
+    if evaluator is not None:
+        await evaluator.ready()
+        pipeline.evaluate = evaluator
+    return evaluator
 
 
 def shared_pool(rd: RunDir, recipe: Recipe, session: aiohttp.ClientSession, token: str) -> PoolLease | None:

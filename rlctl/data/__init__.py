@@ -8,6 +8,6 @@
 
 from rlctl.data.prompts import Prompt
 from rlctl.data.rows import DataError
-from rlctl.data.stream import PromptStream, prompt_stream, read_prompts, rng_from_json, rng_to_json
+from rlctl.data.stream import PromptStream, prompt_stream, read_file_prompts, read_prompts, rng_from_json, rng_to_json
 
-__all__ = ["DataError", "Prompt", "PromptStream", "prompt_stream", "read_prompts", "rng_from_json", "rng_to_json"]
+__all__ = ["DataError", "Prompt", "PromptStream", "prompt_stream", "read_file_prompts", "read_prompts", "rng_from_json", "rng_to_json"]

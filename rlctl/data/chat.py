@@ -40,10 +40,6 @@ class PromptRenderer:
             raise DataError("data.system_prompt: the model's tokenizer has no chat template to put it in; give "
                             "data.chat_template a template file or remove the system prompt")
 
-    @property
-    def templated(self) -> bool:
-        return self.template is not None
-
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
         """The chat the template is given: the prompt's messages (a string: one user message),
         the system prompt first where the prompt has none."""

@@ -16,8 +16,13 @@ from rlctl.recipe import DataConfig, DataSource
 
 def read_prompts(cfg: DataConfig) -> list[Prompt]:
     """Every prompt of data.path (source=file); DataError naming the row on a malformed one."""
-    path = Path(cfg.path or "").expanduser()
-    return file_prompts(path, read_rows(path), cfg.prompt_key, cfg.answer_key)
+    return read_file_prompts(cfg.path or "", cfg.prompt_key, cfg.answer_key)
+
+
+def read_file_prompts(path: str, prompt_key: str, answer_key: str) -> list[Prompt]:
+    """Every prompt of a dataset file (a run's data, an eval set)."""
+    where = Path(path).expanduser()
+    return file_prompts(where, read_rows(where), prompt_key, answer_key)
 
 
 def prompt_stream(cfg: DataConfig, seed: int, prompt_tokens: Callable[[Prompt], int] | None = None) -> PromptStream:

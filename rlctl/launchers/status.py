@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.launchers.liveness import is_run_process, read_run
-from rlctl.run.dir import RunDir, UnreadableRun, find_run, list_runs
+from rlctl.run.dir import RunDir, UnreadableRun
+from rlctl.run.find import find_run, list_runs
 from rlctl.run.check import one_line
 from rlctl.run.tail import jsonl_tail
 
@@ -101,6 +102,7 @@ def detail(rd: RunDir) -> dict[str, Any]:
     that is not a file). Raises UnreadableRun when run.json cannot be read."""
     info = rd.read()
     from rlctl.run.checkpoint import list_checkpoints
+    from rlctl.run.evals import eval_summary
 
     out = summary(rd, info)
     problems = out.pop("problems", [])
@@ -114,6 +116,7 @@ def detail(rd: RunDir) -> dict[str, Any]:
     out["processes"] = procs
     out["last_events"], events_problems = jsonl_tail(rd.events_path, 10)  # not the whole log: it can be GBs
     out["last_metrics"] = (jsonl_tail(rd.metrics_path, 1)[0] or [None])[-1]
+    out["evals"] = eval_summary(rd)  # per held-out set: the first and latest evaluation
     out["wandb"] = (info.get("tracking") or {}).get("wandb")
     pool = info.get("pool")  # launcher=pool: the pool's name and this run's usage of its devices
     out["pool"] = {"name": pool.get("name"), "usage": pool.get("usage") or {}} if isinstance(pool, dict) else None

@@ -69,6 +69,18 @@ class Recorder:
         self.recorded += 1
         self.last = record
 
+    def evaluated(self, on_eval: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+        """What takes an evaluation's record (rlctl/control/evaluation.py): `on_eval` (eval.jsonl),
+        then the tracker; the events before it flushed, as at a step's end."""
+
+        def record(found: dict[str, Any]) -> None:
+            self.events.flush()
+            on_eval(found)
+            if self.tracker is not None:
+                self.tracker.log_eval(found)
+
+        return record
+
     def close(self, completed: bool) -> None:
         """The run ended (`completed`: every step done): flush what is left and tell the tracker."""
         self.events.flush()

@@ -2,7 +2,7 @@
 trace and calibration.
 
 A span is a call that the log brackets with `<kind>_start` and `<kind>_end` (a train call, an
-accumulate call, a weight sync, a step); busy time is the length of a union of intervals (a
+accumulate call, a weight sync, a step, an evaluation); busy time is the length of a union of intervals (a
 rollout server is busy while any of its requests runs).
 """
 
@@ -18,6 +18,8 @@ class SpanKind(enum.StrEnum):
     ACCUMULATE = "accumulate"
     SYNC = "sync"
     STEP = "step"
+    EVAL = "eval"
+    """A held-out evaluation of one set (between steps: rlctl/control/evaluation.py)."""
 
 
 # Event name -> (span kind, whether it opens the span), for one dict lookup per event.

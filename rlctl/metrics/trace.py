@@ -40,7 +40,8 @@ def _servers(e: dict[str, Any]) -> list[str]:
 
 def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[str, Any]:
     """One track per rollout server (each sample's request), one per trainer rank (train batches,
-    weight syncs), and one for the controller (steps). Time 0 is the run's start; instants from
+    weight syncs), and one for the controller (steps; and its held-out evaluations, when there are
+    any, on a track of their own). Time 0 is the run's start; instants from
     before it (servers coming up, a Slurm submission) are left out, so the trace opens on the run.
     Events it cannot place are left out and counted in `otherData.skipped_events`."""
     placed = [e for e in events if usable(e)]
@@ -49,6 +50,8 @@ def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[s
     servers = sorted({s for e in placed if e["event"] == "group_completed" for s in _servers(e)})
     tid_of = {s: i for i, s in enumerate(servers)}
     out = _track_names(tid_of, trainer_ranks)
+    if any(e["event"] == "eval_end" for e in placed):
+        out.append({"name": "thread_name", "ph": "M", "pid": 3, "tid": 1, "args": {"name": "evaluations"}})
     pairer = SpanPairer()
     for e in sorted(placed, key=lambda e: e["t"]):
         try:
@@ -108,6 +111,10 @@ def _entries(e: dict[str, Any], closed: Span | None, t0: float, tid_of: dict[str
                 for i, (server, a, b) in enumerate(zip(e.get("servers", []), e.get("starts", []), e.get("ends", [])))]
     if closed is not None and closed.kind is SpanKind.STEP:
         return [_span(f"step {e['step']}", 3, 0, t0, closed.start["t"], e["t"], step=e["step"], version=e.get("version"))]
+    if closed is not None and closed.kind is SpanKind.EVAL:
+        return [_span(f"eval {e.get('set')} at v{e.get('version', '?')}", 3, 1, t0, closed.start["t"], e["t"],
+                      set=e.get("set"), version=e.get("version"),
+                      **{k: v for k, v in e.items() if k.startswith(("mean@", "pass@"))})]
     if closed is not None:
         label = {SpanKind.TRAIN: f"train batch {e.get('batch')}",
                  SpanKind.ACCUMULATE: f"accumulate batch {e.get('batch')}",

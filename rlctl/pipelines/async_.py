@@ -7,6 +7,8 @@ dropped, never trained. After every `sync_every` optimizer steps the weights are
 step here is one such interval. Requests in flight at a broadcast either finish on the old
 weights (`finish`: new requests wait until the update is done) or are aborted and resumed on
 the new weights from where they stopped (`abort_resume`: partial rollout).
+An evaluation (eval section) due after a step runs with rollout paused from that step's
+broadcast until it ends; the one before the first step runs beside rollout, both at version 0.
 """
 
 from __future__ import annotations
@@ -59,5 +61,15 @@ class AsyncPipeline(Pipeline):
             await self.admission.drained()
         try:
             await self.sync_weights(step, pause_mode="abort")
+        finally:
+            if not self.eval_due(step + 1):
+                self.admission.open()
+
+    async def evaluate_between(self, step: int) -> None:
+        """An evaluation due after this step runs with rollout still paused from the broadcast (no
+        request admitted; those in flight were aborted by it, or finished before it), so every
+        sample it generates is of the version just broadcast; rollout resumes after it."""
+        try:
+            await super().evaluate_between(step)
         finally:
             self.admission.open()

@@ -8,7 +8,7 @@ from typing import Any
 
 from rlctl.data import rng_from_json, rng_to_json
 from rlctl.pipelines.core import Group, GroupProducer, Shaping
-from rlctl.pipelines.interfaces import Clock, EventSink, Trainer
+from rlctl.pipelines.interfaces import Clock, Evaluate, EventSink, Trainer
 
 
 class Pipeline:
@@ -32,16 +32,34 @@ class Pipeline:
         """Awaited after each step's end (the controller saves checkpoints there)."""
         self.shaping = Shaping()
         """How groups become the trainer's rows (advantage normalization, overlong handling)."""
+        self.evaluate: Evaluate | None = None
+        """The held-out evaluations (eval section), run where the servers hold one weight version:
+        before the first step of a fresh run and between steps (evaluate_between)."""
+        self.steps = 0
+        """The run's number of steps (run()'s)."""
 
     async def run(self, steps: int, start: int = 0) -> None:
         """Steps start .. steps-1 (a resumed run starts after its checkpoint's last step)."""
+        self.steps = steps
+        if start == 0 and self.eval_due(0):  # the starting weights, before any group is opened
+            await self.evaluate(0, self.version)  # type: ignore[misc]
         for step in range(start, steps):
             self.emit("step_start", self.clock.now(), step=step, version=self.version)
             await self.step(step)
             self.emit("step_end", self.clock.now(), step=step, version=self.version)
             self.on_step_end(step)
-            if self.after_step is not None:
+            await self.evaluate_between(step)
+            if self.after_step is not None:  # the checkpoint after the evaluation: a resume redoes neither
                 await self.after_step(step)
+
+    def eval_due(self, steps_done: int) -> bool:
+        return self.evaluate is not None and self.evaluate.due(steps_done, self.steps)
+
+    async def evaluate_between(self, step: int) -> None:
+        """After `step`'s end, its weights broadcast: sync and rolloutpipe open no group before the
+        next step, so the servers hold that one version and nothing else runs on them."""
+        if self.eval_due(step + 1):
+            await self.evaluate(step + 1, self.version)  # type: ignore[misc]
 
     def state(self) -> dict[str, Any]:
         """The scheduler's part of a checkpoint, taken at a step's end (JSON): weight version, train

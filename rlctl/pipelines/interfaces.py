@@ -77,5 +77,15 @@ class TrainerLayer:
         return await self.inner.weight_checksums()
 
 
+class Evaluate(Protocol):
+    """The run's held-out evaluations (rlctl/control/evaluation.py), as the pipeline calls them."""
+
+    def due(self, steps_done: int, steps: int) -> bool:
+        """Whether an evaluation runs once `steps_done` of the run's `steps` steps are trained."""
+
+    async def __call__(self, steps_done: int, version: int) -> None:
+        """Evaluate every set at the servers' weights (`version`)."""
+
+
 class EventSink(Protocol):
     def __call__(self, kind: str, t: float, **fields: Any) -> None: ...

@@ -5,6 +5,7 @@ One dataclass per section, each checking its own fields next to where they are d
     choices.py   every closed set of choices, as enums
     checks.py    FieldError and the Section base: how a section says a value is impossible
     inputs.py    run, model, data, reward
+    eval.py      eval: held-out sets, when they are evaluated
     rollout.py   rollout (sampling, long tail, sglang, vllm)
     train.py     train (megatron), pipeline
     algo.py      algo: the RL objective and its knobs
@@ -49,6 +50,7 @@ from rlctl.recipe.choices import (
 )
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, SlurmRolloutConfig, SlurmTrainerConfig, TrackingConfig, WandbConfig
 from rlctl.recipe.data import DataConfig
+from rlctl.recipe.eval import EvalConfig, EvalSet
 from rlctl.recipe.inputs import ModelConfig, ModelInit, RewardConfig, RunConfig
 from rlctl.recipe.load import check_recipe, load_recipe, recipe_from_yaml, recipe_to_dict, recipe_to_yaml
 from rlctl.recipe.rollout import (
@@ -72,7 +74,7 @@ from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
 
 __all__ = [
     "SGLANG_MANAGED_FLAGS", "SGLANG_NEWEST", "SGLANG_OLDEST", "VLLM_MANAGED_FLAGS", "VLLM_NEWEST", "VLLM_OLDEST",
-    "Admission", "AlgoConfig", "AlgoName", "BuiltinConfig", "DataConfig", "DataSource", "Device", "FieldError", "GpuKind",
+    "Admission", "AlgoConfig", "AlgoName", "BuiltinConfig", "DataConfig", "DataSource", "EvalConfig", "EvalSet", "Device", "FieldError", "GpuKind",
     "InflightAtUpdate", "KlEstimator", "KlIn", "Launcher", "LossAgg", "LongTailConfig", "MegatronAttention", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit", "Overlong",
     "PipelineConfig", "PipelineMode", "Recipe", "Recompute", "RecomputeMethod", "RewardConfig", "RolloutConfig", "RolloutEngine", "ServerProtocol", "RunConfig",
     "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",

@@ -104,8 +104,13 @@ def _sections(obj: Section, key: str) -> Iterator[tuple[str, Section]]:
     yield key, obj
     for f in fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
+        name = f"{key}.{f.name}" if key else f.name
         if isinstance(value, Section):
-            yield from _sections(value, f"{key}.{f.name}" if key else f.name)
+            yield from _sections(value, name)
+        elif isinstance(value, list):  # a list of sections (eval.sets): each item, as name[i]
+            for i, item in enumerate(value):
+                if isinstance(item, Section):
+                    yield from _sections(item, f"{name}[{i}]")
 
 
 @_one_line_errors
@@ -155,15 +160,45 @@ def structured_from_data(schema: type, data: dict, file: str, overrides: Sequenc
 
     current_file = file
     try:
+        _check_list_items(schema, data, file, "")
         cfg = OmegaConf.merge(_schema_config(schema), OmegaConf.create(data))  # a copy of the cached config
         current_file = "<overrides>"
         for item in overrides:
             if "=" not in item:
                 raise RecipeError(current_file, item, "an override is KEY=VALUE, e.g. run.steps=10")
-            cfg = OmegaConf.merge(cfg, _override(item))
+            override = _override(item)
+            _check_list_items(schema, OmegaConf.to_container(override), current_file, "")
+            cfg = OmegaConf.merge(cfg, override)
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise _translate_omegaconf_error(e, file, current_file, schema) from None
+
+
+def _check_list_items(schema: type, data: Any, file: str, prefix: str) -> None:
+    """Each item of a list of sections (eval.sets, a pool file's jobs) merged onto its own
+    schema first: OmegaConf names an item's bad key without the list's path (`bogus`, not
+    `eval.sets[0].bogus`), so the error is raised here, with it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not is_dataclass(schema) or not isinstance(data, dict):
+        return
+    hints = typing.get_type_hints(schema)
+    for name, value in data.items():
+        ftype = _unwrap_optional(hints.get(name)) if isinstance(name, str) else None
+        key = f"{prefix}{name}"
+        if typing.get_origin(ftype) is list and isinstance(value, list):
+            (item_type,) = typing.get_args(ftype) or (None,)
+            if not is_dataclass(item_type):
+                continue
+            for i, item in enumerate(value):
+                try:
+                    OmegaConf.to_object(OmegaConf.merge(_schema_config(item_type), OmegaConf.create(item)))
+                except OmegaConfBaseException as e:
+                    error = _translate_omegaconf_error(e, file, file, item_type)
+                    raise RecipeError(error.file, f"{key}[{i}].{error.key}", error.message) from None
+        elif is_dataclass(ftype):
+            _check_list_items(ftype, value, file, f"{key}.")
 
 
 @_one_line_errors
@@ -180,8 +215,7 @@ def load_pool_file(path: str | os.PathLike[str], overrides: Sequence[str] = ()) 
     if len(text) > MAX_RECIPE_BYTES:
         raise RecipeError(file, "<file>", f"larger than {MAX_RECIPE_BYTES >> 20} MiB; a pool file is a few KiB")
     spec = structured_from_data(PoolFile, _parse(text, file), file, overrides)
-    sections = [*_sections(spec, "")] + [x for i, job in enumerate(spec.jobs) for x in _sections(job, f"jobs[{i}]")]
-    for key, section in sections:
+    for key, section in _sections(spec, ""):  # the jobs too, as jobs[i]
         try:
             check_numbers(section)
             section.check()
@@ -270,6 +304,8 @@ def _resolve_relative_paths(recipe: Recipe, base: Path) -> None:
         model.path = str(base / model.path)
     recipe.data.resolve(base)
     recipe.reward.resolve(base)
+    for eval_set in recipe.eval.sets:
+        eval_set.resolve(base)
 
 
 def _yaml_where(e: Exception) -> str:

@@ -19,6 +19,7 @@ from rlctl.recipe.choices import (
 )
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
 from rlctl.recipe.data import DataConfig
+from rlctl.recipe.eval import EvalConfig
 from rlctl.recipe.inputs import ModelConfig, RewardConfig, RunConfig
 from rlctl.recipe.pool import PoolConfig
 from rlctl.recipe.rollout import RolloutConfig
@@ -35,6 +36,7 @@ class Recipe(Section):
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     launcher: Launcher = Launcher.LOCAL
     """Where the run's processes go: local (this host, every role its own process), slurm (one heterogeneous
     Slurm job: trainer nodes and rollout nodes) or pool (the devices of a shared pool, `rlctl pool up`; see

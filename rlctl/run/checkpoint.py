@@ -243,6 +243,8 @@ def prepare_resume(rd: RunDir, ckpt: Checkpoint | None) -> dict[str, Any]:
     remove_leftovers(rd.path)
     steps = ckpt.steps if ckpt else 0
     metrics_removed = keep_lines(rd.metrics_path, lambda m: m.get("step", -1) < steps)
+    if rd.eval_path.exists():  # an evaluation after the checkpoint's last step is run again
+        keep_lines(rd.eval_path, lambda m: m.get("steps", -1) <= steps)
     t_cut = float(ckpt.controller_state()["t"]) if ckpt else float("-inf")
     events_removed = keep_lines(rd.events_path, lambda e: "step" not in e or e.get("t", 0.0) <= t_cut)
     attempt: dict[str, Any] = {}

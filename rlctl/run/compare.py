@@ -11,6 +11,8 @@ it as is, so the keys below are stable:
     config   {keys_total, keys_differ, differ: {dotted key: [value per run]}}
     metrics  {name: [{last_mean, best, diff, pct} per run]}          reward_mean, response_len_mean
     time     {name: [{median, ratio} per run]}                       step_time, rollout_time, ...
+    eval     {"<set> <number>": [{first, last, steps, diff} or None per run]}  eval.jsonl: the first and
+             latest evaluation of each held-out set, mean@k, pass@1, pass@k (diff: the latest vs A's)
     curves   {label: [reward per step]}
     curves_x {label: [x per step]}
     groups   (with group_by) {key, groups: [{value, runs, n, <metric>: {mean, lo, hi}}]}
@@ -35,7 +37,6 @@ seconds per 1,000 samples is comparable across modes.
 from __future__ import annotations
 
 import json
-import math
 import random
 import re
 import statistics
@@ -44,11 +45,10 @@ from typing import Any
 import yaml
 
 from rlctl.run.dir import RunDir, UnreadableRun
+from rlctl.run.evals import eval_comparison, evals_of
+from rlctl.run.step_records import MAX_METRICS_LINE, QUALITY, TIME, finite, read_metrics
 
-QUALITY = ("reward_mean", "response_len_mean")
 NOT_CONFIG = ("run.output_dir",)  # where a run was written is not what it was
-TIME = ("step_time", "rollout_time", "train_time", "sync_time", "trainer_wait_ratio", "rollout_to_train_end",
-        "efficiency", "tokens_per_s")
 SPARK = "▁▂▃▄▅▆▇█"
 X_UNITS = {"samples": "samples", "tokens": "tokens", "optimizer_steps": "optimizer steps", "time": "s",
            "steps": "steps"}
@@ -64,46 +64,6 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
         key = f"{prefix}.{k}" if prefix else str(k)
         out.update(flatten(v, key) if isinstance(v, dict) and v else {key: v})
     return out
-
-
-MAX_METRICS_LINE = 1 << 20
-"""A line of metrics.jsonl longer than this (1 MiB; a record is about 1 KiB) is skipped unread."""
-KEPT = frozenset({"step", "samples", "samples_total", "tokens_total", "optimizer_steps", "train_batches",
-                  "elapsed_s", "groups", "groups_dropped_by_reason", *QUALITY, *TIME})
-"""The fields of a metrics record that compare reads (the tables, the alignment, --group-by, --plot)."""
-
-
-def read_metrics(rd: RunDir) -> tuple[list[dict[str, Any]], int]:
-    """metrics.jsonl with one record per step, the last written winning, in step order, each cut
-    to the fields compare reads (KEPT); and how many lines were skipped: not JSON objects, or
-    longer than MAX_METRICS_LINE. Streamed line by line, so a file of gigabytes costs the records
-    kept, not the file (records whose step is not an integer >= 0 are left out). UnreadableRun if
-    it cannot be read at all."""
-    from rlctl.run.tail import describe_open_error, stream_jsonl
-
-    by_step: dict[int, dict[str, Any]] = {}
-    bad = 0
-    try:
-        for m in stream_jsonl(rd.metrics_path, MAX_METRICS_LINE):
-            if m is None:
-                bad += 1
-                continue
-            step = m.get("step")
-            if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-                by_step[step] = {k: v for k, v in m.items() if k in KEPT}
-    except OSError as e:
-        raise UnreadableRun(rd.id, describe_open_error("metrics.jsonl", rd.metrics_path, e)) from None
-    return [by_step[k] for k in sorted(by_step)], bad
-
-
-def metrics_by_step(rd: RunDir) -> list[dict[str, Any]]:
-    """read_metrics' records."""
-    return read_metrics(rd)[0]
-
-
-def finite(value: Any) -> bool:
-    """A number that can be averaged and drawn: not a bool, a string, nan or inf."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _values(metrics: list[dict[str, Any]], name: str) -> list[float]:
@@ -171,7 +131,10 @@ def load_run(rd: RunDir) -> dict[str, Any]:
     if bad:
         problems.append(f"metrics.jsonl: {bad} line{'s' if bad > 1 else ''} skipped (not JSON objects, or "
                         f"longer than {MAX_METRICS_LINE >> 20} MiB)")
-    return {"rd": rd, "info": info, "config": config, "metrics": metrics, "problems": problems}
+    evals, eval_problems = evals_of(rd)
+    problems += eval_problems
+    return {"rd": rd, "info": info, "config": config, "metrics": metrics, "evals": evals, "problems": problems}
+
 
 
 def progress_x(metrics: list[dict[str, Any]], by: str) -> list[float]:
@@ -271,6 +234,7 @@ def comparison(runs: list[RunDir], last: int = 5, group_by: str | None = None, b
     for name in TIME:
         out["time"][name] = _ratios([{"median": _median(r["metrics"], name)} for r in loaded])
     out["time"]["seconds_per_1k_samples"] = _ratios([{"median": _per_1k_samples(r["metrics"])} for r in loaded])
+    out["eval"] = eval_comparison([r["evals"] for r in loaded])
     if group_by:
         out["groups"] = _groups(loaded, group_by, since)
     if unreadable:

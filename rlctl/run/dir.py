@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Iterator
 
-from rlctl.errors import RunError, UsageError
+from rlctl.errors import RunError
 from rlctl.run.check import info_problem, one_line
 from rlctl.run.ids import RUN_ID, make_run_path, new_run_id  # noqa: F401 - new_run_id: rlctl launch --dry-run
 from rlctl.run.tail import describe_open_error, read_jsonl_counted, read_regular
@@ -203,6 +203,15 @@ class RunDir:
         return self.path / "samples.jsonl"
 
     @property
+    def eval_path(self) -> Path:
+        """One record per held-out set per evaluation (rlctl/control/evaluation.py); metrics.jsonl
+        stays one record per step."""
+        return self.path / "eval.jsonl"
+
+    def evals(self) -> list[dict[str, Any]]:
+        return self.jsonl(self.eval_path)[0] if self.eval_path.exists() else []
+
+    @property
     def recipe_path(self) -> Path:
         return self.path / "recipe.yaml"
 
@@ -314,6 +323,9 @@ class RunDir:
     def append_metrics(self, record: dict[str, Any]) -> None:
         append_jsonl(self.metrics_path, record)
 
+    def append_eval(self, record: dict[str, Any]) -> None:
+        append_jsonl(self.eval_path, record)
+
 
 def create_run_dir(output_dir: Path, name: str, recipe_yaml: str, info: dict[str, Any], *,
                    shared_group: bool = False) -> RunDir:
@@ -351,48 +363,3 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:  # a dangling symlink
         return 0.0
-
-
-def is_run_entry(path: Path) -> bool:
-    """A run directory, readable or not: an entry with a run.json (of any kind: a file, a
-    directory, a dangling symlink), or an entry named like a run id (a run.json gone missing, a
-    file where the directory should be). Hidden entries are not runs."""
-    if path.name.startswith("."):
-        return False
-    return os.path.lexists(path / "run.json") or (RUN_ID.fullmatch(path.name) is not None and os.path.lexists(path))
-
-
-def find_run(ref: str, output_dir: Path) -> RunDir:
-    """A run by directory path, full id, or unique id prefix / name (newest wins for a name).
-    The run found may still be unreadable: RunDir.read() says why."""
-    as_path = Path(ref)
-    if os.path.lexists(as_path / "run.json"):
-        return RunDir(as_path)
-    if ref and is_run_entry(output_dir / ref):
-        return RunDir(output_dir / ref)
-    if as_path.is_absolute():  # a path, and not a run's: no id or name begins with /
-        raise UsageError(f"{one_line(ref)} is not a run directory (no run.json in it); give a run's directory, "
-                         "id or name (`rlctl status` lists the runs)")
-    try:
-        candidates = sorted((p for p in output_dir.glob(f"{ref}*") if is_run_entry(p)), key=lambda p: p.name)
-    except (OSError, ValueError, NotImplementedError):  # a pattern glob cannot take
-        candidates = []
-    if not candidates:
-        raise UsageError(f"no run '{one_line(ref)}' in {output_dir}; `rlctl status` lists the runs")
-    named = [p for p in candidates if p.name.rsplit("-", 3)[0] == ref]
-    if named:
-        return RunDir(named[-1])
-    if len(candidates) > 1:
-        raise UsageError(f"'{one_line(ref)}' matches {len(candidates)} runs in {output_dir}; give more of the id")
-    return RunDir(candidates[0])
-
-
-def list_runs(output_dir: Path) -> list[RunDir]:
-    """Every run directory in output_dir (is_run_entry, one stat fewer for a run id), readable or not, by id."""
-    try:
-        with os.scandir(output_dir) as entries:
-            names = sorted(e.name for e in entries if not e.name.startswith("."))
-    except OSError:  # missing, or not a directory
-        return []
-    return [RunDir(output_dir / n) for n in names
-            if RUN_ID.fullmatch(n) is not None or os.path.lexists(os.path.join(output_dir, n, "run.json"))]

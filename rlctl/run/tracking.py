@@ -1,6 +1,7 @@
 """Experiment trackers fed from the controller: the run directory stays the source of truth, a
 tracker gets a copy of what is written there (the resolved recipe, each step's metrics with the
-names of metrics.jsonl and its samples.jsonl lines as a table, a summary at the end). wandb is imported only when the tracker is on."""
+names of metrics.jsonl and its samples.jsonl lines as a table, each evaluation of eval.jsonl, a
+summary at the end). wandb is imported only when the tracker is on."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ class Tracker(Protocol):
     def log_step(self, metrics: dict[str, Any]) -> None:
         """One step's record, as written to metrics.jsonl."""
 
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """One set's evaluation, as written to eval.jsonl."""
+
     def finish(self, ok: bool) -> None:
         """The run ended; `ok` when every step was recorded."""
 
@@ -36,6 +40,19 @@ def loggable(metrics: dict[str, Any]) -> dict[str, float]:
             out[k] = v
         elif isinstance(v, dict):
             out.update({f"{k}/{kk}": vv for kk, vv in v.items() if isinstance(vv, (int, float))})
+    return out
+
+
+EVAL_NUMBERS = ("prompts", "response_len_mean", "truncated", "errors", "seconds", "version")
+
+
+def eval_loggable(record: dict[str, Any]) -> dict[str, float]:
+    """An eval.jsonl record's numbers under eval/<set>/ (its sources' under eval/<set>/<source>/)."""
+    prefix = f"eval/{record.get('set', 'eval')}"
+    out = {f"{prefix}/{k}": v for k, v in record.items()
+           if (k.startswith(("mean@", "pass@")) or k in EVAL_NUMBERS) and isinstance(v, (int, float))}
+    for source, numbers in (record.get("by_source") or {}).items():
+        out.update({f"{prefix}/{source}/{k}": v for k, v in numbers.items() if isinstance(v, (int, float))})
     return out
 
 
@@ -69,6 +86,12 @@ class WandbTracker:
             logged["samples"] = wandb.Table(columns=list(SAMPLE_COLUMNS),
                                             data=[[_cell(row.get(c)) for c in SAMPLE_COLUMNS] for row in rows])
         self.run.log(logged, step=int(metrics["step"]))
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """At the wandb step of the steps trained before it (0: before training), so that it sits
+        after the record of the step it follows: eval/<set>/<metric>, eval/<set>/<source>/<metric>."""
+        logged = eval_loggable(record)
+        self.run.log(logged, step=int(record["steps"]))
 
     def finish(self, ok: bool) -> None:
         summary = {f"median/{k}": statistics.median(m[k] for m in self.history)

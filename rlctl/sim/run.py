@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.metrics import KeptEvents, Recorder
+from rlctl.data import Prompt
 from rlctl.pipelines.build import build_pipeline
-from rlctl.pipelines.scoring import inline_scorer
+from rlctl.pipelines.evaluation import Evaluator, LoadedSet, read_set, set_sampling
+from rlctl.pipelines.scoring import Score, inline_scorer
+from rlctl.pipelines.servers import ServerSet
 from rlctl.rewards.verifiers import scored_by
 from rlctl.costs.recipe import cost_model
-from rlctl.recipe import DataConfig, Recipe, recipe_to_yaml
+from rlctl.recipe import DataConfig, EvalSet, Recipe, recipe_to_yaml
 from rlctl.run.dir import SIMULATION_PREFIX, EventLog, RunDir, RunState, create_run_dir
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
@@ -37,6 +40,8 @@ class SimulationResult:
     """The time of the last event."""
     events: list[dict[str, Any]] | None
     """Every event, when the simulation kept them in memory (no run directory)."""
+    evals: list[dict[str, Any]]
+    """One record per held-out set per evaluation, as eval.jsonl has them."""
 
 
 def simulate_run(recipe: Recipe, rd: RunDir | None = None,
@@ -60,13 +65,26 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
     recorder = Recorder(kept if rd is None else EventLog(rd.events_path), on_record)
     rng = random.Random(recipe.run.seed)
     prompt = [0] * sim.prompt_tokens
+    clock, server_set = VirtualClock(), ServerSet(servers)
+    score = inline_scorer(lambda ids: "", scored_by(lambda response, answer: float(rng.random() < sim.reward_rate)))
     # Simulated servers see token counts, not text: the prompts come from a built-in task, so a
     # recipe whose data lives on a cluster's filesystem simulates anywhere.
     pipeline = build_pipeline(
-        replace(recipe, data=DataConfig()), servers, SimTrainer(cost, servers), VirtualClock(), recorder.emit, lambda step: None,
-        tokenize=lambda _: prompt,
-        score=inline_scorer(lambda ids: "", scored_by(lambda response, answer: float(rng.random() < sim.reward_rate))),
+        replace(recipe, data=DataConfig()), servers, SimTrainer(cost, servers), clock, recorder.emit, lambda step: None,
+        tokenize=lambda _: prompt, score=score, server_set=server_set,
     )
+    evals: list[dict[str, Any]] = []
+    sets = [simulated_set(recipe, s, prompt, score) for s in recipe.eval.sets]
+    if any(sets):
+
+        def on_eval(record: dict[str, Any]) -> None:
+            evals.append(record)
+            if rd is not None:
+                rd.append_eval(record)
+
+        pipeline.evaluate = Evaluator(recipe.eval, [s for s in sets if s], server_set,
+                                      recipe.rollout.concurrency * len(servers), recorder.emit, clock,
+                                      recorder.evaluated(on_eval), clock.now)
     start = time.perf_counter()
     # Small, acyclic objects (samples, groups) come and go by the hundred thousand each step: the
     # cyclic collector would only rescan them. Reference counting frees them; collect at the end.
@@ -76,7 +94,16 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
     finally:
         gc.enable()
         recorder.close(completed=recorder.recorded == recipe.run.steps)
-    return SimulationResult(metrics, time.perf_counter() - start, recorder.t_last, kept)
+    return SimulationResult(metrics, time.perf_counter() - start, recorder.t_last, kept, evals)
+
+
+def simulated_set(recipe: Recipe, s: EvalSet, prompt: list[int], score: Score) -> LoadedSet | None:
+    """An eval set on simulated servers: its file's prompts when the file is on this machine, else
+    `limit` prompts (None when neither says how many), each `sim.prompt_tokens` long."""
+    prompts = read_set(s) if Path(s.path).expanduser().exists() else [Prompt(i, "", "") for i in range(s.limit)]
+    if not prompts:
+        return None
+    return LoadedSet(s.label, prompts, [prompt] * len(prompts), set_sampling(recipe, s), s.samples, score)
 
 
 def simulate_into_run_dir(recipe: Recipe, recipe_file: Path, overrides: list[str]) -> tuple[RunDir, SimulationResult]:
@@ -94,7 +121,7 @@ def simulate_into_run_dir(recipe: Recipe, recipe_file: Path, overrides: list[str
                 "simulation": {"wall_seconds": result.wall_seconds, "virtual_seconds": result.virtual_seconds}}
         rd = create_run_dir(output_dir, SIMULATION_PREFIX + recipe.run.name, recipe_to_yaml(recipe), info,
                             shared_group=recipe.run.shared_group)
-        for recorded in (Path(staging) / "events.jsonl", Path(staging) / "metrics.jsonl"):
+        for recorded in (Path(staging) / "events.jsonl", Path(staging) / "metrics.jsonl", Path(staging) / "eval.jsonl"):
             if recorded.exists():
                 os.replace(recorded, rd.path / recorded.name)
     rd.set_state(RunState.COMPLETED, "simulation done")
