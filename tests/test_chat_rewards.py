@@ -174,6 +174,7 @@ def test_a_run_on_verl_parquet_with_a_dict_reward_logs_scores_per_source(tmp_pat
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("step 1 · group ") and "  response:" in shown.stdout
     check_evals(RunDir(path), final_version=records[-1]["optimizer_steps"])
+    check_final_policy(tmp_path, RunDir(path), final_version=records[-1]["optimizer_steps"])
     status = rlctl("status", path.name, "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     assert "eval train8 (8 prompts x 2): mean@2 " in status.stdout
@@ -204,6 +205,22 @@ def write_verl_task(tmp_path) -> None:
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    correct = float(solution_str.strip() == ground_truth)\n"
         "    return {'score': correct, 'short': float(len(solution_str) <= 4), 'index': extra_info['index'] / 100}\n")
+
+
+def check_final_policy(tmp_path, rd, final_version: int) -> None:
+    """The run completed without a checkpoint (run.save_every 0): its final policy is RUN/final/,
+    which `rlctl export` writes out and transformers loads with its tokenizer (test_launch.py
+    checks that the weights are the trained ones)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import rlctl
+
+    assert json.loads((rd.path / "final" / "final.json").read_text()) == {"steps": 2, "version": final_version}
+    out = tmp_path / "exported"
+    res = rlctl("export", rd.id, str(out), "--runs-dir", str(rd.path.parent), cwd=tmp_path)
+    assert res.returncode == 0 and "exported the final policy after 2 steps" in res.stderr, res.stderr
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen3"
+    assert AutoTokenizer.from_pretrained(out)("max(1,2,3)=")["input_ids"]
 
 
 def check_evals(rd, final_version: int) -> None:

@@ -98,6 +98,7 @@ def test_the_trainer_writes_only_temporary_and_reads_only_step_directories_of_it
     tmp = ckpts / ".tmp-step-000004-123"
     assert confined_checkpoint_dir(run, str(tmp), "save") == tmp.resolve()
     assert confined_checkpoint_dir(run, str(ckpts / "step-000004"), "load") == (ckpts / "step-000004").resolve()
+    assert confined_checkpoint_dir(run, str(ckpts / ".tmp-final-9"), "policy") == (ckpts / ".tmp-final-9").resolve()
     refused = {
         "save": [
             str(ckpts / "step-000004"),  # a complete checkpoint is never written over
@@ -107,6 +108,12 @@ def test_the_trainer_writes_only_temporary_and_reads_only_step_directories_of_it
             str(ckpts),
             "/etc/cron.d/x",
             "checkpoints/.tmp-step-000004-123",  # relative: resolved against who knows what
+        ],
+        "policy": [
+            str(tmp),  # the final policy is written only where it is then renamed from
+            str(run / "final"),
+            str(other / "checkpoints" / ".tmp-final-9"),
+            str(ckpts / ".tmp-final-9" / "hf"),
         ],
         "load": [
             str(tmp),
@@ -259,3 +266,22 @@ def test_a_dist_checkpoint_item_outside_its_directory_or_a_legacy_common_pt_is_r
     torch.save({"args": None}, part / "common.pt")
     with pytest.raises(RunError, match="common.pt: a legacy common-state pickle"):
         check_dist_checkpoint(part)
+
+
+def test_export_takes_the_newest_of_the_checkpoints_and_the_final_policy(tmp_path):
+    """A completed run's RUN/final/ is what `rlctl export RUN` takes when it is newer than every
+    checkpoint; --step picks either; a run with neither says how to get one."""
+    from rlctl.errors import UsageError
+    from rlctl.run.checkpoint import FINAL, FINAL_FILE, find_checkpoint
+
+    run = tmp_path / "run"
+    with pytest.raises(UsageError, match="no checkpoint and no final policy; a run that completes writes"):
+        find_checkpoint(run)
+    a_checkpoint(run / "checkpoints" / "step-000002")
+    (run / FINAL / "hf").mkdir(parents=True)
+    (run / FINAL / FINAL_FILE).write_text('{"steps": 4, "version": 16}\n')
+    newest = find_checkpoint(run)
+    assert newest.is_final and newest.steps == 4 and newest.hf == run / FINAL / "hf"
+    assert not find_checkpoint(run, 2).is_final and find_checkpoint(run, 4).is_final
+    with pytest.raises(UsageError, match="has no checkpoint at step 3; it has 2, 4"):
+        find_checkpoint(run, 3)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import free_port, wait_http
-from rlctl.run.checkpoint import save_checkpoint
+from rlctl.run.checkpoint import save_checkpoint, save_final_policy
+from rlctl.run.manifest import check_manifest
 from rlctl.run.manifest import write_manifest
 from rlctl.engines.train.client import TrainerClient
 from rlctl.errors import RunError
@@ -97,6 +98,12 @@ def test_the_checkpoint_routes_take_only_the_runs_own_checkpoints(trainer, tmp_p
             with refused(403, "reads", rule):
                 await c.load_checkpoint(str(ckpts / ".tmp-step-000002-1"))
             assert (await c.load_checkpoint(str(ckpts / "step-000001")))["version"] == 1.0
+            with refused(403, str(outside), "refused", rule, r"\.tmp-final-PID"):  # the final policy's route too
+                await c.save_policy(str(outside))
+            final = await save_final_policy(run, 1, 1, c)
+            assert final["path"] == str(run / "final") and (run / "final" / "hf" / "model.safetensors").is_file()
+            assert not (run / "final" / "trainer").exists()  # the policy alone: no optimizer state
+            check_manifest(run / "final")
 
     asyncio.run(scenario())
 

@@ -78,6 +78,26 @@ def test_run_completes_and_fills_the_run_directory(sync_run):
     assert sum(e["ph"] == "X" and e["pid"] == 1 for e in trace) == 4 * 8 * 4  # every sample's request
 
 
+def test_a_completed_run_leaves_its_trained_policy_for_export(sync_run, tmp_path):
+    """No run.save_every, yet the run's end is kept: RUN/final/ holds the policy after its last
+    optimizer step, and `rlctl export` writes it out as a model transformers loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    res, rd = sync_run
+    assert not list((rd.path / "checkpoints").glob("step-*"))
+    assert json.loads((rd.path / "final" / "final.json").read_text()) == {"steps": 4, "version": 8}
+    assert f"final policy: {rd.path / 'final' / 'hf'}" in res.stderr.replace("\n", "")
+    out = tmp_path / "model"
+    exported = rlctl("export", rd.id, str(out), "--runs-dir", str(rd.path.parent), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(rd.read()["model_path"]).state_dict()
+    assert trained.keys() == initial.keys() and all(not torch.equal(trained[k], initial[k]) for k in trained)
+    final_sync = [e for e in rd.events() if e["event"] == "final_saved"]
+    assert [e["version"] for e in final_sync] == [8]
+
+
 def test_sync_invariant_every_trained_sample_has_the_step_version(sync_run):
     events = sync_run[1].events()
     starts = {e["step"]: e["version"] for e in events if e["event"] == "step_start"}

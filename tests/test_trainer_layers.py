@@ -37,11 +37,12 @@ def protocol_methods() -> set[str]:
 
 def test_a_layer_passes_on_every_call_of_the_trainers_protocol():
     names = protocol_methods()
-    assert {"accumulate", "train", "sync_weights", "save_checkpoint", "load_checkpoint", "weight_checksums"} <= names
+    assert {"accumulate", "train", "sync_weights", "save_checkpoint", "save_policy", "load_checkpoint",
+            "weight_checksums"} <= names
     client = Client()
     layer = TrainerLayer(client)
     for name in sorted(names):
-        args = {"sync_weights": (3,), "accumulate": ([],), "train": ([],)}.get(name, ("p",) if "checkpoint" in name else ())
+        args = {"sync_weights": (3,), "accumulate": ([],), "train": ([],)}.get(name, ("p",) if name.startswith(("save_", "load_")) else ())
         asyncio.run(getattr(layer, name)(*args))
     assert sorted(client.calls) == sorted(names)
 

@@ -1,6 +1,7 @@
-"""`rlctl export RUN [--step N] DIR`: a checkpoint's policy as a plain Hugging Face model
-directory (config.json, safetensors, tokenizer files), loadable by transformers and servable by
-SGLang or vLLM.
+"""`rlctl export RUN [--step N] DIR`: a checkpoint's policy, or a completed run's final policy
+(RUN/final/, written at its end: run.save_final), as a plain Hugging Face model directory
+(config.json, safetensors, tokenizer files), loadable by transformers and servable by SGLang or
+vLLM. Without --step: the newest of them.
 
 What is copied is the checkpoint's own: a symlink in it is followed only while it stays inside the
 checkpoint's directory (one leading out, to /etc/passwd or another user's files, stops the export
@@ -82,10 +83,11 @@ def write_export(src: Path, root: Path, out: Path) -> None:
 def export(
     run: str = typer.Argument(..., help="A run id, name or run directory."),
     out: Path = typer.Argument(..., help="The directory to write (must not exist, or be empty)."),
-    step: int | None = typer.Option(None, "--step", help="The checkpoint after this many steps (default: the newest)."),
+    step: int | None = typer.Option(None, "--step", help="The checkpoint (or final policy) after this many steps "
+                                    "(default: the newest)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run directories are."),
 ) -> None:
-    """Write a checkpoint's policy as a Hugging Face model directory."""
+    """Write a checkpoint's policy, or the final policy, as a Hugging Face model directory."""
     from rlctl.run.checkpoint import find_checkpoint
     from rlctl.run.manifest import check_manifest
     from rlctl.run.find import find_run
@@ -96,5 +98,6 @@ def export(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} exists and is not an empty directory; give a new directory")
     write_export(ckpt.hf, ckpt.path, out)
-    typer.echo(f"exported step {ckpt.steps} of {rd.id} ({ckpt.hf})", err=True)
+    what = "the final policy" if ckpt.is_final else "the checkpoint"
+    typer.echo(f"exported {what} after {ckpt.steps} steps of {rd.id} ({ckpt.hf})", err=True)
     print(out)

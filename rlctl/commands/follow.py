@@ -200,6 +200,7 @@ class _Lines:
 def _ended(rd: RunDir, err, now: Reading) -> int:
     """The run's end as the reading gave it: completed (exit 0), failed (an error, exit 1), else 1."""
     from rlctl.commands.status import progress_lines
+    from rlctl.run.checkpoint import final_policy
     from rlctl.run.evals import eval_lines, eval_summary
 
     state = now.state
@@ -215,6 +216,9 @@ def _ended(rd: RunDir, err, now: Reading) -> int:
                 err.print(f"  {line}", highlight=False, markup=False)
         for line in eval_lines(eval_summary(rd)):
             err.print(f"  {line}", highlight=False, markup=False)
+        final = final_policy(rd.path)
+        if final is not None:
+            err.print(f"  final policy: {final.hf} (rlctl export {rd.id} DIR)", highlight=False, markup=False)
         print(rd.id)
         return 0
     if state is RunState.FAILED:

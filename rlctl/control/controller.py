@@ -5,8 +5,8 @@ It waits for every server and the trainer, has the trainer form the weight-sync 
 servers, and runs `run.steps` steps. The Recorder (rlctl/metrics/recorder.py) streams every event
 to events.jsonl and, at each step's end, writes the step's metrics to metrics.jsonl and the
 tracker; nothing is kept in memory from one step to the next but what the metrics need.
-With run.save_every it writes a checkpoint after every save_every steps and the last one
-(rlctl/run/checkpoint.py); an attempt started by `rlctl resume` first loads the newest one into the
+With run.save_every it writes a checkpoint after every save_every steps and the last one, and a
+completed run's final policy (rlctl/control/checkpoints.py, rlctl/run/checkpoint.py); an attempt started by `rlctl resume` first loads the newest one into the
 trainer and the scheduler and sends its weights to the servers. SIGUSR1 (a Slurm job's warning
 before its time limit, passed on by the batch script) asks for a checkpoint at the end of the
 step in progress, after which the controller stops with exit code PREEMPTED_EXIT and the job
@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from rlctl.run.checkpoint import Checkpoint, Preempted, resume_point, save_checkpoint, should_save
+from rlctl.control.checkpoints import checkpointer, load_checkpoint, restore_pipeline, save_final
+from rlctl.run.checkpoint import resume_point
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.rollout.registry import rollout_adapter, rollout_client
 from rlctl.engines.train.client import TrainerClient
@@ -73,10 +74,8 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
     scorer = PooledScorer(model_path, recipe.reward)
     resume_from = resume_point(rd.read())  # a resumed attempt (`rlctl resume`) starts from this checkpoint
     start = resume_from.steps if resume_from else 0
-    if start:  # samples, tokens, optimizer steps and time go on from the record of the step before
-        before = [m for m in rd.metrics() if m.get("step") == start - 1]
-        if before:
-            recorder.steps.carry(before[-1])
+    if start:
+        carry_progress(rd, recorder, start)
     beating = asyncio.create_task(beat(rd.path / HEARTBEAT_FILE))  # the supervisor's watchdog reads it
     evaluator = None
     try:
@@ -111,6 +110,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
             watching = asyncio.create_task(watch.run())
             try:
                 await pipeline.run(recipe.run.steps, start)
+                await save_final(rd, recipe, trainer, pipeline.version, recorder, clock)
             finally:
                 watching.cancel()
     finally:
@@ -135,6 +135,14 @@ async def samples_and_evaluations(pipeline: Pipeline, rd: RunDir, recipe: Recipe
         await evaluator.ready()
         pipeline.evaluate = evaluator
     return evaluator
+
+
+def carry_progress(rd: RunDir, recorder: Recorder, start: int) -> None:
+    """A resumed attempt's samples, tokens, optimizer steps and time go on from the record of the
+    step before its checkpoint."""
+    before = [m for m in rd.metrics() if m.get("step") == start - 1]
+    if before:
+        recorder.steps.carry(before[-1])
 
 
 def shared_pool(rd: RunDir, recipe: Recipe, session: aiohttp.ClientSession, token: str) -> PoolLease | None:
@@ -216,58 +224,11 @@ async def send_initial_weights(trainer: RunTrainer, emit: EventSink, clock: Cloc
     emit("initial_sync", clock.now(), start=start, **{k: v for k, v in stats.items() if k not in ("version", "success")})
 
 
-async def load_checkpoint(trainer: RunTrainer, ckpt: Checkpoint, emit: EventSink,
-                          clock: Clock) -> dict[str, Any]:
-    """The trainer continues from the checkpoint (weights, optimizer, RNG); returns the
-    controller's part of it (rlctl/run/checkpoint.py)."""
-    start = clock.now()
-    state = ckpt.controller_state()
-    loaded = await trainer.load_checkpoint(str(ckpt.path.resolve()))
-    if int(loaded["version"]) != int(state["version"]):
-        raise RunError(f"{ckpt.path}: the trainer's weight version is {int(loaded['version'])}, the controller's "
-                       f"{state['version']}; the checkpoint is inconsistent")
-    emit("checkpoint_loaded", clock.now(), start=start, steps=ckpt.steps, version=int(state["version"]),
-         path=str(ckpt.path), prompts=(state.get("prompts") or {}).get("position"))
-    return state
-
-
-def restore_pipeline(pipeline: Pipeline, state: dict[str, Any], emit: EventSink, clock: Clock) -> None:
-    """The scheduler where the checkpoint left it. Groups unfinished at the checkpoint (async:
-    in flight or waiting to be trained) are not in it: they are recorded as dropped."""
-    pipeline.restore(state)
-    for g in state.get("unfinished", []):
-        emit("group_dropped", clock.now(), step=g["step"], group=g["group"], reason="resumed")
-
-
 def _asked_to_stop(preempt: asyncio.Event) -> Callable[[], None]:
     def handler() -> None:
         log.info("SIGUSR1: a checkpoint at the end of this step, then stop (the job requeues itself)")
         preempt.set()
     return handler
-
-
-def checkpointer(rd: RunDir, recipe: Recipe, trainer: RunTrainer, pipeline: Pipeline,
-                 recorder: Recorder, clock: Clock, preempt: asyncio.Event) -> Callable[[int], Awaitable[None]]:
-    """The pipeline's after_step: a checkpoint every run.save_every steps and after the last, and
-    one when `preempt` is set, after which the run stops (Preempted) unless that was its last step.
-    The scheduler's state is taken first, at the step's end, before anything else can move."""
-
-    async def after_step(step: int) -> None:
-        last = step + 1 == recipe.run.steps
-        stopping = preempt.is_set() and not last
-        if not (stopping or should_save(step + 1, recipe.run.save_every, recipe.run.steps)):
-            return
-        state = {"t": clock.now(), **pipeline.state()}
-        stats = await save_checkpoint(rd.path, step + 1, trainer, state, recipe.run.keep_checkpoints)
-        recorder.emit("checkpoint", clock.now(), steps=step + 1, version=state["version"],
-                      unfinished_groups=len(state["unfinished"]), **stats)
-        if stopping:
-            recorder.emit("preempted", clock.now(), steps=step + 1, checkpoint=stats["path"])
-        recorder.events.flush()
-        if stopping:
-            raise Preempted(step + 1, stats["path"])
-
-    return after_step
 
 
 def _flush_on_sigterm(events: EventLog) -> None:

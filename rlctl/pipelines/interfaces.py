@@ -44,6 +44,8 @@ class RunTrainer(Trainer, Protocol):
 
     async def save_checkpoint(self, path: str) -> dict[str, Any]: ...
 
+    async def save_policy(self, path: str) -> dict[str, Any]: ...
+
     async def load_checkpoint(self, path: str) -> dict[str, Any]: ...
 
     async def weight_checksums(self) -> dict[str, Any]: ...
@@ -69,6 +71,9 @@ class TrainerLayer:
 
     async def save_checkpoint(self, path: str) -> dict[str, Any]:
         return await self.inner.save_checkpoint(path)
+
+    async def save_policy(self, path: str) -> dict[str, Any]:
+        return await self.inner.save_policy(path)
 
     async def load_checkpoint(self, path: str) -> dict[str, Any]:
         return await self.inner.load_checkpoint(path)

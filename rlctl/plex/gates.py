@@ -76,6 +76,10 @@ class PooledTrainer(TrainerLayer):
         async with self.lease.slice(self.job, [(self.trainer, ACTIVE)], "checkpoint"):
             return await self.inner.save_checkpoint(path)
 
+    async def save_policy(self, path: str) -> dict[str, Any]:
+        async with self.lease.slice(self.job, [(self.trainer, ACTIVE)], "checkpoint"):
+            return await self.inner.save_policy(path)
+
     async def load_checkpoint(self, path: str) -> dict[str, Any]:
         async with self.lease.slice(self.job, [(self.trainer, ACTIVE)], "checkpoint"):
             return await self.inner.load_checkpoint(path)

@@ -49,6 +49,9 @@ class RunConfig(Section):
     resume` continues from and `rlctl export` exports (run_dir/checkpoints/step-NNNNNN/)."""
     keep_checkpoints: int = 2
     """How many checkpoints to keep, the newest (0 = all)."""
+    save_final: bool = True
+    """A run that completes its steps writes its policy as RUN/final/ (an HF model directory with
+    its tokenizer) for `rlctl export RUN`, unless a checkpoint after the last step holds it."""
     sample_groups: int = 2
     """Groups a step whose samples (prompt, response, answer, reward and named scores, weight
     version, finish reason, lengths) go to the run directory's samples.jsonl, the first groups

@@ -10,6 +10,10 @@
                               RNG states, the groups left unfinished, the run clock at the save
         manifest.json         every other file's size and sha256 (rlctl/run/manifest.py)
       .tmp-step-000006-PID/   a checkpoint being written: never listed, never loaded
+      .tmp-final-PID/         the final policy being written
+    runs/<id>/final/          a completed run's policy at its end (run.save_final), when no
+      hf/                     checkpoint was written after its last step: hf/ as above, final.json
+                              (steps, weight version) and manifest.json; `rlctl export` takes it
 
 A checkpoint is written into a temporary directory inside checkpoints/ (the trainer writes hf/
 and trainer/, the controller controller.json and the manifest), every file and directory is
@@ -43,6 +47,9 @@ CONTROLLER_FILE = "controller.json"
 HF_DIR = "hf"
 _NAME = re.compile(r"^step-(\d{6,})$")
 _TMP_NAME = re.compile(r"^\.tmp-step-\d{6,}-\d+$")
+_TMP_FINAL = re.compile(r"^\.tmp-final-\d+$")
+FINAL = "final"
+FINAL_FILE = "final.json"
 SLURM_ATTEMPT_KEYS = ("job_id", "restart_count", "trainer_nodes", "rollout_nodes")
 """What an attempt's record keeps of run.json's `slurm` (the job, where it ran)."""
 PREEMPTED_EXIT = 75
@@ -72,6 +79,11 @@ class Checkpoint:
     def hf(self) -> Path:
         return self.path / HF_DIR
 
+    @property
+    def is_final(self) -> bool:
+        """The final policy (RUN/final/: hf/ alone), not a checkpoint a run can resume from."""
+        return self.path.name == FINAL
+
     def controller_state(self) -> dict[str, Any]:
         return json.loads((self.path / CONTROLLER_FILE).read_text())
 
@@ -80,7 +92,7 @@ class Checkpoint:
 
     def saved_at(self) -> float:
         """When it was completed (the controller's file is written last)."""
-        return (self.path / CONTROLLER_FILE).stat().st_mtime
+        return (self.path / (FINAL_FILE if self.is_final else CONTROLLER_FILE)).stat().st_mtime
 
     def describe(self) -> dict[str, Any]:
         """One row of `rlctl status RUN`."""
@@ -101,12 +113,23 @@ def list_checkpoints(run_path: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.steps)
 
 
+def final_policy(run_path: Path) -> Checkpoint | None:
+    """The run's final policy (RUN/final/), if a completed run wrote one."""
+    path = run_path / FINAL
+    try:
+        return Checkpoint(int(json.loads((path / FINAL_FILE).read_text())["steps"]), path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def find_checkpoint(run_path: Path, steps: int | None = None) -> Checkpoint:
-    """The checkpoint after `steps` steps, or the newest; a usage error naming what there is."""
-    found = list_checkpoints(run_path)
+    """The checkpoint or final policy after `steps` steps, or the newest of them (the final policy
+    when it is as new as the newest checkpoint); a usage error naming what there is."""
+    final = final_policy(run_path)
+    found = sorted([*list_checkpoints(run_path), *([final] if final else [])], key=lambda c: (c.steps, c.is_final))
     if not found:
-        raise UsageError(f"run {run_path.name} has no checkpoint; checkpoints are written every run.save_every "
-                         "steps (0, the default, writes none)")
+        raise UsageError(f"run {run_path.name} has no checkpoint and no final policy; a run that completes writes "
+                         "its final policy (run.save_final), and run.save_every N a checkpoint every N steps")
     if steps is None:
         return found[-1]
     for c in found:
@@ -123,10 +146,12 @@ class CheckpointPathRefused(RunError):
 def confined_checkpoint_dir(run_path: Path, path: str, purpose: str) -> Path:
     """`path`, with symbolic links and `..` resolved, if it is where the trainer may write a
     checkpoint (purpose "save": RUN/checkpoints/.tmp-step-NNNNNN-PID, the temporary directory
-    save_checkpoint renames into place) or read one ("load": RUN/checkpoints/step-NNNNNN);
+    save_checkpoint renames into place), the final policy ("policy": RUN/checkpoints/.tmp-final-PID,
+    which save_final_policy renames to RUN/final) or read one ("load": RUN/checkpoints/step-NNNNNN);
     otherwise CheckpointPathRefused naming the path and the rule. The path the engine is then
     given is the resolved one, so it cannot be redirected by the link it came through."""
-    pattern, what = ((_TMP_NAME, ".tmp-step-NNNNNN-PID") if purpose == "save" else (_NAME, "step-NNNNNN"))
+    pattern, what = {"save": (_TMP_NAME, ".tmp-step-NNNNNN-PID"), "policy": (_TMP_FINAL, ".tmp-final-PID"),
+                     "load": (_NAME, "step-NNNNNN")}[purpose]
     root = (Path(run_path) / CHECKPOINTS).resolve()
     rule = (f"the trainer {'writes' if purpose == 'save' else 'reads'} checkpoints only in {root}/{what} "
             "(symbolic links and .. resolved)")
@@ -149,6 +174,8 @@ def should_save(steps_done: int, save_every: int, total_steps: int) -> bool:
 
 class TrainerCheckpoints(Protocol):
     async def save_checkpoint(self, path: str) -> dict[str, Any]: ...
+
+    async def save_policy(self, path: str) -> dict[str, Any]: ...
 
 
 def fsync_tree(path: Path) -> None:
@@ -194,6 +221,28 @@ async def save_checkpoint(run_path: Path, steps: int, trainer: TrainerCheckpoint
     removed = prune(run_path, keep)
     size = Checkpoint(steps, final).size_bytes()
     return {"path": str(final), "bytes": size, "seconds": time.monotonic() - start, "removed": removed}
+
+
+async def save_final_policy(run_path: Path, steps: int, version: int, trainer: TrainerCheckpoints) -> dict[str, Any]:
+    """Write the policy at a completed run's end as RUN/final/ (hf/, final.json, manifest.json),
+    through a temporary directory in checkpoints/ renamed into place, as a checkpoint is."""
+    start = time.monotonic()
+    root = run_path / CHECKPOINTS
+    root.mkdir(exist_ok=True)
+    tmp = root / f".tmp-final-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    await trainer.save_policy(str(tmp.resolve()))
+    (tmp / FINAL_FILE).write_text(json.dumps({"steps": steps, "version": version}) + "\n")
+    await asyncio.to_thread(write_manifest, tmp)
+    fsync_tree(tmp)
+    final = run_path / FINAL
+    if final.exists():  # a resumed run that completes again: its newer end replaces the old
+        _discard(final)
+    os.rename(tmp, final)
+    _fsync_dir(run_path)
+    return {"path": str(final), "bytes": Checkpoint(steps, final).size_bytes(), "seconds": time.monotonic() - start}
 
 
 def _discard(path: Path) -> None:

@@ -208,6 +208,11 @@ class TrainEngine(Protocol):
         """Write this trainer's part of a checkpoint into the directory `path` (every rank is
         called; rlctl/engines/train/ckpt_files.py has the files); returns {"version": ...}."""
 
+    def save_policy(self, path: str) -> dict[str, float]:
+        """Write the policy alone as a Hugging Face model directory, `path`/hf (config, safetensors,
+        tokenizer files): a completed run's final policy. Every rank is called (Megatron's TP
+        group rebuilds the full tensors); rank 0 writes. Returns {"version": ...}."""
+
     def load_checkpoint(self, path: str) -> dict[str, float]:
         """Continue from a checkpoint: weights, optimizer state, RNG states, weight version."""
 

@@ -85,6 +85,10 @@ class TrainerClient:
         """The trainer writes its part of a checkpoint (weights as HF, optimizer, RNG) into path."""
         return await self._post("/save_checkpoint", {"dir": path})
 
+    async def save_policy(self, path: str) -> dict[str, Any]:
+        """The trainer writes the policy alone into path/hf (a completed run's final policy)."""
+        return await self._post("/save_policy", {"dir": path})
+
     async def load_checkpoint(self, path: str) -> dict[str, Any]:
         """The trainer continues from the checkpoint in path; returns its weight version."""
         return await self._post("/load_checkpoint", {"dir": path})

@@ -51,14 +51,10 @@ class MegatronCheckpoint:
         from megatron.core import dist_checkpointing, tensor_parallel
 
         root = Path(path)
-        if self.dp_rank == 0:  # rank 0's TP group rebuilds the full tensors; rank 0 writes them
-            weights = list(self.hf_weights())
-            if self.rank == 0:
-                ckpt_files.write_safetensors(weights, root / ckpt_files.HF_DIR)
-                ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR, with_config=True)
-                for _, _, part in self._parts(root):
-                    part.mkdir(parents=True, exist_ok=True)
-            del weights
+        self._write_policy(root)
+        if self.rank == 0:
+            for _, _, part in self._parts(root):
+                part.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         for model, optimizer, part in self._parts(root):
             dist_checkpointing.save(self._sharded_state(False, model, optimizer), str(part))
@@ -68,6 +64,21 @@ class MegatronCheckpoint:
                                          tp=self.tp_size, dp=self.dp_size)
         dist.barrier()
         return {"version": float(self.version)}
+
+    def save_policy(self, path: str) -> dict[str, float]:
+        self._write_policy(Path(path))
+        dist.barrier()
+        return {"version": float(self.version)}
+
+    def _write_policy(self, root: Path) -> None:
+        """hf/: rank 0's TP group rebuilds the full tensors, rank 0 writes them with the model's
+        other files (config, tokenizer)."""
+        if self.dp_rank == 0:
+            weights = list(self.hf_weights())
+            if self.rank == 0:
+                ckpt_files.write_safetensors(weights, root / ckpt_files.HF_DIR)
+                ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR, with_config=True)
+            del weights
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
         from megatron.core import dist_checkpointing, tensor_parallel

@@ -9,6 +9,7 @@
                                               keep it as that version's behaviour weights)
     POST /save_checkpoint, /load_checkpoint {"dir": D}   the trainer's part of a checkpoint (D: a
                                               directory of the run's own checkpoints/ only)
+    POST /save_policy    {"dir": D}           the policy alone as D/hf: a completed run's final policy
     POST /release_memory_occupation {"tags": ["weights", "optimizer"] | null}
     POST /resume_memory_occupation  {"tags": ...}   give the device memory back, take it again
     GET  /health, /info, /weight_checksums;  POST /shutdown
@@ -26,7 +27,8 @@ the service's own clients of the rollout servers send each server its own key, d
 from the token and the role and key_id the controller names.
 
 The checkpoint routes touch the run's own checkpoints only: /save_checkpoint writes only into
-RUN/checkpoints/.tmp-step-NNNNNN-PID and /load_checkpoint reads only RUN/checkpoints/step-NNNNNN,
+RUN/checkpoints/.tmp-step-NNNNNN-PID (/save_policy only into RUN/checkpoints/.tmp-final-PID) and
+/load_checkpoint reads only RUN/checkpoints/step-NNNNNN,
 with symbolic links and `..` resolved (rlctl/run/checkpoint.py: confined_checkpoint_dir); any other
 path is refused with 403, naming the path and the rule. /load_checkpoint first checks the
 checkpoint against its manifest (rlctl/run/manifest.py: 400 and the first file that differs).
@@ -68,6 +70,7 @@ COMMANDS = {
     "train": ("train_batch", ("weights", "optimizer")),
     "accumulate": ("accumulate", ("weights",)),
     "save_checkpoint": ("save_checkpoint", ("weights", "optimizer")),
+    "save_policy": ("save_policy", ("weights",)),
     "load_checkpoint": ("load_checkpoint", ("weights", "optimizer")),
     "release_memory": ("release_memory", ()),
     "resume_memory": ("resume_memory", ()),
@@ -263,7 +266,7 @@ class TrainerService:
                                   "buckets": stats.buckets, "tensors": stats.tensors})
 
     def _checkpoint_dir(self, body: Any, purpose: str) -> Path:
-        """The body's "dir", resolved, if the service may use it for `purpose` ("save" or "load");
+        """The body's "dir", resolved, if the service may use it for `purpose` ("save", "policy" or "load");
         CheckpointPathRefused otherwise (RunError for a body without one)."""
         if self.run_dir is None:
             raise CheckpointPathRefused("this trainer was started without its run directory (python -m rlctl.worker "
@@ -285,12 +288,19 @@ class TrainerService:
 
     async def save_checkpoint(self, request: web.Request) -> web.Response:
         """{"dir": D}: write the trainer's part of a checkpoint into D (rlctl/engines/train/ckpt_files.py)."""
-        target = await self._checkpoint_target(request, "save")
+        return await self._save(request, "save", "save_checkpoint")
+
+    async def save_policy(self, request: web.Request) -> web.Response:
+        """{"dir": D}: write the policy alone into D/hf (a completed run's final policy)."""
+        return await self._save(request, "policy", "save_policy")
+
+    async def _save(self, request: web.Request, purpose: str, command: str) -> web.Response:
+        target = await self._checkpoint_target(request, purpose)
         if isinstance(target, web.Response):
             return target
         start = asyncio.get_running_loop().time()
         try:
-            stats = await self._run(self._command, "save_checkpoint", str(target))
+            stats = await self._run(self._command, command, str(target))
         except RunError as e:
             return refused(str(e))
         return web.json_response({"success": True, "seconds": asyncio.get_running_loop().time() - start, **stats})
@@ -342,6 +352,7 @@ class TrainerService:
         app.router.add_post("/sync_weights", self.sync_weights)
         app.router.add_get("/weight_checksums", self.weight_checksums)
         app.router.add_post("/save_checkpoint", self.save_checkpoint)
+        app.router.add_post("/save_policy", self.save_policy)
         app.router.add_post("/load_checkpoint", self.load_checkpoint)
         app.router.add_post("/release_memory_occupation", self.release_memory_occupation)
         app.router.add_post("/resume_memory_occupation", self.resume_memory_occupation)

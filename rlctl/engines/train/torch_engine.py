@@ -216,8 +216,7 @@ class TorchTrainEngine(PieceTraining):
         the weights and optimizer serves all of them."""
         root = Path(path)
         if self.rank == 0:
-            self.model.save_pretrained(root / ckpt_files.HF_DIR)
-            ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR)
+            self._write_policy(root)
             torch.save(self.optimizer.state_dict(), ckpt_files.trainer_dir(root) / "optimizer.pt")
             ckpt_files.write_engine_info(root, engine="torch", version=self.version, ranks=self.world_size)
             if self.critic is not None:
@@ -226,6 +225,17 @@ class TorchTrainEngine(PieceTraining):
         if self.world_size > 1:
             dist.barrier()
         return {"version": float(self.version)}
+
+    def save_policy(self, path: str) -> dict[str, float]:
+        if self.rank == 0:
+            self._write_policy(Path(path))
+        if self.world_size > 1:
+            dist.barrier()
+        return {"version": float(self.version)}
+
+    def _write_policy(self, root: Path) -> None:
+        self.model.save_pretrained(root / ckpt_files.HF_DIR)
+        ckpt_files.copy_model_files(self.model_path, root / ckpt_files.HF_DIR)
 
     def load_checkpoint(self, path: str) -> dict[str, float]:
         """Weights, optimizer state, RNG states and weight version from a checkpoint (every rank
