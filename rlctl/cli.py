@@ -21,8 +21,8 @@ from typing import Any
 
 import typer
 
-from rlctl.commands import (cancel, compare, export, launch, logs, plan, pool, resume, samples, simulate, status, sweep,
-                            trace)
+from rlctl.commands import (cancel, compare, evaluate, export, launch, logs, plan, pool, resume, samples, simulate,
+                            status, sweep, trace)
 from rlctl.errors import RlctlError
 
 
@@ -178,6 +178,7 @@ app.command("trace", no_args_is_help=True)(trace.trace)
 app.command("compare", no_args_is_help=True)(compare.compare)
 app.command("resume", no_args_is_help=True)(resume.resume)
 app.command("export", no_args_is_help=True)(export.export)
+app.command("eval", no_args_is_help=True)(evaluate.evaluate)
 app.command("sweep", no_args_is_help=True)(sweep.sweep)
 app.add_typer(pool.app, name="pool")
 

@@ -107,7 +107,8 @@ def test_eval_sets_errors_name_the_item_and_key(tmp_path):
              f"eval.sets=[{{path: {good}}}, {{path: {good}, samples: many}}]": "eval.sets[1].samples: Value 'many'",
              f"eval.sets=[{{path: {good}}}, {{path: {good}}}]": "eval.sets[1].name: two sets are named 'heldout'",
              "eval.sets=[{path: /nonexistent.jsonl}]": "eval.sets[0].path: '/nonexistent.jsonl' does not exist",
-             f"eval.sets=[{{path: {good}, reward: {{verifier: nope}}}}]": "eval.sets[0].reward.verifier: 'nope' is not one of"}
+             f"eval.sets=[{{path: {good}, reward: {{verifier: nope}}}}]": "eval.sets[0].reward.verifier: 'nope' is not one of",
+             "run.steps=0": "run.steps: 0 trains nothing and only evaluates eval.sets"}
     for override, message in cases.items():
         with pytest.raises(RecipeError) as e:
             load_recipe(QUICKSTART, [override])

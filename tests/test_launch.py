@@ -98,6 +98,28 @@ def test_a_completed_run_leaves_its_trained_policy_for_export(sync_run, tmp_path
     assert [e["version"] for e in final_sync] == [8]
 
 
+def test_rlctl_eval_evaluates_the_runs_final_policy_without_training(sync_run, tmp_path):
+    """`rlctl eval RUN --set FILE`: a run of no steps on the run's own recipe and final policy,
+    which evaluates the set once and leaves eval.jsonl; a model directory needs a recipe."""
+    _, rd = sync_run
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"prompt": f"max({i},3,5)=", "answer": str(max(i, 5))}) + "\n"
+                               for i in range(10)))
+    runs = tmp_path / "runs"
+    res = rlctl("eval", str(rd.path), "--set", str(heldout), "-k", "2", "--runs-dir", str(runs), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "eval heldout (10 prompts x 2): mean@2 " in res.stderr
+    (path,) = runs.iterdir()
+    ev = RunDir(path)
+    assert path.name.startswith("eval-quickstart-") and ev.read()["model_path"] == str(rd.path / "final" / "hf")
+    assert ev.metrics() == [] and not (path / "final").exists()
+    (record,) = ev.evals()
+    assert (record["set"], record["steps"], record["versions"], record["prompts"], record["k"]) == \
+        ("heldout", 0, [0], 10, 2)
+    no_recipe = rlctl("eval", str(rd.path / "final" / "hf"), "--set", str(heldout), cwd=tmp_path)
+    assert no_recipe.returncode == 2 and "give --recipe RECIPE" in no_recipe.stderr and no_recipe.stderr.count("\n") == 1
+
+
 def test_sync_invariant_every_trained_sample_has_the_step_version(sync_run):
     events = sync_run[1].events()
     starts = {e["step"]: e["version"] for e in events if e["event"] == "step_start"}

@@ -26,6 +26,8 @@ HEAD_BYTES = 1 << 16
 def phase(rd: RunDir, info: dict[str, Any]) -> str:
     """What a run that has recorded no step yet is doing."""
     kinds, up = _first_events(rd)
+    if "eval_start" in kinds:  # before the first step (eval.before), or all a run of no steps does
+        return f"evaluating held-out sets ({sum(k == 'eval_end' for k in kinds)} done)"
     if "initial_sync" in kinds:
         return "step 1: first rollout batch"
     if "run_start" in kinds:

@@ -73,7 +73,7 @@ async def save_final(rd: RunDir, recipe: Recipe, trainer: RunTrainer, version: i
     directory with its tokenizer, what `rlctl export RUN` writes out), unless a checkpoint was
     written after the last step already (run.save_every: export takes that one)."""
     steps = recipe.run.steps
-    if not recipe.run.save_final or should_save(steps, recipe.run.save_every, steps):
+    if not steps or not recipe.run.save_final or should_save(steps, recipe.run.save_every, steps):
         return
     stats = await save_final_policy(rd.path, steps, version, trainer)
     recorder.emit("final_saved", clock.now(), steps=steps, version=version, **stats)

@@ -35,7 +35,8 @@ class RunConfig(Section):
     """Seeds data order, sampling on the rollout servers and model init."""
     steps: int = 20
     """Number of rollout batches (each followed by its optimizer steps and a weight sync); at
-    most MAX_STEPS."""
+    most MAX_STEPS. 0 trains nothing: the run evaluates its eval sets at the model's weights and
+    ends (what `rlctl eval` launches)."""
     output_dir: str = "runs"
     """Where run directories are created (relative to the current directory)."""
     threads_per_process: int = 1
@@ -63,7 +64,7 @@ class RunConfig(Section):
     call of its kind so far (rlctl/process/watchdog.py)."""
 
     def check(self) -> None:
-        positive("steps", self.steps)
+        positive("steps", self.steps, zero_ok=True)
         at_most("steps", self.steps, MAX_STEPS)
         positive("threads_per_process", self.threads_per_process)
         at_most("threads_per_process", self.threads_per_process, 1024)

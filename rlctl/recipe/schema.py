@@ -52,6 +52,9 @@ class Recipe(Section):
         if init is not None and init.warmup_steps > 0 and self.data.source is not DataSource.TASK:
             raise FieldError("model.init.warmup_steps",
                              "the warm-up trains on a built-in task; set data.source=task or warmup_steps=0")
+        if self.run.steps == 0 and not (self.eval.sets and self.eval.before):
+            raise FieldError("run.steps", "0 trains nothing and only evaluates eval.sets before training (eval.before); "
+                                          "give eval sets, or steps > 0")
         divides("train.groups_per_batch", self.train.groups_per_batch, "rollout.batch_size", self.rollout.batch_size,
                 "pick a divisor so every train batch is full")
         if self.launcher is Launcher.LOCAL:
