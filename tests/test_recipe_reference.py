@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conftest import REPO
-from rlctl.recipe import EvalConfig, EvalSet, ModelConfig, ModelInit, Recipe, RewardConfig, recipe_to_dict
+from rlctl.recipe import (DataConfig, EvalConfig, EvalSet, MixedSource, ModelConfig, ModelInit, Recipe, RewardConfig,
+                          recipe_to_dict)
 from rlctl.recipe.pool import PoolFile, PoolJob
 from rlctl.recipe.reference import REGENERATE, main, parts, render, undocumented
 
@@ -36,6 +37,7 @@ def test_docs_recipe_md_is_what_the_generator_writes():
 
 def test_the_reference_lists_every_key_a_resolved_recipe_holds():
     recipe = Recipe(model=ModelConfig(init=ModelInit()),
+                    data=DataConfig(sources=[MixedSource(path="a.jsonl", reward=RewardConfig())]),
                     eval=EvalConfig(sets=[EvalSet(path="heldout.jsonl", reward=RewardConfig())]))
     listed = {k.key for p in parts(Recipe) for k in p.keys}
     resolved = set(_leaves(recipe_to_dict(recipe)))

@@ -42,10 +42,9 @@ from rlctl.pipelines.servers import ServerSet
 from rlctl.control.evaluation import make_evaluator
 from rlctl.control.samples import SampleWriter
 from rlctl.data.chat import PromptRenderer
-from rlctl.pipelines.scoring import PooledScorer
+from rlctl.pipelines.scoring import Score, run_scorer
 from rlctl.process.topology import Topology
 from rlctl.recipe import Device, Launcher, Recipe, SyncBackend
-from rlctl.rewards.verifiers import make_verifier
 from rlctl.run.dir import HOST, PROCESS_CLOCK, EventLog, RunDir
 from rlctl.run.tracking import make_tracker
 from rlctl.process.watchdog import HEARTBEAT_FILE, CallTimer, beat
@@ -70,8 +69,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
     preempt = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _asked_to_stop(preempt))
     recorder = Recorder(events, rd.append_metrics, make_tracker(rd, recipe), wall_clock=time.time)
-    make_verifier(recipe.reward)  # a reward function that cannot load fails here, saying why, not in a worker
-    scorer = PooledScorer(model_path, recipe.reward)
+    scorer = run_scorer(model_path, recipe)
     resume_from = resume_point(rd.read())  # a resumed attempt (`rlctl resume`) starts from this checkpoint
     start = resume_from.steps if resume_from else 0
     if start:
@@ -122,7 +120,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
 
 
 async def samples_and_evaluations(pipeline: Pipeline, rd: RunDir, recipe: Recipe, renderer: PromptRenderer,
-                                  server_set: ServerSet, scorer: PooledScorer, model_path: str, recorder: Recorder,
+                                  server_set: ServerSet, scorer: Score, model_path: str, recorder: Recorder,
                                   clock: Clock) -> Evaluator | None:
     """What the run writes besides its events and metrics: the samples of run.sample_groups groups
     a step (samples.jsonl), and the held-out evaluations of the eval section (eval.jsonl; the

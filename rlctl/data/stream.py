@@ -11,7 +11,7 @@ from typing import Any
 
 from rlctl.data.prompts import Prompt, file_prompts
 from rlctl.data.rows import DataError, read_rows
-from rlctl.recipe import DataConfig, DataSource
+from rlctl.recipe import DataConfig, DataSource, MixedSource
 
 
 def read_prompts(cfg: DataConfig) -> list[Prompt]:
@@ -25,10 +25,19 @@ def read_file_prompts(path: str, prompt_key: str, answer_key: str) -> list[Promp
     return file_prompts(where, read_rows(where), prompt_key, answer_key)
 
 
-def prompt_stream(cfg: DataConfig, seed: int, prompt_tokens: Callable[[Prompt], int] | None = None) -> PromptStream:
-    """An endless, seeded stream of prompts: a built-in task, or a file's rows reshuffled each
-    epoch. prompt_tokens: a prompt's length in tokens as the servers get it, for
-    data.max_prompt_tokens (not given: no row is left out)."""
+def read_source(cfg: DataConfig, source: MixedSource) -> list[Prompt]:
+    """Every prompt of one file of a mix (data.sources), each named by the source's label."""
+    rows = read_file_prompts(source.path, source.prompt_key or cfg.prompt_key, source.answer_key or cfg.answer_key)
+    return [replace(p, source=source.label) for p in rows]
+
+
+def prompt_stream(cfg: DataConfig, seed: int,
+                  prompt_tokens: Callable[[Prompt], int] | None = None) -> PromptStream | MixedStream:
+    """An endless, seeded stream of prompts: a built-in task, a file's rows reshuffled each epoch,
+    or several files' mixed by weight (data.sources). prompt_tokens: a prompt's length in tokens
+    as the servers get it, for data.max_prompt_tokens (not given: no row is left out)."""
+    if cfg.sources:
+        return MixedStream(cfg, seed, prompt_tokens)
     return PromptStream(cfg, seed, prompt_tokens)
 
 
@@ -39,7 +48,9 @@ class PromptStream:
     the current epoch (a file) or now (task); `restore(state)` continues exactly there, so a
     resumed run draws the prompts the uninterrupted run would have drawn next."""
 
-    def __init__(self, cfg: DataConfig, seed: int, prompt_tokens: Callable[[Prompt], int] | None = None) -> None:
+    def __init__(self, cfg: DataConfig, seed: int, prompt_tokens: Callable[[Prompt], int] | None = None,
+                 rows: list[Prompt] | None = None, where: str | None = None) -> None:
+        """rows: prompts read already (one file of a mix, `where`), instead of data.path's."""
         self.rng = random.Random(seed)
         self.position = 0
         """Prompts handed out so far: the index of the next one."""
@@ -52,13 +63,13 @@ class PromptStream:
 
             self.task = TASKS[cfg.task]
         else:
-            self.rows = read_prompts(cfg)
+            self.rows = read_prompts(cfg) if rows is None else rows
             if cfg.max_prompt_tokens is not None and prompt_tokens is not None:
                 total = len(self.rows)
                 self.rows = [p for p in self.rows if prompt_tokens(p) <= cfg.max_prompt_tokens]
                 self.left_out = total - len(self.rows)
                 if not self.rows:
-                    raise DataError(f"{cfg.path}: every one of its {total} prompts is longer than "
+                    raise DataError(f"{where or cfg.path}: every one of its {total} prompts is longer than "
                                     f"data.max_prompt_tokens={cfg.max_prompt_tokens}; raise it")
         self._epoch_rng: Any = None
         self._order: list[int] = []
@@ -92,6 +103,52 @@ class PromptStream:
         self.rng.setstate(rng_from_json(state["rng"]))
         if self.task is None and self.position % len(self.rows):
             self._new_epoch()  # the epoch the cursor is in: the same shuffle from the same state
+
+
+class MixedStream:
+    """data.sources: each prompt drawn from one of several files, chosen at random by weight (a
+    seeded generator of its own), each file its own PromptStream (its rows reshuffled every
+    epoch of its own, seeded apart). state() and restore() hold every cursor, so a resumed run
+    draws what the uninterrupted one would have."""
+
+    def __init__(self, cfg: DataConfig, seed: int, prompt_tokens: Callable[[Prompt], int] | None = None) -> None:
+        self.labels = [s.label for s in cfg.sources]
+        self.weights = [s.weight for s in cfg.sources]
+        self.streams = [PromptStream(cfg, seed + 1 + i, prompt_tokens, rows=read_source(cfg, s), where=s.path)
+                        for i, s in enumerate(cfg.sources)]
+        self.rng = random.Random(seed)
+        self.position = 0
+
+    @property
+    def rows(self) -> list[Prompt]:
+        return [p for s in self.streams for p in s.rows]
+
+    @property
+    def left_out(self) -> int:
+        return sum(s.left_out for s in self.streams)
+
+    def by_source(self) -> dict[str, int]:
+        """Rows kept, per source."""
+        return {label: len(s.rows) for label, s in zip(self.labels, self.streams)}
+
+    def __iter__(self) -> MixedStream:
+        return self
+
+    def __next__(self) -> Prompt:
+        (stream,) = self.rng.choices(self.streams, weights=self.weights)
+        prompt = replace(next(stream), index=self.position)
+        self.position += 1
+        return prompt
+
+    def state(self) -> dict[str, Any]:
+        return {"position": self.position, "rng": rng_to_json(self.rng.getstate()),
+                "sources": [s.state() for s in self.streams]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.rng.setstate(rng_from_json(state["rng"]))
+        for stream, saved in zip(self.streams, state["sources"], strict=True):
+            stream.restore(saved)
 
 
 def rng_to_json(state: Any) -> list[Any]:

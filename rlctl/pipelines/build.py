@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from rlctl.data import Prompt, prompt_stream
+from rlctl.data import MixedStream, Prompt, prompt_stream
 from rlctl.engines.rollout.protocol import SamplingRequest
 from rlctl.pipelines.admission import make_admission
 from rlctl.pipelines.async_ import AsyncPipeline
@@ -46,7 +46,8 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
     )
     prompts = prompt_stream(recipe.data, recipe.run.seed, prompt_tokens=lambda prompt: len(tokenize(prompt)))
     if prompts.rows:
-        emit("data_loaded", clock.now(), rows=len(prompts.rows), left_out=prompts.left_out)
+        emit("data_loaded", clock.now(), rows=len(prompts.rows), left_out=prompts.left_out,
+             **({"by_source": prompts.by_source()} if isinstance(prompts, MixedStream) else {}))
     producer = GroupProducer(runner, prompts,
                              dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit,
                              max_equal_in_a_row=recipe.rollout.max_gen_batches * recipe.rollout.batch_size or None)

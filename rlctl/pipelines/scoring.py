@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from rlctl.data import Prompt
 
-    from rlctl.recipe import RewardConfig
+    from rlctl.recipe import Recipe, RewardConfig
 
 Score = Callable[[list[int], "Prompt"], Awaitable[tuple[str, Scored]]]
 """(response token ids, its prompt) -> (response text, the verdict); VerifierFailed when the
@@ -172,6 +172,40 @@ class PooledScorer:
         self._closed = True
         for w in self._workers:
             w.stop()
+
+
+class RoutedScorer:
+    """data.sources with a reward section of their own: each response is scored by its prompt's
+    source's scorer, the rest by the run's (`default`)."""
+
+    def __init__(self, default: PooledScorer, by_source: dict[str, PooledScorer]) -> None:
+        self.default, self.by_source = default, by_source
+
+    async def ready(self) -> None:
+        for scorer in (self.default, *self.by_source.values()):
+            await scorer.ready()
+
+    async def __call__(self, output_ids: list[int], prompt: Prompt) -> tuple[str, Scored]:
+        return await self.by_source.get(prompt.source, self.default)(output_ids, prompt)
+
+    def close(self) -> None:
+        for scorer in (self.default, *self.by_source.values()):
+            scorer.close()
+
+
+def run_scorer(model_path: str, recipe: Recipe) -> PooledScorer | RoutedScorer:
+    """The run's scoring processes: the reward section's, and one set per data source with a
+    verifier of its own. Each verifier is built here first, so that one that cannot load fails
+    the controller's start, saying why, not a worker."""
+    from rlctl.rewards.verifiers import make_verifier
+
+    own = {s.label: s.reward for s in recipe.data.sources if s.reward is not None}
+    for reward in (recipe.reward, *own.values()):
+        make_verifier(reward)
+    default = PooledScorer(model_path, recipe.reward)
+    if not own:
+        return default
+    return RoutedScorer(default, {label: PooledScorer(model_path, reward) for label, reward in own.items()})
 
 
 class Process(Protocol):

@@ -49,7 +49,7 @@ from rlctl.recipe.choices import (
     WandbMode,
 )
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, SlurmRolloutConfig, SlurmTrainerConfig, TrackingConfig, WandbConfig
-from rlctl.recipe.data import DataConfig
+from rlctl.recipe.data import DataConfig, MixedSource
 from rlctl.recipe.eval import EvalConfig, EvalSet
 from rlctl.recipe.inputs import ModelConfig, ModelInit, RewardConfig, RunConfig
 from rlctl.recipe.load import check_recipe, load_recipe, recipe_from_yaml, recipe_to_dict, recipe_to_yaml
@@ -75,7 +75,7 @@ from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
 __all__ = [
     "SGLANG_MANAGED_FLAGS", "SGLANG_NEWEST", "SGLANG_OLDEST", "VLLM_MANAGED_FLAGS", "VLLM_NEWEST", "VLLM_OLDEST",
     "Admission", "AlgoConfig", "AlgoName", "BuiltinConfig", "DataConfig", "DataSource", "EvalConfig", "EvalSet", "Device", "FieldError", "GpuKind",
-    "InflightAtUpdate", "KlEstimator", "KlIn", "Launcher", "LossAgg", "LongTailConfig", "MegatronAttention", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit", "Overlong",
+    "InflightAtUpdate", "KlEstimator", "KlIn", "Launcher", "LossAgg", "LongTailConfig", "MegatronAttention", "MixedSource", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit", "Overlong",
     "PipelineConfig", "PipelineMode", "Recipe", "Recompute", "RecomputeMethod", "RewardConfig", "RolloutConfig", "RolloutEngine", "ServerProtocol", "RunConfig",
     "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",
     "SlurmTrainerConfig", "SyncBackend", "TaskName", "TrackingConfig", "TrainConfig", "TrainEngine", "Verifier",

@@ -8,11 +8,55 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlctl.recipe.checks import FieldError, Section, at_most, positive
+from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
 from rlctl.recipe.choices import DataSource, TaskName
+from rlctl.recipe.inputs import RewardConfig
 
 CHAT_TEMPLATE_AUTO = "auto"
 CHAT_TEMPLATE_NONE = "none"
+
+
+@dataclass(kw_only=True)
+class MixedSource(Section):
+    """One file of a mix (data.sources): its rows, its share of the prompts, its verifier."""
+
+    path: str = ""
+    """A JSONL or Parquet file or a save_to_disk directory, read as data.path is."""
+    weight: float = 1.0
+    """Its share of the prompts: each prompt comes from this source with probability weight / the
+    sum of the weights (3 and 1: three prompts of the first to one of the second, on average)."""
+    name: str = ""
+    """Its name in the metrics (reward_mean/NAME, samples.jsonl's source); default: the file's
+    name without suffix. Its rows' own data_source stays a field the reward function can take."""
+    prompt_key: str | None = None
+    """The field that holds the prompt (unset: data.prompt_key)."""
+    answer_key: str | None = None
+    """The field that holds the answer (unset: data.answer_key)."""
+    reward: RewardConfig | None = None
+    """Its verifier, a reward section of its own (unset: the run's reward section)."""
+
+    def check(self) -> None:
+        if not self.path:
+            raise FieldError("path", "name the source's file: a JSONL or Parquet file or a save_to_disk directory")
+        within("weight", self.weight, 0.0, 1e9, open_low=True)
+        if self.name and not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise FieldError("name", f"'{self.name}' is not a usable name; use letters, digits and _.-")
+
+    def check_files(self) -> None:
+        if not Path(os.path.expanduser(self.path)).exists():
+            raise FieldError("path", f"'{self.path}' does not exist; give a JSONL or Parquet file or a save_to_disk "
+                                     "directory")
+
+    @property
+    def label(self) -> str:
+        """Its name: `name`, or its file's name without suffix."""
+        return self.name or Path(self.path.rstrip("/")).name.split(".")[0] or "source"
+
+    def resolve(self, base: Path) -> None:
+        if self.path and not os.path.isabs(os.path.expanduser(self.path)) and (base / self.path).exists():
+            self.path = str(base / self.path)
+        if self.reward is not None:
+            self.reward.resolve(base)
 
 
 @dataclass(kw_only=True)
@@ -25,6 +69,9 @@ class DataConfig(Section):
     path: str | None = None
     """source=file: a JSONL file (.jsonl), a Parquet file (.parquet, e.g. verl's layout) or a
     directory written by Hugging Face datasets' `save_to_disk` (one split)."""
+    sources: list[MixedSource] = field(default_factory=list)
+    """source=file, in place of `path`: several files mixed by weight, each with its own verifier
+    and metrics (reward_mean/NAME); each file's rows are reshuffled every epoch of its own."""
     prompt_key: str = "prompt"
     """The field of each row that holds the prompt: a string, or a list of chat messages
     ({role, content}). A row without it that has `messages` uses those."""
@@ -46,9 +93,16 @@ class DataConfig(Section):
     """Extra variables for the template, e.g. {enable_thinking: false} for Qwen3's."""
 
     def check(self) -> None:
-        if self.source is not DataSource.TASK and not self.path:
+        if self.sources and (self.source is DataSource.TASK or self.path):
+            raise FieldError("sources", "a mix of files is data.source=file without data.path; set source: file and "
+                                        "remove path")
+        if self.source is not DataSource.TASK and not self.path and not self.sources:
             raise FieldError("path", f"data.source={self.source} needs data.path, a JSONL or Parquet file or a "
-                                     "save_to_disk directory")
+                                     "save_to_disk directory (or data.sources, several)")
+        labels = [s.label for s in self.sources]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise FieldError(f"sources[{i}].name", f"two sources are named '{label}'; give each its own name")
         if self.max_prompt_tokens is not None:
             positive("max_prompt_tokens", self.max_prompt_tokens)
             at_most("max_prompt_tokens", self.max_prompt_tokens, 1 << 20)
@@ -61,7 +115,7 @@ class DataConfig(Section):
                                  f"'{key}' is not a field name (a dotted path like reward_model.ground_truth)")
 
     def check_files(self) -> None:
-        if self.source is not DataSource.TASK and not Path(os.path.expanduser(self.path or "")).exists():
+        if self.source is not DataSource.TASK and not self.sources and not Path(os.path.expanduser(self.path or "")).exists():
             raise FieldError("path", f"'{self.path}' does not exist; give a JSONL or Parquet file or a save_to_disk "
                                      "directory")
         if self.chat_template not in (CHAT_TEMPLATE_AUTO, CHAT_TEMPLATE_NONE) and not self.template_file().is_file():
@@ -76,6 +130,8 @@ class DataConfig(Section):
         absolute: paths in a recipe are relative to it, as users expect of config files."""
         if self.path and not os.path.isabs(os.path.expanduser(self.path)) and (base / self.path).exists():
             self.path = str(base / self.path)
+        for source in self.sources:
+            source.resolve(base)
         template = self.chat_template
         if template not in (CHAT_TEMPLATE_AUTO, CHAT_TEMPLATE_NONE) and not os.path.isabs(os.path.expanduser(template)) \
                 and (base / template).exists():
