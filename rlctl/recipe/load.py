@@ -166,6 +166,10 @@ def structured_from_data(schema: type, data: dict, file: str, overrides: Sequenc
         for item in overrides:
             if "=" not in item:
                 raise RecipeError(current_file, item, "an override is KEY=VALUE, e.g. run.steps=10")
+            key = item.partition("=")[0].strip()
+            if "[" in key or any(part.isdigit() for part in key.split(".")):
+                raise RecipeError(current_file, key, "an item of a list is not set on its own: give the whole list, "
+                                                     "e.g. eval.sets=[{path: test.parquet, limit: 16}]")
             override = _override(item)
             _check_list_items(schema, OmegaConf.to_container(override), current_file, "")
             cfg = OmegaConf.merge(cfg, override)
