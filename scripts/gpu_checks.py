@@ -244,8 +244,16 @@ def check_local_run(out: Path) -> None:
     checked = [e for e in events if e["event"] == "weights_checked"]
     pieces = sum(e["event"] == "accumulate_end" for e in events)
     said = re.search(r"weight sync to \d+ server\(s\) by (\w+)", (run_dir / "logs" / "trainer-0.log").read_text())
+    # The final policy (Megatron's save_policy): its version is the last optimizer step's, and
+    # transformers loads it.
+    final = json.loads((run_dir / "final" / "final.json").read_text())
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run_dir / "final" / "hf")
+    final_ok = final == {"steps": 8, "version": metrics[-1]["optimizer_steps"]}
     # One check after the initial sync (version 0) and one after each of the 8 steps.
-    report("local run, megatron trainer + 2 built-in servers on one GPU", len(checked) == 1 + 8 and len(metrics) == 8,
+    report("local run, megatron trainer + 2 built-in servers on one GPU",
+           len(checked) == 1 + 8 and len(metrics) == 8 and final_ok, final_policy=final,
            steps=len(metrics), syncs_checked=len(checked), accumulate_calls=pieces, seconds=seconds,
            sync_backend=said[1] if said else "?", sync_time_median=sorted(m["sync_time"] for m in metrics)[len(metrics) // 2],
            reward_first=metrics[0]["reward_mean"], reward_last=metrics[-1]["reward_mean"],

@@ -2,7 +2,7 @@
 docs/your-own-task.md's walkthrough runs on a machine without a GPU (and the GPU check on one
 where no weights can be fetched).
 
-    python scripts/tiny_task.py [--out DIR] [--shape tiny|qwen3-0.6b]
+    python scripts/tiny_task.py [--out DIR] [--shape tiny|qwen3-0.6b] [--format parquet|jsonl]
 
 writes, under DIR (default: the current directory):
 - models/tiny-qwen3/ (or models/qwen3-0.6b-random/): a Qwen3-architecture causal LM with random
@@ -14,12 +14,14 @@ writes, under DIR (default: the current directory):
   verl's examples/data_preprocess/gsm8k.py writes: data_source, prompt as chat messages ending
   with GSM8K's "Let's think step by step and output the final answer after \"####\".",
   reward_model.ground_truth, extra_info. The problems are one- and two-step word problems on
-  small numbers.
+  small numbers. --format jsonl writes the same rows as train.jsonl and test.jsonl (a machine
+  without pyarrow).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from pathlib import Path
 
@@ -96,20 +98,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     args = ap.parse_args(argv)
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rng = random.Random(args.seed)
     train, test = verl_rows(rng, 1000, "train"), verl_rows(rng, 200, "test")
     data = args.out / "data" / "gsm8k"
     data.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("test", test)):
+        if args.format == "jsonl":
+            (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            continue
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         pq.write_table(pa.Table.from_pylist(rows), data / f"{name}.parquet")
     texts = [f"<|im_start|>user\n{r['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n"
              f"{r['extra_info']['answer']}<|im_end|>" for r in train]
     model = write_model(args.out, args.shape, tokenizer(texts), args.seed)
-    print(f"model: {model}\ndata: {data / 'train.parquet'} ({len(train)} rows), {data / 'test.parquet'} ({len(test)})")
+    print(f"model: {model}\ndata: {data / ('train.' + args.format)} ({len(train)} rows), "
+          f"{data / ('test.' + args.format)} ({len(test)})")
     return 0
 
 

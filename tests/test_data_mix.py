@@ -71,21 +71,28 @@ def test_a_mix_is_checked_like_a_file_and_its_own_reward_functions_fields_too(tm
 def test_two_sources_mixed_3_to_1_each_scored_by_its_own_verifier(tmp_path):
     """A real run on two files mixed 3:1, the second scored by a reward function of its own that
     gives every response 1: the groups come as the seeded 3:1 mix draws them, each source has its reward metric (1.0 exactly
-    for the second), and samples.jsonl and the eval set's per-source numbers name them."""
+    for the second, read from a save_to_disk dataset), and samples.jsonl and the eval set's
+    per-source numbers name them."""
     from conftest import rlctl
     from rlctl.rewards.tasks import TASKS
     from rlctl.run.dir import RunDir
     import random
 
+    import datasets
+
     rng = random.Random(1)
-    for name in ("easy", "hard", "heldout"):
-        rows = [dict(zip(("prompt", "answer"), TASKS["max-digit"].sample(rng)), data_source=name) for _ in range(12)]
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = {name: [dict(zip(("prompt", "answer"), TASKS["max-digit"].sample(rng)), data_source=name) for _ in range(12)]
+            for name in ("easy", "hard")}
+    (tmp_path / "easy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows["easy"]))
+    datasets.Dataset.from_list(rows["hard"]).save_to_disk(str(tmp_path / "hard"))  # trains from save_to_disk too
+    heldout = [dict(zip(("prompt", "answer"), TASKS["max-digit"].sample(rng)), data_source="easy" if i % 2 else "hard")
+               for i in range(8)]
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout))
     (tmp_path / "always.py").write_text("def score(response, answer):\n    return 1.0\n")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(QUICKSTART.read_text())
     res = rlctl("launch", str(recipe), *FAST, "run.steps=3", "rollout.batch_size=16", "model.init.warmup_steps=0",
-                "data.source=file", "data.sources=[{path: easy.jsonl, weight: 3}, {path: hard.jsonl, weight: 1, "
+                "data.source=file", "data.sources=[{path: easy.jsonl, weight: 3}, {path: hard, weight: 1, "
                 "reward: {verifier: function, function: 'always:score'}}]",
                 "eval.sets=[{path: heldout.jsonl, samples: 2}]", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -101,4 +108,4 @@ def test_two_sources_mixed_3_to_1_each_scored_by_its_own_verifier(tmp_path):
     (loaded,) = [e for e in rd.events() if e["event"] == "data_loaded"]
     assert loaded["by_source"] == {"easy": 12, "hard": 12}
     assert {json.loads(line)["source"] for line in rd.samples_path.read_text().splitlines()} <= {"easy", "hard"}
-    assert [set(e["by_source"]) for e in rd.evals()] == [{"heldout"}, {"heldout"}]
+    assert [set(e["by_source"]) for e in rd.evals()] == [{"easy", "hard"}, {"easy", "hard"}]
