@@ -217,9 +217,15 @@ def test_helpers():
 @pytest.mark.e2e
 def test_real_runs_plot_and_wandb_offline(tmp_path):
     """A sync and a rolloutpipe run, the second tracked by wandb offline; read back with wandb's
-    own tool (wandb leet inspect --json)."""
+    own tool (wandb leet inspect --json): each step's metrics and samples table, and each
+    evaluation of a held-out set at the step of the steps trained before it."""
     out = tmp_path / "runs"
-    for mode, extra in (("sync", []), ("rolloutpipe", ["tracking.wandb.mode=offline", "tracking.wandb.tags=[ci]"])):
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"prompt": f"max({i},2,7)=", "answer": str(max(i, 7))}) + "\n"
+                               for i in range(6)))
+    tracked = ["tracking.wandb.mode=offline", "tracking.wandb.tags=[ci]", "eval.every=2",
+               f"eval.sets=[{{path: {heldout}, samples: 2}}]"]
+    for mode, extra in (("sync", []), ("rolloutpipe", tracked)):
         res = rlctl("launch", str(QUICKSTART), *FAST, "run.steps=4", f"pipeline.mode={mode}", f"run.output_dir={out}",
                     *extra, cwd=tmp_path)
         assert res.returncode == 0, res.stderr
@@ -227,7 +233,7 @@ def test_real_runs_plot_and_wandb_offline(tmp_path):
     png = tmp_path / "compare.png"
     res = rlctl("compare", str(a), str(b), "--plot", str(png), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert "config: 3 of" in res.stdout and "pipeline.mode" in res.stdout and "tracking.wandb.mode" in res.stdout
+    assert "config: 5 of" in res.stdout and "pipeline.mode" in res.stdout and "tracking.wandb.mode" in res.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
     info = json.loads((b / "run.json").read_text())
@@ -239,9 +245,13 @@ def test_real_runs_plot_and_wandb_offline(tmp_path):
     (run,) = [r for r in records if r["type"] == "run"]
     config = run["run"]["config"]["update"]
     assert config["pipeline"]["mode"] == "rolloutpipe" and config["rollout"]["group_size"] == 4
-    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    rows = [r["history"]["item"] for r in records if r["type"] == "history"]
+    history = [h for h in rows if "reward_mean" in h]
     metrics = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
     assert len(history) == len(metrics) == 4
+    evals = [json.loads(line) for line in (b / "eval.jsonl").read_text().splitlines()]
+    assert {h["_step"]: h["eval/heldout/pass@2"] for h in rows if "eval/heldout/pass@2" in h} == \
+        {e["steps"]: e["pass@2"] for e in evals} and [e["steps"] for e in evals] == [0, 2, 4]
     for h, m in zip(history, metrics):
         assert h["_step"] == m["step"] and h["reward_mean"] == pytest.approx(m["reward_mean"])
         assert h["samples._type"] == "table-file" and h["samples.ncols"] == 12
