@@ -93,7 +93,7 @@ def test_export_copies_a_checkpoint_bit_for_bit(saved_run, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
     assert all(loaded[k].equal(v) for k, v in mine.items())
     newest = rlctl("export", saved_run.id, str(tmp_path / "newest"), "--runs-dir", runs, cwd=tmp_path)
-    assert newest.returncode == 0 and "step 5" in newest.stderr
+    assert newest.returncode == 0 and "the checkpoint after 5 steps" in newest.stderr
 
 
 def one_line_error(res: subprocess.CompletedProcess, code: int, *words: str) -> None:
