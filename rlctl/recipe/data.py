@@ -16,8 +16,51 @@ CHAT_TEMPLATE_AUTO = "auto"
 CHAT_TEMPLATE_NONE = "none"
 
 
+class DatasetFile(Section):
+    """What a section naming one dataset file has (a file of data.sources, an eval set): its
+    `path`, a `name` that defaults to the file's, and a `reward` section of its own or None. The
+    subclass declares those fields; the checks and the resolving of paths are here."""
+
+    path: str
+    name: str
+    reward: RewardConfig | None
+    fallback_label = "file"
+
+    def check_path_and_name(self, what: str) -> None:
+        if not self.path:
+            raise FieldError("path", f"name the {what}'s file: a JSONL or Parquet file or a save_to_disk directory")
+        if self.name and not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise FieldError("name", f"'{self.name}' is not a usable name; use letters, digits and _.-")
+
+    def check_files(self) -> None:
+        if not Path(os.path.expanduser(self.path)).exists():
+            raise FieldError("path", f"'{self.path}' does not exist; give a JSONL or Parquet file or a save_to_disk "
+                                     "directory")
+
+    @property
+    def label(self) -> str:
+        """Its name: `name`, or its file's name without suffix."""
+        return self.name or Path(self.path.rstrip("/")).name.split(".")[0] or self.fallback_label
+
+    def resolve(self, base: Path) -> None:
+        """path, when relative and found beside the recipe file (`base`), made absolute; the same
+        for its reward section's module_dir."""
+        if self.path and not os.path.isabs(os.path.expanduser(self.path)) and (base / self.path).exists():
+            self.path = str(base / self.path)
+        if self.reward is not None:
+            self.reward.resolve(base)
+
+
+def unique_labels(key: str, items: list[DatasetFile], what: str) -> None:
+    """FieldError at the first item whose label another before it has."""
+    labels = [item.label for item in items]
+    for i, label in enumerate(labels):
+        if label in labels[:i]:
+            raise FieldError(f"{key}[{i}].name", f"two {what} are named '{label}'; give each its own name")
+
+
 @dataclass(kw_only=True)
-class MixedSource(Section):
+class MixedSource(DatasetFile):
     """One file of a mix (data.sources): its rows, its share of the prompts, its verifier."""
 
     path: str = ""
@@ -35,28 +78,11 @@ class MixedSource(Section):
     reward: RewardConfig | None = None
     """Its verifier, a reward section of its own (unset: the run's reward section)."""
 
+    fallback_label = "source"
+
     def check(self) -> None:
-        if not self.path:
-            raise FieldError("path", "name the source's file: a JSONL or Parquet file or a save_to_disk directory")
+        self.check_path_and_name("source")
         within("weight", self.weight, 0.0, 1e9, open_low=True)
-        if self.name and not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise FieldError("name", f"'{self.name}' is not a usable name; use letters, digits and _.-")
-
-    def check_files(self) -> None:
-        if not Path(os.path.expanduser(self.path)).exists():
-            raise FieldError("path", f"'{self.path}' does not exist; give a JSONL or Parquet file or a save_to_disk "
-                                     "directory")
-
-    @property
-    def label(self) -> str:
-        """Its name: `name`, or its file's name without suffix."""
-        return self.name or Path(self.path.rstrip("/")).name.split(".")[0] or "source"
-
-    def resolve(self, base: Path) -> None:
-        if self.path and not os.path.isabs(os.path.expanduser(self.path)) and (base / self.path).exists():
-            self.path = str(base / self.path)
-        if self.reward is not None:
-            self.reward.resolve(base)
 
 
 @dataclass(kw_only=True)
@@ -99,10 +125,7 @@ class DataConfig(Section):
         if self.source is not DataSource.TASK and not self.path and not self.sources:
             raise FieldError("path", f"data.source={self.source} needs data.path, a JSONL or Parquet file or a "
                                      "save_to_disk directory (or data.sources, several)")
-        labels = [s.label for s in self.sources]
-        for i, label in enumerate(labels):
-            if label in labels[:i]:
-                raise FieldError(f"sources[{i}].name", f"two sources are named '{label}'; give each its own name")
+        unique_labels("sources", self.sources, "sources")
         if self.max_prompt_tokens is not None:
             positive("max_prompt_tokens", self.max_prompt_tokens)
             at_most("max_prompt_tokens", self.max_prompt_tokens, 1 << 20)

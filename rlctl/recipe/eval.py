@@ -4,11 +4,10 @@ runs them; rlctl/pipelines/evaluation.py generates and scores)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
+from rlctl.recipe.checks import Section, at_most, positive, within
+from rlctl.recipe.data import DatasetFile, unique_labels
 from rlctl.recipe.inputs import RewardConfig
 
 MAX_EVAL_SAMPLES = 1024
@@ -16,7 +15,7 @@ MAX_EVAL_SAMPLES = 1024
 
 
 @dataclass(kw_only=True)
-class EvalSet(Section):
+class EvalSet(DatasetFile):
     """One held-out set: its prompts, how many samples each, how they are sampled and verified."""
 
     path: str = ""
@@ -43,9 +42,10 @@ class EvalSet(Section):
     way an evaluation scores a response its verifier fails on 0 and counts it (`errors`):
     on_error and max_errors are the run's training rewards' alone."""
 
+    fallback_label = "eval"
+
     def check(self) -> None:
-        if not self.path:
-            raise FieldError("path", "name the set's file: a JSONL or Parquet file or a save_to_disk directory")
+        self.check_path_and_name("set")
         within("limit", self.limit, 0, 100_000_000)
         positive("samples", self.samples)
         at_most("samples", self.samples, MAX_EVAL_SAMPLES)
@@ -56,28 +56,6 @@ class EvalSet(Section):
         if self.max_new_tokens is not None:
             positive("max_new_tokens", self.max_new_tokens)
             at_most("max_new_tokens", self.max_new_tokens, 1 << 20)
-        if self.name and (not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum()):
-            raise FieldError("name", f"'{self.name}' is not a usable name; use letters, digits and _.-")
-
-    def check_files(self) -> None:
-        if not Path(os.path.expanduser(self.path)).exists():
-            raise FieldError("path", f"'{self.path}' does not exist; give a JSONL or Parquet file or a save_to_disk "
-                                     "directory")
-
-    @property
-    def label(self) -> str:
-        """The set's name: `name`, or its file's name without suffix."""
-        if self.name:
-            return self.name
-        stem = Path(self.path.rstrip("/")).name
-        return stem.split(".")[0] or "eval"
-
-    def resolve(self, base: Path) -> None:
-        """path, when relative and found beside the recipe file (`base`), made absolute."""
-        if self.path and not os.path.isabs(os.path.expanduser(self.path)) and (base / self.path).exists():
-            self.path = str(base / self.path)
-        if self.reward is not None:
-            self.reward.resolve(base)
 
 
 @dataclass(kw_only=True)
@@ -101,7 +79,4 @@ class EvalConfig(Section):
     def check(self) -> None:
         within("every", self.every, 0, 10_000_000)
         within("correct_at", self.correct_at, 0.0, 1.0)
-        labels = [s.label for s in self.sets]
-        for i, label in enumerate(labels):
-            if label in labels[:i]:
-                raise FieldError(f"sets[{i}].name", f"two sets are named '{label}'; give each set its own name")
+        unique_labels("sets", self.sets, "sets")
