@@ -141,13 +141,6 @@ class GroupRunner:
             del self.rids_of[group.id]
         return group
 
-    @staticmethod
-    def _version_of(out: GenerateOutput, server: Any) -> int:
-        try:
-            return weight_version_number(out.weight_version)
-        except ValueError as e:
-            raise RunError(f"{getattr(server, 'name', server)}: {e}") from None
-
     def _request(self) -> SamplingRequest:
         if self.lengths is None:
             return self.sampling
@@ -184,7 +177,7 @@ class GroupRunner:
             logprobs += out.logprobs
             n_tokens += out.completion_tokens
             if out.completion_tokens or not versions:
-                versions.append(self._version_of(out, server))
+                versions.append(version_of(out, server))
             reason = str(out.finish_reason.get("type", ""))
             # Partial rollout: a request aborted by a weight update resumes from where it stopped.
             if reason != "abort" or not self.resume_aborted or group.cancelled or n_tokens >= request.max_new_tokens:
@@ -203,6 +196,15 @@ class GroupRunner:
                       logprobs=logprobs, text=text, reward=reward, scores=scores,
                       versions=versions, n_tokens=n_tokens, server=server.name, t_start=t0, t_end=t_end,
                       finish_reason=reason)
+
+
+def version_of(out: GenerateOutput, server: Any) -> int:
+    """The weight version a server stamped its generation with; RunError naming the server when it
+    is none of the run's (SGLang's "default" before its first update)."""
+    try:
+        return weight_version_number(out.weight_version)
+    except ValueError as e:
+        raise RunError(f"{getattr(server, 'name', server)}: {e}") from None
 
 
 def named_scores(samples: list[Sample]) -> dict[str, list[float | None]]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlctl.data import Prompt, read_file_prompts
-from rlctl.engines.rollout.protocol import SamplingRequest, weight_version_number
+from rlctl.engines.rollout.protocol import SamplingRequest
+from rlctl.pipelines.core import version_of
 from rlctl.pipelines.interfaces import Clock, EventSink
 from rlctl.pipelines.scoring import PooledScorer, Score
 from rlctl.pipelines.servers import ServerSet
@@ -55,8 +56,8 @@ async def generate_eval(prompts: list[Prompt], ids: list[list[int]], servers: Se
     async def one(n: int, j: int) -> EvalResponse:
         prompt = prompts[n]
         async with gate:
-            _, out = await servers.generate(ids[n], sampling, f"{tag}-p{n}-s{j}")
-        version = weight_version_number(out.weight_version)
+            server, out = await servers.generate(ids[n], sampling, f"{tag}-p{n}-s{j}")
+        version = version_of(out, server)
         reason = str(out.finish_reason.get("type", ""))
         try:
             text, scored = await score(out.output_ids, prompt)
