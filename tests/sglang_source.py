@@ -39,6 +39,7 @@ SUPPORTED = ("0.5.15.post1", "0.5.21", "0.5.23")
 FILES = (
     "sglang/_version.py",
     "sglang/srt/constants.py",
+    "sglang/srt/environ.py",
     "sglang/srt/entrypoints/http_server.py",
     "sglang/srt/managers/io_struct.py",
     "sglang/srt/managers/scheduler_components/weight_updater.py",

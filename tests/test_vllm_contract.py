@@ -288,3 +288,12 @@ def test_servers_take_consecutive_ranks_after_the_trainer(vllm, version):
     assert offsets == [1 + sum(sizes[:i]) for i in range(len(sizes))] and world == 1 + sum(sizes)
     ranks = [rank(offsets[i], data_parallel_index=0, world_size=n, rank=r) for i, n in enumerate(sizes) for r in range(n)]
     assert sorted(ranks) == list(range(1, world))  # rank 0 is the trainer
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_vllm_health_checks_its_engine_without_generating(vllm, version):
+    """The watch asks vLLM's /health paused or not (rlctl/engines/rollout/adapter.py health_route):
+    the handler only awaits check_health(), no request goes to the engine's scheduler."""
+    route = vllm(version).route("/health", "GET")
+    calls = {ast.unparse(n.func) for n in ast.walk(route.handler) if isinstance(n, ast.Call)}
+    assert "client.check_health" in calls and not any("generate" in c for c in calls), calls

@@ -1,10 +1,13 @@
 """Failover: a rollout server that dies or stops answering is taken out, and comes back.
 
-The controller's ServerWatch asks every server's /health once a second. A server is lost when
+The controller's ServerWatch asks every server's health route once a second (the engine's
+adapter names it: rlctl/engines/rollout/adapter.py health_route). A server is lost when
 a request to it finds nobody there (connection refused or reset: ServerSet sees it first), or
-when /health has not answered 200 for rollout.stall_timeout_s: a frozen process (SIGSTOP, a hung
-kernel), or a server whose engine died (the built-in server's /health is 503 then, and SGLang's
-/health runs a generation). Losing a server:
+when its health route has not answered 200 for rollout.stall_timeout_s: a frozen process
+(SIGSTOP, a hung kernel), or a server whose engine died (SGLang's /health_generate runs a
+generation). A paused server (a weight sync, a failed one, a colocated run's training) is asked
+a route that does not generate: a paused SGLang server's generation check answers 503 after 20 s
+however alive it is (rlctl/engines/rollout/protocol.py). Losing a server:
 - the server set sends it no more requests, and the requests it had in flight go to the others, so no
   sample is lost or generated twice, and in sync and rolloutpipe every sample of a step still
   comes from the step's weights (every server holds them);
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from rlctl.engines.rollout.client import RolloutClient
+from rlctl.engines.rollout.registry import rollout_adapter
 from rlctl.errors import RunError
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
@@ -65,6 +69,10 @@ class ServerWatch:
         """The key_id in run.json when each server's probe now out was sent."""
         self.back: set[str] = set()
         """Lost servers started again that answer /health: they rejoin at the next sync."""
+        self.paused: set[str] = set()
+        """Servers held from generating (pause): asked the route that does not generate."""
+        adapter = rollout_adapter(recipe.rollout.engine)
+        self.route = lambda paused: adapter.health_route(recipe.rollout, paused)  # noqa: E731
         self.key_ids, self.pids = self._starts()
         """The key_id (rlctl/process/auth.py) of the start each client's key belongs to, and the pid of
         that start. A server with another pid or key_id in run.json has been started again: a
@@ -107,10 +115,23 @@ class ServerWatch:
             except (ProcessLookupError, PermissionError):
                 pass
 
+    def pause(self, names: list[str]) -> None:
+        """These servers stop generating (they are being paused): probes that generate are
+        dropped, the next ones ask the route that does not."""
+        for name in names:
+            self.paused.add(name)
+            probe = self.probes.pop(name, None)
+            if probe is not None:
+                probe.cancel()
+
+    def unpause(self, names: list[str]) -> None:
+        self.paused.difference_update(names)
+
     async def _probe(self, c: RolloutClient) -> bool:
+        route = self.route(c.name in self.paused)
         try:
             # No credential: whoever answers on a lost server's port learns nothing from a probe.
-            async with c.session.get(c.url + "/health", timeout=aiohttp.ClientTimeout(total=self.stall_s)) as resp:
+            async with c.session.get(c.url + route, timeout=aiohttp.ClientTimeout(total=self.stall_s)) as resp:
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
@@ -142,7 +163,8 @@ class ServerWatch:
                 self.probes[c.name] = asyncio.create_task(self._probe(c))
                 self.probed_key_id[c.name] = key_ids[c.name]
             if c.name not in self.server_set.lost and now - self.last_ok[c.name] > self.stall_s:
-                self.server_set.lose(c.name, f"/health has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
+                route = self.route(c.name in self.paused)
+                self.server_set.lose(c.name, f"{route} has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
                 self._kill(c.name)  # frozen, not dead: it is restarted once it is
 
     def rejoin(self, name: str, key_id: str, version: int) -> None:
@@ -155,7 +177,8 @@ class ServerWatch:
         self.emit("server_rejoined", self.clock.now(), server=name, version=version)
 
     async def lose_silent(self, names: list[str]) -> None:
-        """After a failed sync: lose at once each of these servers that does not answer /health."""
+        """After a failed sync: lose at once each of these servers that does not answer its
+        health route (they stay paused: the route that does not generate)."""
         members = [c for c in self.clients if c.name in names]
         results = await asyncio.gather(*(self._probe(c) for c in members))
         for c, ok in zip(members, results, strict=True):
@@ -224,7 +247,9 @@ class FailoverTrainer(TrainerLayer):
             used = await self.connect(targets)  # each client gets its start's key
             self.members = names
             self.watch.emit("weight_group_formed", self.watch.clock.now(), servers=names, version=version)
+        self.watch.pause(names)  # paused until a whole sync has given them the weights
         stats = await self.inner.sync_weights(version, pause_mode)
+        self.watch.unpause(names)
         for name in [n for n in names if n in self.watch.back]:
             self.watch.rejoin(name, used[name], version)
         return stats

@@ -170,6 +170,24 @@ class RolloutAdapter:
     async def check(self, rollout: RolloutConfig, clients: list[RolloutClient]) -> None:
         """The servers answer /health: check that they speak a release rlctl speaks."""
 
+    def health_route(self, rollout: RolloutConfig, paused: bool) -> str:
+        """The route the controller's watch asks (no credential) to tell a live server from a
+        frozen or broken one. SGLang's protocol: /health_generate while it generates, /health
+        while it is paused (a paused SGLang server's generation check answers 503: protocol.py);
+        vLLM's /health checks its engine without generating."""
+        if self.protocol(rollout) is ServerProtocol.VLLM:
+            return "/health"
+        return "/health" if paused else "/health_generate"
+
+    def health_env(self, rollout: RolloutConfig) -> dict[str, str]:
+        """The environment a server of this engine starts with for health_route to hold: an
+        SGLang-protocol server's /health must not generate."""
+        if self.protocol(rollout) is ServerProtocol.VLLM:
+            return {}
+        from rlctl.engines.rollout.protocol import HEALTH_GENERATION_ENV
+
+        return {HEALTH_GENERATION_ENV: "false"}
+
     def sync_target(self, recipe: Recipe) -> dict[str, Any]:
         """What the trainer must know of the servers it sends weights to, beyond their URLs."""
         return {"protocol": self.protocol(recipe.rollout)}

@@ -9,6 +9,17 @@ from typing import Any
 # First SGLang release that refuses weight updates outside begin/end_weight_update.
 UPDATE_SESSION_SINCE = (0, 5, 21)
 
+# Liveness. SGLang's /health and /health_generate are one handler (http_server.py
+# health_generate, every supported release): a one-token generation, healthy once anything comes
+# back from the scheduler, 503 after SGLANG_HEALTH_CHECK_TIMEOUT seconds (20) otherwise. A paused
+# server generates nothing, so it answers 503 however alive it is. With
+# SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION false, /health alone answers 200 at once while the
+# server is up, and /health_generate keeps the generation: rlctl starts its SGLang servers so and
+# asks /health_generate while they generate, /health while they are paused.
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+HEALTH_TIMEOUT_S = 20
+
 
 @dataclass
 class GenerateOutput:

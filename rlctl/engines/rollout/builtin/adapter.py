@@ -57,6 +57,7 @@ class BuiltinAdapter(RolloutAdapter):
         ])
         if ro.builtin.emulate_vllm:  # as a vLLM server rlctl starts (vllm/launch.py launch_env), unless told otherwise
             os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        os.environ.update(self.health_env(ro))  # as an SGLang server rlctl starts
         server.serve(args, sock)
 
     async def check(self, rollout: RolloutConfig, clients: list[RolloutClient]) -> None:

@@ -154,6 +154,8 @@ class Engine:
         # transformers 5.2x renamed the forward argument past_key_values to cache.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokens_generated = 0
+        self.last_output = time.monotonic()
+        """When the scheduler last finished a step (what SGLang's /health_generate waits for)."""
         self.cache = BatchCache()  # only the scheduler thread touches it (and drop_cache, when no step can run)
 
     def start(self) -> None:
@@ -240,6 +242,7 @@ class Engine:
                 batch = list(self.running)
             with self.model_lock:
                 finished = self._step(batch)
+            self.last_output = time.monotonic()
             if finished:
                 with self.cond:
                     self.running = [r for r in self.running if r.finish_reason is None]

@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -37,6 +38,7 @@ from rlctl.engines.rollout.builtin.memory_routes import MemoryRoutes
 from rlctl.engines.rollout.builtin.state import ServerState
 from rlctl.engines.rollout.builtin.vllm_routes import VllmRoutes, vllm_door
 from rlctl.engines.rollout.builtin.weight_routes import WeightRoutes
+from rlctl.engines.rollout.protocol import HEALTH_GENERATION_ENV, HEALTH_TIMEOUT_ENV, HEALTH_TIMEOUT_S
 from rlctl.engines.weightsync.flat import flatten_parameters
 
 log = logging.getLogger("rlctl.rollout")
@@ -75,6 +77,15 @@ def load_model(state: ServerState) -> None:
     engine.start()
     state.engine = engine
     log.info("model %s loaded: %d parameters", args.model_path, sum(p.numel() for p in model.parameters()))
+
+
+def generates(path: str) -> bool:
+    """Does SGLang's health check on `path` generate? /health_generate always; /health unless
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (its EnvBool's spellings)."""
+    if path == "/health_generate":
+        return True
+    return path == "/health" and os.environ.get(HEALTH_GENERATION_ENV, "true").strip().lower() not in (
+        "false", "0", "no", "n")
 
 
 class BuiltinServer:
@@ -121,7 +132,28 @@ class BuiltinServer:
             return web.Response(status=503, text=self.state.loading_error or "loading")
         if not self.state.engine.thread.is_alive():  # the HTTP side alone answering is no health
             return web.Response(status=503, text="the generation thread has died; see this server's log")
+        if self.args.emulate_vllm:
+            return web.Response(status=200)
+        if request.path == "/ready":  # SGLang's is_ready: healthy and not paused
+            return web.Response(status=503 if self.state.engine.paused else 200)
+        if generates(request.path):
+            return await self._health_generation()
         return web.Response(status=200)
+
+    async def _health_generation(self) -> web.Response:
+        """SGLang's generating health check (rlctl/engines/rollout/protocol.py): a running engine
+        answers at its next step; a paused or held one only once some reply of its scheduler comes
+        back (a step, or a control call finishing), else 503 after SGLANG_HEALTH_CHECK_TIMEOUT."""
+        engine = self.state.engine
+        if not (engine.paused or engine.held):
+            return web.Response(status=200)
+        tic = time.monotonic()
+        deadline = tic + int(os.environ.get(HEALTH_TIMEOUT_ENV, HEALTH_TIMEOUT_S))
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))  # SGLang polls once a second
+            if max(engine.last_output, self.state.last_reply) > tic or not (engine.paused or engine.held):
+                return web.Response(status=200)
+        return web.Response(status=503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         engine = self.state.engine
@@ -152,6 +184,16 @@ class BuiltinServer:
         if engine is None:
             return web.Response(status=503)
         return web.json_response(engine.load())
+
+    @web.middleware
+    async def _replied(self, request: web.Request, handler):
+        """Every POST route of SGLang's is answered through its scheduler: what a paused
+        server's generating health check takes for a sign of life."""
+        try:
+            return await handler(request)
+        finally:
+            if request.method == "POST":
+                self.state.last_reply = time.monotonic()
 
     @web.middleware
     async def _record(self, request: web.Request, handler):
@@ -199,7 +241,7 @@ class BuiltinServer:
 
     def app(self) -> web.Application:
         door = vllm_door(self.token) if self.args.emulate_vllm else token_middleware(self.token)  # as vLLM's
-        middlewares = [door] + ([self._record] if self.args.record_requests else [])
+        middlewares = [door, self._replied] + ([self._record] if self.args.record_requests else [])
         app = web.Application(client_max_size=1 << 30, middlewares=middlewares)
         for method, path, handler in self.routes():
             add = app.router.add_get if method == "GET" else app.router.add_post  # GET answers HEAD too, as before

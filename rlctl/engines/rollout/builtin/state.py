@@ -25,6 +25,8 @@ class ServerState:
     """--tp-size > 1: the TpRanks (tp_ranks.py) that receive weights beside rank 0."""
     flat: Any = None
     """The FlatParams (rlctl/engines/weightsync/flat.py) the model's parameters are views of, or None."""
+    last_reply: float = 0.0
+    """When a POST route last answered (time.monotonic()): SGLang's scheduler replied."""
     memory: Any = None
     """The MemoryTags (rlctl/engines/memory.py) of /release_memory_occupation, once the model is loaded."""
 

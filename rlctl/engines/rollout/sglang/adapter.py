@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ class SGLangAdapter(RolloutAdapter):
         --config file; what it logs passes a filter that hides the key (SGLang logs its
         server_args, api_key included)."""
         require_sglang()
+        os.environ.update(self.health_env(s.recipe.rollout))  # its /health answers while paused
         s.bind_gpus(s.recipe.rollout.sglang.tp_size)
         key = s.own_key()
         config = options_file(s.rd.path / f"sglang-{s.role.name}.yaml", key)
