@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from rlctl.control.checkpoints import checkpointer, load_checkpoint, restore_pipeline, save_final
+from rlctl.control.colocate import ColocatedRollout, ColocatedTrainer, Turns
 from rlctl.run.checkpoint import resume_point
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.rollout.registry import rollout_adapter, rollout_client
@@ -87,13 +88,11 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
                           **({"resumed_from": start} if resume_from else {}))
             recorder.events.flush()  # the launch's progress line names the phases before the first step
             lease = shared_pool(rd, recipe, session, token)
-            if lease is not None:  # every generation inside a slice of the shared pool
-                from rlctl.launchers.pool.client import pooled_servers
-
-                servers = pooled_servers(lease, lease.job, servers)
-            server_set = ServerSet(servers)
+            turns = Turns(recipe.colocate, servers, client, recorder.emit, clock) if recipe.colocate.enabled else None
+            server_set = ServerSet(generating_servers(servers, lease, turns))
             watch = ServerWatch(server_set, servers, recipe, rd, recorder.emit, clock)
-            trainer = compose_trainer(recipe, plan, keys, client, watch, recorder.emit, clock, lease)
+            trainer = compose_trainer(recipe, plan, keys, client, watch, recorder.emit, clock, lease, turns)
+            servers = server_set.servers
             state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
             await send_initial_weights(trainer, recorder.emit, clock, version=int(state["version"]) if state else 0)
             recorder.events.flush()
@@ -152,16 +151,31 @@ def shared_pool(rd: RunDir, recipe: Recipe, session: aiohttp.ClientSession, toke
     return pool_lease(rd.read()["pool"], session, token)
 
 
+def generating_servers(servers: list[RolloutClient], lease: PoolLease | None, turns: Turns | None) -> list:
+    """The servers as the pipeline asks them to generate: with launcher=pool inside a slice of
+    the shared pool (rlctl/plex/gates.py), colocated once the servers hold the devices
+    (rlctl/control/colocate.py), else as they are."""
+    if lease is not None:
+        from rlctl.launchers.pool.client import pooled_servers
+
+        return pooled_servers(lease, lease.job, servers)
+    return [ColocatedRollout(s, turns) for s in servers] if turns else servers
+
+
 def compose_trainer(recipe: Recipe, plan: Topology, keys: RunKeys, client: TrainerClient, watch: ServerWatch,
-                    emit: EventSink, clock: Clock, lease: PoolLease | None) -> RunTrainer:
+                    emit: EventSink, clock: Clock, lease: PoolLease | None, turns: Turns | None = None) -> RunTrainer:
     """The trainer as the pipeline and the checkpointer call it, from the inside out: the HTTP
     client of trainer rank 0; failover (each sync goes to the servers the run has now, the weight
     group formed anew when they changed: rlctl/control/failover.py); with pipeline.check_weights, every
     sync's checksums compared on every server; with launcher=pool, every call inside a slice of
-    the shared pool (rlctl/plex/gates.py). Each is a TrainerLayer around the one before."""
+    the shared pool (rlctl/plex/gates.py); with colocate.enabled, every call once its side holds
+    the devices (rlctl/control/colocate.py). Each is a TrainerLayer around the one before."""
     failover = FailoverTrainer(client, watch, weight_group_former(client, recipe, plan, keys))
     checked = (CheckedTrainer(failover, failover.synced, emit, clock, watch.lose_silent)
                if recipe.pipeline.check_weights else failover)
+    if turns is not None:
+        turns.watch = watch
+        return ColocatedTrainer(checked, turns)
     if lease is None:
         return checked
     from rlctl.launchers.pool.client import server_names

@@ -247,9 +247,10 @@ class FailoverTrainer(TrainerLayer):
             used = await self.connect(targets)  # each client gets its start's key
             self.members = names
             self.watch.emit("weight_group_formed", self.watch.clock.now(), servers=names, version=version)
+        held = self.watch.paused & set(names)  # paused before the sync (a colocated turn): they stay so
         self.watch.pause(names)  # paused until a whole sync has given them the weights
         stats = await self.inner.sync_weights(version, pause_mode)
-        self.watch.unpause(names)
+        self.watch.unpause([n for n in names if n not in held])
         for name in [n for n in names if n in self.watch.back]:
             self.watch.rejoin(name, used[name], version)
         return stats

@@ -10,6 +10,7 @@ One dataclass per section, each checking its own fields next to where they are d
     train.py     train (megatron), pipeline
     algo.py      algo: the RL objective and its knobs
     cluster.py   slurm, sim, tracking
+    colocate.py  colocate: servers and trainer taking turns on the same devices
     schema.py    Recipe: the sections, and the checks that span several
     load.py      YAML + overrides -> checked Recipe; Recipe -> YAML
     bounded_yaml.py  YAML parsed within bounds (size, depth, aliases expanded, no key given twice)
@@ -48,6 +49,7 @@ from rlctl.recipe.choices import (
     Verifier,
     WandbMode,
 )
+from rlctl.recipe.colocate import ColocateConfig
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, SlurmRolloutConfig, SlurmTrainerConfig, TrackingConfig, WandbConfig
 from rlctl.recipe.data import DataConfig, MixedSource
 from rlctl.recipe.eval import EvalConfig, EvalSet
@@ -74,7 +76,7 @@ from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
 
 __all__ = [
     "SGLANG_MANAGED_FLAGS", "SGLANG_NEWEST", "SGLANG_OLDEST", "VLLM_MANAGED_FLAGS", "VLLM_NEWEST", "VLLM_OLDEST",
-    "Admission", "AlgoConfig", "AlgoName", "BuiltinConfig", "DataConfig", "DataSource", "EvalConfig", "EvalSet", "Device", "FieldError", "GpuKind",
+    "Admission", "AlgoConfig", "AlgoName", "BuiltinConfig", "ColocateConfig", "DataConfig", "DataSource", "EvalConfig", "EvalSet", "Device", "FieldError", "GpuKind",
     "InflightAtUpdate", "KlEstimator", "KlIn", "Launcher", "LossAgg", "LongTailConfig", "MegatronAttention", "MixedSource", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit", "Overlong",
     "PipelineConfig", "PipelineMode", "Recipe", "Recompute", "RecomputeMethod", "RewardConfig", "RolloutConfig", "RolloutEngine", "ServerProtocol", "RunConfig",
     "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",

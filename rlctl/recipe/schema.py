@@ -18,6 +18,7 @@ from rlctl.recipe.choices import (
     TrainEngine,
 )
 from rlctl.recipe.cluster import SimConfig, SlurmConfig, TrackingConfig
+from rlctl.recipe.colocate import ColocateConfig
 from rlctl.recipe.data import DataConfig
 from rlctl.recipe.eval import EvalConfig
 from rlctl.recipe.inputs import ModelConfig, RewardConfig, RunConfig
@@ -36,6 +37,7 @@ class Recipe(Section):
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     launcher: Launcher = Launcher.LOCAL
     """Where the run's processes go: local (this host, every role its own process), slurm (one heterogeneous
@@ -67,6 +69,7 @@ class Recipe(Section):
         if wandb_missing:  # the controller logs from this machine (a Slurm job's: from its first node)
             raise FieldError("tracking.wandb.mode", wandb_missing)
         self._check_ipc()
+        self._check_colocate()
         self._check_vllm()
         self._check_algo()
         if self.sim.colocated and self.pipeline.mode is not PipelineMode.SYNC:
@@ -109,11 +112,50 @@ class Recipe(Section):
         if self.train.sync_backend not in (SyncBackend.AUTO, SyncBackend.NCCL):
             raise FieldError("train.sync_backend", "vLLM servers receive weights over NCCL; set it to nccl or auto")
 
+    def _check_colocate(self) -> None:
+        """What taking turns needs: sync steps, the local launcher, built-in servers on the
+        trainer's devices (the CPU's cores, shared; on GPUs one trainer rank and its server on one
+        GPU, for now: weights go over CUDA IPC, which only a process that sees the GPU opens)."""
+        if not self.colocate.enabled:
+            return
+        mode = self.pipeline.mode
+        if mode is PipelineMode.ROLLOUTPIPE:
+            raise FieldError("pipeline.mode", "rolloutpipe trains while the servers generate, and colocated devices "
+                                              "take turns; set pipeline.mode=sync or colocate.enabled=false")
+        if mode is PipelineMode.ASYNC:
+            raise FieldError("pipeline.mode", "async colocated (generation aborted and resumed around each turn) is "
+                                              "not built yet; set pipeline.mode=sync or colocate.enabled=false")
+        if self.launcher is not Launcher.LOCAL:
+            raise FieldError("colocate.enabled", f"colocated runs take turns on this host's devices, and launcher="
+                                                 f"{self.launcher} is not built yet; use launcher=local")
+        if self.rollout.engine is not RolloutEngine.BUILTIN or self.rollout.builtin.emulate_vllm:
+            raise FieldError("rollout.engine", "colocated runs release and resume the built-in server's memory (SGLang's "
+                                               "and vLLM's are not wired yet); use rollout.engine=builtin")
+        if self.rollout.device is not self.train.device:
+            raise FieldError("rollout.device", f"colocated servers share the trainer's devices ({self.train.device}); "
+                                               f"set rollout.device={self.train.device}")
+        if self.rollout.cpus != self.train.cpus:
+            raise FieldError("rollout.cpus", "colocated servers and trainer ranks take turns on the same cores: set "
+                                             "rollout.cpus = train.cpus, or leave both empty")
+        if self.train.device is Device.CUDA:
+            if self.rollout.servers != self.train.ranks:
+                raise FieldError("rollout.servers", f"each GPU hosts one trainer rank and one server: set it to "
+                                                    f"train.ranks ({self.train.ranks})")
+            if self.train.ranks != 1:
+                raise FieldError("train.ranks", "colocated on GPUs, one trainer rank and its server share one GPU for now "
+                                                "(each rank's weights to its own server over CUDA IPC is not built); set 1")
+            if self.rollout.gpus != self.train.gpus:
+                raise FieldError("rollout.gpus", f"colocated servers use the trainer's GPUs: set it to train.gpus "
+                                                 f"({self.train.gpus})")
+
     def _check_ipc(self) -> None:
         """train.sync_backend=ipc hands weights over in place: one host, TP-1 built-in servers,
         on the trainer's device kind."""
         if self.train.sync_backend is not SyncBackend.IPC:
             return
+        if self.rollout.engine is RolloutEngine.SGLANG:  # each SGLang server sees only its own GPUs
+            raise FieldError("train.sync_backend", "ipc opens the trainer's tensors where the server runs, and an "
+                             "SGLang server sees only its own GPUs (\"Invalid device_uuid\"); use nccl or auto")
         if self.launcher is Launcher.SLURM:
             raise FieldError("train.sync_backend", "ipc hands weights over within one host; with launcher=slurm "
                                                    "use nccl or gloo (or auto)")

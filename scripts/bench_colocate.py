@@ -1,0 +1,137 @@
+"""Colocated (the servers and the trainer take turns on the devices, colocate.enabled) against the
+same recipe with its processes side by side on the same devices at once, over several seeds.
+
+    python scripts/bench_colocate.py [--recipe recipes/quickstart.yaml] [--seeds 0,1,2] [KEY=VALUE ...]
+    python scripts/bench_colocate.py --recipe recipes/bench-longtail-gpu.yaml --seeds 0 run.steps=6   # one GPU
+
+Per variant and seed: the wall time of `rlctl launch`, the mean step, rollout, train and sync
+seconds (metrics.jsonl), the seconds a step spends taking turns (the colocate_turn events:
+releasing and resuming memory), device-seconds per 1k samples (wall x devices / samples: the
+CPU is one device, a GPU run one GPU), the peak device memory where there is a GPU (nvidia-smi,
+polled every 0.2 s), and the reward: mean of the first 5 and the last 20 steps. Learning is
+the same when each variant's mean final reward lies within the other's spread over the seeds.
+Prints the table with colocated / side-by-side ratios and writes
+results/bench_colocate-<cpu|gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from artifact import slug, write_artifact
+
+REPO = Path(__file__).resolve().parents[1]
+FINAL_STEPS = 20
+VARIANTS = {"side by side": [], "colocated": ["colocate.enabled=true"]}
+
+
+class PeakMemory:
+    """The most GPU memory nvidia-smi reports in use while the block runs (MiB), or None without one."""
+
+    def __init__(self) -> None:
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+                used = max(int(v) for v in out.split())
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                continue
+            self.peak = max(self.peak or 0, used)
+
+    def __enter__(self) -> PeakMemory:
+        if shutil.which("nvidia-smi"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def launch(recipe: Path, out: Path, seed: int, overrides: list[str]) -> dict:
+    start = time.monotonic()
+    with PeakMemory() as memory:
+        res = subprocess.run([sys.executable, "-m", "rlctl", "launch", str(recipe), f"run.seed={seed}",
+                              f"run.output_dir={out}", *overrides], capture_output=True, text=True, cwd=REPO)
+    wall = time.monotonic() - start
+    if res.returncode != 0:
+        raise SystemExit(f"seed {seed} {overrides}: rlctl launch failed ({res.returncode}): {res.stderr.strip()[-800:]}")
+    run = out / res.stdout.strip().splitlines()[-1]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    run_info = json.loads((run / "run.json").read_text())
+    turns = [e for e in events if e["event"] == "colocate_turn"]
+    rewards = [m["reward_mean"] for m in metrics]
+    samples = sum(m.get("samples", 0) for m in metrics)
+    return {"seed": seed, "state": run_info["state"], "wall_s": round(wall, 2), "steps": len(metrics),
+            "samples": samples, "step_s": round(mean(metrics, "step_time"), 4),
+            "rollout_s": round(mean(metrics, "rollout_time"), 4), "train_s": round(mean(metrics, "train_time"), 4),
+            "sync_s": round(mean(metrics, "sync_time"), 4),
+            "turn_s_per_step": round(sum(e["seconds"] for e in turns) / max(1, len(metrics)), 4),
+            "device_s_per_1k": round(wall / max(1, samples) * 1000, 3),
+            "peak_mib": memory.peak,
+            "reward_first": round(statistics.fmean(rewards[:5]), 4),
+            "reward_final": round(statistics.fmean(rewards[-FINAL_STEPS:]), 4), "rewards": [round(r, 4) for r in rewards]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "quickstart.yaml")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides for both variants")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-colocate-") as tmp:
+        for seed in seeds:  # the variants of a seed one after the other: the machine's drift hits both
+            for name, keys in VARIANTS.items():
+                run = launch(args.recipe, Path(tmp) / slug(name), seed, [*args.overrides, *keys])
+                results.setdefault(name, []).append(run)
+                print(f"{name:>12} seed {seed}: {run['wall_s']:.1f} s, step {run['step_s']:.3f} s, reward "
+                      f"{run['reward_first']:.3f} -> {run['reward_final']:.3f}", flush=True)
+    cols = ["wall_s", "step_s", "rollout_s", "train_s", "sync_s", "turn_s_per_step", "device_s_per_1k", "peak_mib",
+            "reward_first", "reward_final"]
+    table = {name: {c: mean(runs, c) for c in cols} for name, runs in results.items()}
+    side, colo = table["side by side"], table["colocated"]
+    print(f"\n{'':>14}" + "".join(f"{c:>16}" for c in cols))
+    for name, row in table.items():
+        print(f"{name:>14}" + "".join(f"{row[c]:16.4f}" for c in cols))
+    ratio = {c: (colo[c] / side[c] if side[c] else float("nan")) for c in cols}
+    print(f"{'colo / side':>14}" + "".join(f"{ratio[c]:16.3f}" for c in cols))
+    spread = {name: (min(r["reward_final"] for r in runs), max(r["reward_final"] for r in runs))
+              for name, runs in results.items()}
+    same = (spread["side by side"][0] <= colo["reward_final"] <= spread["side by side"][1]
+            or spread["colocated"][0] <= side["reward_final"] <= spread["colocated"][1])
+    print(f"\nfinal reward (mean of the last {FINAL_STEPS} steps): side by side {side['reward_final']:.3f} "
+          f"[{spread['side by side'][0]:.3f}, {spread['side by side'][1]:.3f}], colocated {colo['reward_final']:.3f} "
+          f"[{spread['colocated'][0]:.3f}, {spread['colocated'][1]:.3f}]: "
+          f"{'within' if same else 'OUTSIDE'} each other's spread over {len(seeds)} seeds")
+    kind = "gpu" if any(r["peak_mib"] for runs in results.values() for r in runs) else "cpu"
+    write_artifact(f"bench_colocate-{kind}", {"recipe": str(args.recipe.resolve().relative_to(REPO)),
+                                              "overrides": args.overrides, "seeds": seeds, "table": table,
+                                              "ratio": ratio, "final_spread": spread, "same_learning": same,
+                                              "runs": results})
+
+
+if __name__ == "__main__":
+    main()
