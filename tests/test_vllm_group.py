@@ -176,3 +176,26 @@ def test_the_store_group_meets_vllms_whichever_side_hosts_it(version):
         return StoreGroup.create("127.0.0.1", port, 1, 2, timeout_s=30).broadcast_obj(None, src=0)
     (_, sent), got = run_ranks(theirs_host, ours_worker)
     assert sent == got == "id"
+
+
+@pytest.mark.process
+def test_vllm_store_gets_an_address_remote_servers_reach_where_the_node_name_is_loopback_only():
+    """vLLM's StatelessProcessGroup binds master_address itself; a name that resolves here to
+    loopback only (Debian's 127.0.1.1 line; `localhost` stands in for it) is handed on as it is
+    while every server is on this host, and replaced by this node's address on the route to a
+    server on another node. An IP is never touched."""
+    import ipaddress
+    import socket
+
+    from rlctl.process.auth import address_for_peers
+
+    assert address_for_peers("localhost", ["127.0.0.1", "localhost"]) == "localhost"
+    assert address_for_peers("10.1.2.3", ["192.0.2.7"]) == "10.1.2.3"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.7", 9))  # TEST-NET-1: the route's source address, nothing sent
+            mine = probe.getsockname()[0]
+    except OSError:
+        pytest.skip("this machine has no route beyond loopback")
+    assert not ipaddress.ip_address(mine).is_loopback
+    assert address_for_peers("localhost", ["127.0.0.1", "192.0.2.7"]) == mine

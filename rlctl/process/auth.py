@@ -174,6 +174,45 @@ def listen_address(host: str) -> str:
     return "0.0.0.0"
 
 
+def address_for_peers(host: str, peers: list[str]) -> str:
+    """What to hand a program that binds `host` itself (vLLM's weight-transfer store: its
+    StatelessProcessGroup binds master_address) so that `peers` reach it: `host` as it is when
+    it is an IP, resolves here to an address other than loopback, or every peer is on loopback;
+    else (Debian's 127.0.1.1 line for the own hostname) this node's address on the route to the
+    first remote peer, which only a UDP socket's connect looks up (nothing is sent)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    try:
+        addrs = [i[4][0] for i in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)]
+    except socket.gaierror as e:
+        raise RunError(f"cannot resolve this node's name {host!r}: {e}") from None
+    if any(not ipaddress.ip_address(a).is_loopback for a in addrs):
+        return host
+    remote = [p for p in peers if not _loopback(p)]
+    if not remote:
+        return host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((remote[0], 9))
+            mine = probe.getsockname()[0]
+    except OSError as e:
+        raise RunError(f"{host} resolves to {addrs[0]} (loopback) on this node, and no route leads to {remote[0]} "
+                       f"({e}); map {host} to this node's address in /etc/hosts") from None
+    log.warning("%s resolves to %s on this node only; the weight-transfer store binds %s instead", host, addrs[0], mine)
+    return mine
+
+
+def _loopback(host: str) -> bool:
+    try:
+        addrs = [i[4][0] for i in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)]
+    except socket.gaierror:
+        return False
+    return all(ipaddress.ip_address(a).is_loopback for a in addrs)
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket listening on host:port only (for a torch TCPStore to take over)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

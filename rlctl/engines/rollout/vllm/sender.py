@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import urlsplit
 
 from rlctl.engines.weightsync.buckets import Bucket
 from rlctl.engines.weightsync.sender import CLOSE_TIMEOUT_S, WeightSender, server_dtype
 from rlctl.engines.rollout.vllm.group import TransferGroup, init_info, packed_chunks
 from rlctl.errors import RunError
+from rlctl.process.auth import address_for_peers
 
 
 class VllmWeightSender(WeightSender):
@@ -48,6 +50,9 @@ class VllmWeightSender(WeightSender):
         self.tp_sizes = list(await asyncio.gather(*(c.world_size() for c in self.clients)))
         held = server_dtype(self.server) if self.server else None
         self.server_dtype = dtype_from_name(held) if held else None
+        # vLLM's store binds master_address itself: a name this node resolves to loopback only
+        # would shut out servers on other nodes (rlctl/process/auth.py address_for_peers).
+        self.master_address = address_for_peers(self.master_address, [urlsplit(c.url).hostname for c in self.clients])
         await self._join()
         self.session_needed = [True] * len(self.clients)
 
