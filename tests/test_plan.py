@@ -225,3 +225,21 @@ def test_a_planned_placement_launches_as_the_slurm_job_it_names(tmp_path):
     assert written.train.micro_batch_tokens == p["micro_batch_tokens"]
     res = rlctl_here("plan", str(QWEN), "--gpus", "64", "--top", "1", cwd=tmp_path)
     assert res.returncode == 0 and "launch #1: " in res.stdout and "rlctl launch " in res.stdout, res.stdout
+
+
+def test_a_colocated_placement_on_one_gpu_launches_as_a_colocated_local_run():
+    """One GPU: the plan's #1 is colocated, and its keys make a recipe whose server and trainer take
+    turns on it (docs/colocate.md); on more GPUs a colocated placement says why it is a plan only."""
+    one_gpu = REPO / "recipes" / "one-gpu-gsm8k.yaml"
+    r = load_recipe(one_gpu, check_paths=False)
+    best = plan(r, cost_model(r), 1, 1).ranked[0]
+    assert best.placement.colocated
+    keys = launch_overrides(r, best.placement, best.running, 1)
+    launched = load_recipe(one_gpu, keys, check_paths=False)
+    assert launched.colocate.enabled and str(launched.pipeline.mode) == "sync"
+    assert (launched.train.ranks, launched.rollout.servers, str(launched.train.device)) == (1, 1, "cuda")
+    assert launched.rollout.max_running_requests == best.running
+    wide = load_recipe(QWEN, check_paths=False)
+    many = next(e for e in plan(wide, cost_model(wide), 64, 8).ranked if e.placement.colocated)
+    with pytest.raises(NotLaunchable, match="colocated on 64 GPUs is a plan"):
+        launch_overrides(wide, many.placement, many.running, 8)

@@ -1,10 +1,11 @@
 """The recipe keys that launch a planned placement: one heterogeneous Slurm job (launcher=slurm),
 trainers in component 0 and rollout servers in component 1, each on whole nodes of
-`per_node` GPUs (or part of one node when the side needs fewer).
+`per_node` GPUs (or part of one node when the side needs fewer); a colocated placement on one
+GPU, a local run whose server and trainer take turns on it (colocate.enabled, docs/colocate.md).
 
-Two kinds of placement are a plan only, and say so instead of keys: colocated ones (rlctl runs
-rollout servers and trainers on GPUs of their own) and pipeline-parallel trainers (the Megatron
-trainer runs pp=1; rlctl/recipe/train.py).
+The rest are a plan only, and say so instead of keys: colocated ones on more GPUs (each trainer
+rank handing its own server the weights is not built) and pipeline-parallel trainers (the
+Megatron trainer runs pp=1; rlctl/recipe/train.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.planner.placement import Placement
 from rlctl.engines.rollout.registry import rollout_adapter
-from rlctl.recipe import Recipe, SyncBackend
+from rlctl.recipe import Recipe, RolloutEngine, SyncBackend
 
 
 class NotLaunchable(Exception):
@@ -31,7 +32,7 @@ def _side(gpus: int, per_node: int) -> tuple[int, int]:
 def launch_overrides(recipe: Recipe, p: Placement, running: int, per_node: int) -> list[str]:
     """KEY=VALUE overrides that make `rlctl launch RECIPE ...` run placement `p` on Slurm."""
     if p.colocated:
-        raise NotLaunchable("colocated placements are a plan: rlctl runs servers and trainers on GPUs of their own")
+        return _colocated(recipe, p, running)
     if p.train_pp > 1:
         raise NotLaunchable("pipeline-parallel trainers are a plan: the Megatron trainer runs train.megatron.pp=1")
     ro, tr = recipe.rollout, recipe.train
@@ -53,6 +54,25 @@ def launch_overrides(recipe: Recipe, p: Placement, running: int, per_node: int) 
         keys.append(f"{tp_key}={p.rollout_tp}")
     if tr.sync_backend is SyncBackend.IPC:  # within one host only; the job spans nodes
         keys.append("train.sync_backend=nccl")
+    keys += [f"{key}=[]" for key, given in (("train.cpus", tr.cpus), ("train.gpus", tr.gpus),
+                                           ("rollout.cpus", ro.cpus), ("rollout.gpus", ro.gpus)) if given]
+    return keys
+
+
+def _colocated(recipe: Recipe, p: Placement, running: int) -> list[str]:
+    """A local run on one GPU whose built-in server and trainer rank take turns on it."""
+    if p.rollout_gpus > 1:
+        raise NotLaunchable(f"colocated on {p.rollout_gpus} GPUs is a plan: a colocated run takes turns on one GPU "
+                            "for now (docs/colocate.md)")
+    if recipe.rollout.engine is not RolloutEngine.BUILTIN:
+        raise NotLaunchable(f"colocated runs take turns with built-in servers for now, not {recipe.rollout.engine} "
+                            "(docs/colocate.md)")
+    keys = ["launcher=local", "pipeline.mode=sync", "colocate.enabled=true", "train.device=cuda",
+            "rollout.device=cuda", "train.ranks=1", "rollout.servers=1",
+            f"train.micro_batch_tokens={p.micro_batch_tokens}", f"rollout.max_running_requests={running}"]
+    if recipe.train.sync_backend not in (SyncBackend.AUTO, SyncBackend.IPC):  # NCCL refuses two ranks on one GPU
+        keys.append("train.sync_backend=auto")
+    ro, tr = recipe.rollout, recipe.train
     keys += [f"{key}=[]" for key, given in (("train.cpus", tr.cpus), ("train.gpus", tr.gpus),
                                            ("rollout.cpus", ro.cpus), ("rollout.gpus", ro.gpus)) if given]
     return keys

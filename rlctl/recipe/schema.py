@@ -147,6 +147,9 @@ class Recipe(Section):
             if self.rollout.gpus != self.train.gpus:
                 raise FieldError("rollout.gpus", f"colocated servers use the trainer's GPUs: set it to train.gpus "
                                                  f"({self.train.gpus})")
+            if self.train.sync_backend not in (SyncBackend.AUTO, SyncBackend.IPC):
+                raise FieldError("train.sync_backend", "a colocated server opens the trainer's weights on their GPU "
+                                 "(NCCL refuses two ranks on one GPU); set it to ipc or auto")
 
     def _check_ipc(self) -> None:
         """train.sync_backend=ipc hands weights over in place: one host, TP-1 built-in servers,
