@@ -18,9 +18,13 @@ COLOCATED = ["colocate.enabled=true"]
     (["pipeline.mode=rolloutpipe"], "pipeline.mode", "rolloutpipe trains while the servers generate"),
     (["pipeline.mode=async"], "pipeline.mode", "not built yet"),
     (["launcher=slurm"], "colocate.enabled", "launcher=slurm is not built yet"),
-    (["rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1"], "rollout.engine",
-     "use rollout.engine=builtin"),
-    (["rollout.builtin.emulate_vllm=0.34.0"], "rollout.engine", "use rollout.engine=builtin"),
+    (["rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1"], "rollout.engine",
+     "vLLM's sleep mode is not wired yet"),
+    (["rollout.builtin.emulate_vllm=0.34.0"], "rollout.engine", "use rollout.engine=builtin or sglang"),
+    (["rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1",
+      "rollout.sglang.tp_size=2"], "rollout.sglang.tp_size", "set it to 1"),
+    (["rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1",
+      "train.sync_backend=nccl"], "train.sync_backend", "NCCL refuses two ranks on one GPU"),
     (["rollout.device=cuda"], "rollout.device", "set rollout.device=cpu"),
     (["rollout.cpus=[0]"], "rollout.cpus", "rollout.cpus = train.cpus"),
     (["train.device=cuda", "rollout.device=cuda"], "rollout.servers", "set it to train.ranks (1)"),
@@ -41,6 +45,9 @@ def test_colocated_one_gpu_and_the_cpu_are_accepted():
     on_gpu = load_recipe(QUICKSTART, [*COLOCATED, "train.device=cuda", "rollout.device=cuda", "rollout.servers=1"],
                          check_paths=False)
     assert on_gpu.colocate.enabled and on_gpu.rollout.servers == on_gpu.train.ranks == 1
+    sglang = load_recipe(QUICKSTART, [*COLOCATED, "rollout.engine=sglang", "train.device=cuda", "rollout.device=cuda",
+                                      "rollout.servers=1", "train.sync_backend=ipc"], check_paths=False)
+    assert sglang.colocate.enabled and str(sglang.train.sync_backend) == "ipc"  # IPC is right on the shared GPU
     on_cpu = load_recipe(QUICKSTART, COLOCATED, check_paths=False)  # the quickstart's 2 servers share the CPU
     assert on_cpu.colocate.server_release == ["kv_cache", "weights"]
     assert on_cpu.colocate.trainer_release == ["weights", "optimizer"]
@@ -53,6 +60,15 @@ def test_ipc_to_sglang_servers_is_refused_in_one_line():
         load_recipe(QUICKSTART, ["rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda",
                                  "train.sync_backend=ipc"], check_paths=False)
     assert e.value.key == "train.sync_backend" and "Invalid device_uuid" in e.value.message
+
+
+def test_auto_sync_is_ipc_on_a_shared_gpu():
+    from rlctl.control.controller import sync_backend
+
+    gpu = load_recipe(QUICKSTART, [*COLOCATED, "rollout.engine=sglang", "train.device=cuda", "rollout.device=cuda",
+                                   "rollout.servers=1"], check_paths=False)
+    assert str(sync_backend(gpu)) == "ipc"
+    assert str(sync_backend(load_recipe(QUICKSTART, COLOCATED, check_paths=False))) == "gloo"  # the CPU
 
 
 @pytest.mark.e2e

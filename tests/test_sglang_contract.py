@@ -19,7 +19,7 @@ import torch
 from conftest import QUICKSTART, free_port, rlctl_here
 from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
-from rlctl.engines.rollout.sglang.launch import launch_command, speaks
+from rlctl.engines.rollout.sglang.launch import colocated_flags, launch_command, speaks
 from rlctl.engines.weightsync import (
     TensorMeta,
     WeightSender,
@@ -51,6 +51,20 @@ def test_launch_command():
         "--random-seed", "7", "--skip-tokenizer-init", "--config", "/runs/r/sglang-rollout-0.yaml",
         "--attention-backend", "fa3"]
     assert "--api-key" not in cmd  # the key is in the --config file, never on the command line `ps` shows
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_a_colocated_server_starts_with_the_memory_saver_and_a_weights_backup(sglang, version):
+    """--enable-memory-saver and --enable-weights-cpu-backup are ServerArgs fields, off by default,
+    in every supported release: without the first, releasing memory frees nothing."""
+    fields = sglang(version).server_args_fields()
+    for flag in colocated_flags(["kv_cache", "weights"]):
+        name = flag.removeprefix("--").replace("-", "_")
+        assert name in fields and sglang(version).server_args_default(name) == "False", (version, name)
+    assert colocated_flags(["kv_cache"]) == ["--enable-memory-saver"]  # weights kept: nothing to back up
+    cmd = launch_command("python", "/m", SGLangConfig(), host="h", port=1, seed=0, config="c.yaml",
+                         extra=colocated_flags(["weights"]))
+    assert cmd[-4:] == ["--enable-memory-saver", "--enable-weights-cpu-backup", "--config", "c.yaml"]
 
 
 def test_versions_the_adapter_speaks():

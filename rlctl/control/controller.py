@@ -341,11 +341,14 @@ def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: Topology, 
 
 def sync_backend(recipe: Recipe) -> SyncBackend:
     """How weights reach the servers: train.sync_backend, or with `auto` the one the engine needs
-    (vLLM's workers receive over NCCL only; built-in servers on trainer rank 0's GPU take IPC),
+    (colocated on a GPU, and built-in servers on trainer rank 0's GPU: IPC; vLLM's workers receive
+    over NCCL only),
     else NCCL when trainer and servers are on GPUs of different hosts (a Slurm run), gloo
     otherwise: NCCL refuses two ranks on one GPU, which a one-machine run may well have."""
     if recipe.train.sync_backend is not SyncBackend.AUTO:
         return recipe.train.sync_backend
+    if recipe.colocate.enabled and recipe.train.device is Device.CUDA:  # the server on the trainer's GPU
+        return SyncBackend.IPC
     needed = rollout_adapter(recipe.rollout.engine).sync_backend(recipe)
     if needed is not None:
         return needed

@@ -21,8 +21,8 @@ class ColocateConfig(Section):
 
     enabled: bool = False
     """Rollout and training take turns on the same devices (pipeline.mode=sync; local launcher;
-    built-in servers on the trainer's devices: any number on the CPU, on a GPU one server beside
-    one trainer rank)."""
+    built-in or SGLang servers on the trainer's devices: any number on the CPU, on a GPU one TP-1
+    server beside one trainer rank)."""
     server_release: list[str] = field(default_factory=lambda: ["kv_cache", "weights"])
     """What the servers give back while the trainer trains: kv_cache, weights, cuda_graph (what
     is not named stays on the device). Released weights come back with the next weight sync."""

@@ -113,9 +113,10 @@ class Recipe(Section):
             raise FieldError("train.sync_backend", "vLLM servers receive weights over NCCL; set it to nccl or auto")
 
     def _check_colocate(self) -> None:
-        """What taking turns needs: sync steps, the local launcher, built-in servers on the
-        trainer's devices (the CPU's cores, shared; on GPUs one trainer rank and its server on one
-        GPU, for now: weights go over CUDA IPC, which only a process that sees the GPU opens)."""
+        """What taking turns needs: sync steps, the local launcher, servers that release memory by
+        SGLang's calls (built-in or SGLang) on the trainer's devices (the CPU's cores, shared; on
+        GPUs one trainer rank and its TP-1 server on one GPU, for now: weights go over CUDA IPC,
+        which only a process that sees the GPU opens)."""
         if not self.colocate.enabled:
             return
         mode = self.pipeline.mode
@@ -128,9 +129,9 @@ class Recipe(Section):
         if self.launcher is not Launcher.LOCAL:
             raise FieldError("colocate.enabled", f"colocated runs take turns on this host's devices, and launcher="
                                                  f"{self.launcher} is not built yet; use launcher=local")
-        if self.rollout.engine is not RolloutEngine.BUILTIN or self.rollout.builtin.emulate_vllm:
-            raise FieldError("rollout.engine", "colocated runs release and resume the built-in server's memory (SGLang's "
-                                               "and vLLM's are not wired yet); use rollout.engine=builtin")
+        if self.rollout.engine is RolloutEngine.VLLM or self.rollout.builtin.emulate_vllm:
+            raise FieldError("rollout.engine", "colocated runs release and resume memory with SGLang's calls (vLLM's "
+                                               "sleep mode is not wired yet); use rollout.engine=builtin or sglang")
         if self.rollout.device is not self.train.device:
             raise FieldError("rollout.device", f"colocated servers share the trainer's devices ({self.train.device}); "
                                                f"set rollout.device={self.train.device}")
@@ -141,6 +142,9 @@ class Recipe(Section):
             if self.rollout.servers != self.train.ranks:
                 raise FieldError("rollout.servers", f"each GPU hosts one trainer rank and one server: set it to "
                                                     f"train.ranks ({self.train.ranks})")
+            if self.rollout.server_tp != 1:
+                raise FieldError(f"rollout.{self.rollout.engine}.tp_size", "a colocated server shares its one GPU with "
+                                 "the trainer rank; set it to 1")
             if self.train.ranks != 1:
                 raise FieldError("train.ranks", "colocated on GPUs, one trainer rank and its server share one GPU for now "
                                                 "(each rank's weights to its own server over CUDA IPC is not built); set 1")
@@ -156,9 +160,10 @@ class Recipe(Section):
         on the trainer's device kind."""
         if self.train.sync_backend is not SyncBackend.IPC:
             return
-        if self.rollout.engine is RolloutEngine.SGLANG:  # each SGLang server sees only its own GPUs
+        if self.rollout.engine is RolloutEngine.SGLANG and not self.colocate.enabled:  # it sees only its own GPUs
             raise FieldError("train.sync_backend", "ipc opens the trainer's tensors where the server runs, and an "
-                             "SGLang server sees only its own GPUs (\"Invalid device_uuid\"); use nccl or auto")
+                             "SGLang server sees only its own GPUs (\"Invalid device_uuid\") unless colocated on the "
+                             "trainer's; use nccl or auto, or colocate.enabled=true")
         if self.launcher is Launcher.SLURM:
             raise FieldError("train.sync_backend", "ipc hands weights over within one host; with launcher=slurm "
                                                    "use nccl or gloo (or auto)")

@@ -8,7 +8,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from rlctl.engines.rollout.adapter import DTYPE_BYTES, RolloutAdapter, ServerStart
-from rlctl.engines.rollout.sglang.launch import INSTALL, launch_command, options_file, require_sglang, speaks
+from rlctl.engines.rollout.sglang.launch import (INSTALL, colocated_flags, launch_command, options_file, require_sglang,
+                                                 speaks)
 from rlctl.recipe import RolloutConfig, RolloutEngine
 
 if TYPE_CHECKING:
@@ -38,8 +39,10 @@ class SGLangAdapter(RolloutAdapter):
         s.bind_gpus(s.recipe.rollout.sglang.tp_size)
         key = s.own_key()
         config = options_file(s.rd.path / f"sglang-{s.role.name}.yaml", key)
+        colocate = s.recipe.colocate
         s.exec(launch_command(sys.executable, s.model_path, s.recipe.rollout.sglang, host=s.host, port=s.role.port,
-                              seed=s.seed, config=str(config)), key)
+                              seed=s.seed, config=str(config),
+                              extra=colocated_flags(colocate.server_release) if colocate.enabled else None), key)
 
     async def check(self, rollout: RolloutConfig, clients: list[RolloutClient]) -> None:
         for c in clients:

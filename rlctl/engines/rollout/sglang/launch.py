@@ -26,8 +26,17 @@ from rlctl.recipe import SGLANG_OLDEST as OLDEST_SPOKEN
 from rlctl.recipe import SGLangConfig
 
 
+def colocated_flags(server_release: list[str]) -> list[str]:
+    """A server that takes turns with the trainer (colocate.enabled): --enable-memory-saver, without
+    which /release_memory_occupation frees nothing (its TorchMemorySaverAdapter is a no-op), and
+    with released weights --enable-weights-cpu-backup, without which their bytes are gone when
+    they come back (a turn back that is no weight sync resumes them as they were). Both
+    ServerArgs fields of every supported release (tests/test_sglang_contract.py)."""
+    return ["--enable-memory-saver", *(["--enable-weights-cpu-backup"] if "weights" in server_release else [])]
+
+
 def launch_command(python: str, model_path: str, cfg: SGLangConfig, *, host: str, port: int, seed: int,
-                   config: str) -> list[str]:
+                   config: str, extra: list[str] | None = None) -> list[str]:
     """The command line of one SGLang server (the same on every node, its port from the plan).
 
     `config` is a 0600 YAML file of SGLang options holding the run's token as `api-key`
@@ -39,7 +48,7 @@ def launch_command(python: str, model_path: str, cfg: SGLangConfig, *, host: str
            "--dtype", cfg.dtype, "--random-seed", str(seed)]
     if cfg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
-    return cmd + ["--config", config, *cfg.extra_args]
+    return cmd + [*(extra or []), "--config", config, *cfg.extra_args]
 
 
 def options_file(path: Path, token: str) -> Path:
