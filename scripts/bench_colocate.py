@@ -1,8 +1,10 @@
 """Colocated (the servers and the trainer take turns on the devices, colocate.enabled) against the
-same recipe with its processes side by side on the same devices at once, over several seeds.
+same recipe with its processes side by side on the same devices at once, and with --pool against
+the run as the only job of a shared pool of one device (the pool moves its models' memory as it
+schedules them: docs/pool.md), over several seeds.
 
-    python scripts/bench_colocate.py [--recipe recipes/quickstart.yaml] [--seeds 0,1,2] [KEY=VALUE ...]
-    python scripts/bench_colocate.py --recipe recipes/bench-longtail-gpu.yaml --seeds 0 run.steps=6   # one GPU
+    python scripts/bench_colocate.py [--recipe recipes/quickstart.yaml] [--seeds 0,1,2] [--pool] [KEY=VALUE ...]
+    python scripts/bench_colocate.py --recipe recipes/bench-longtail-gpu.yaml --seeds 0 --pool   # one GPU
 
 Per variant and seed: the wall time of `rlctl launch`, the mean step, rollout, train and sync
 seconds (metrics.jsonl), the seconds a step spends taking turns (the colocate_turn events:
@@ -72,7 +74,7 @@ def launch(recipe: Path, out: Path, seed: int, overrides: list[str]) -> dict:
     start = time.monotonic()
     with PeakMemory() as memory:
         res = subprocess.run([sys.executable, "-m", "rlctl", "launch", str(recipe), f"run.seed={seed}",
-                              f"run.output_dir={out}", *overrides], capture_output=True, text=True, cwd=REPO)
+                              f"run.output_dir={out}", *overrides], capture_output=True, text=True, cwd=out.parent)
     wall = time.monotonic() - start
     if res.returncode != 0:
         raise SystemExit(f"seed {seed} {overrides}: rlctl launch failed ({res.returncode}): {res.stderr.strip()[-800:]}")
@@ -94,21 +96,50 @@ def launch(recipe: Path, out: Path, seed: int, overrides: list[str]) -> dict:
             "reward_final": round(statistics.fmean(rewards[-FINAL_STEPS:]), 4), "rewards": [round(r, 4) for r in rewards]}
 
 
+def pool_of_one_device(on_gpu: bool, cwd: Path) -> tuple[str, list[str]]:
+    """Bring up a pool of one device (the GPU, or all of this machine's cores as one device);
+    its name and the keys that put a run on it."""
+    import os
+
+    if on_gpu:
+        up = [str(REPO / "recipes" / "pool" / "gpu.yaml")]
+    else:
+        up = [str(REPO / "recipes" / "pool" / "cpu.yaml"), "pool.devices.count=1",
+              f"pool.devices.cpus_per_device={len(os.sched_getaffinity(0))}"]
+    name = "gpu" if on_gpu else "cpu"
+    subprocess.run([sys.executable, "-m", "rlctl", "pool", "up", *up], cwd=cwd, check=True, capture_output=True,
+                   timeout=600)
+    return name, ["launcher=pool", f"pool.name={name}"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "quickstart.yaml")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("overrides", nargs="*", help="recipe overrides for both variants")
+    ap.add_argument("--pool", action="store_true", help="also run it as the one job of a pool of one device")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides for every variant")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict[str, list[dict]] = {}
+    variants = dict(VARIANTS)
     with tempfile.TemporaryDirectory(prefix="bench-colocate-") as tmp:
-        for seed in seeds:  # the variants of a seed one after the other: the machine's drift hits both
-            for name, keys in VARIANTS.items():
-                run = launch(args.recipe, Path(tmp) / slug(name), seed, [*args.overrides, *keys])
-                results.setdefault(name, []).append(run)
-                print(f"{name:>12} seed {seed}: {run['wall_s']:.1f} s, step {run['step_s']:.3f} s, reward "
-                      f"{run['reward_first']:.3f} -> {run['reward_final']:.3f}", flush=True)
+        pool = None
+        if args.pool:
+            on_gpu = "cuda" in subprocess.run([sys.executable, "-c", "from rlctl.recipe import load_recipe; import sys; "
+                                              f"print(load_recipe({str(args.recipe)!r}, sys.argv[1:]).train.device)",
+                                              *args.overrides], capture_output=True, text=True, cwd=REPO).stdout
+            pool, keys = pool_of_one_device(on_gpu, Path(tmp))
+            variants["pool, one job"] = keys
+        try:
+            for seed in seeds:  # the variants of a seed one after the other: the machine's drift hits each
+                for name, keys in variants.items():
+                    run = launch(args.recipe, Path(tmp) / slug(name), seed, [*args.overrides, *keys])
+                    results.setdefault(name, []).append(run)
+                    print(f"{name:>14} seed {seed}: {run['wall_s']:.1f} s, step {run['step_s']:.3f} s, reward "
+                          f"{run['reward_first']:.3f} -> {run['reward_final']:.3f}", flush=True)
+        finally:
+            if pool:
+                subprocess.run([sys.executable, "-m", "rlctl", "pool", "down", pool], cwd=tmp, timeout=120)
     cols = ["wall_s", "step_s", "rollout_s", "train_s", "sync_s", "turn_s_per_step", "device_s_per_1k", "peak_mib",
             "reward_first", "reward_final"]
     table = {name: {c: mean(runs, c) for c in cols} for name, runs in results.items()}
@@ -118,6 +149,10 @@ def main() -> None:
         print(f"{name:>14}" + "".join(f"{row[c]:16.4f}" for c in cols))
     ratio = {c: (colo[c] / side[c] if side[c] else float("nan")) for c in cols}
     print(f"{'colo / side':>14}" + "".join(f"{ratio[c]:16.3f}" for c in cols))
+    if "pool, one job" in table:
+        pooled = table["pool, one job"]
+        print(f"{'colo / pool':>14}" + "".join(f"{(colo[c] / pooled[c] if pooled[c] else float('nan')):16.3f}"
+                                               for c in cols))
     spread = {name: (min(r["reward_final"] for r in runs), max(r["reward_final"] for r in runs))
               for name, runs in results.items()}
     same = (spread["side by side"][0] <= colo["reward_final"] <= spread["side by side"][1]

@@ -19,8 +19,9 @@ COLOCATED = ["colocate.enabled=true"]
     (["pipeline.mode=async"], "pipeline.mode", "not built yet"),
     (["launcher=slurm"], "colocate.enabled", "launcher=slurm is not built yet"),
     (["rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1"], "rollout.engine",
-     "vLLM's sleep mode is not wired yet"),
-    (["rollout.builtin.emulate_vllm=0.34.0"], "rollout.engine", "use rollout.engine=builtin or sglang"),
+     "vLLM's ipc weight transfer is not wired yet"),
+    (["rollout.builtin.emulate_vllm=0.34.0", "colocate.server_release=[weights]"], "colocate.server_release",
+     "vLLM's sleep puts the weights to sleep with the KV cache"),
     (["rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1",
       "rollout.sglang.tp_size=2"], "rollout.sglang.tp_size", "set it to 1"),
     (["rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1",
@@ -72,10 +73,13 @@ def test_auto_sync_is_ipc_on_a_shared_gpu():
 
 
 @pytest.mark.e2e
-def test_a_colocated_run_takes_turns_and_every_sync_lands_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_colocated_run_takes_turns_and_every_sync_lands_bit_for_bit(tmp_path, protocol):
+    """With vLLM's protocol the turns are vLLM's sleep mode (/sleep, /wake_up in two parts)."""
     from rlctl.run.dir import RunDir
 
-    res = rlctl("launch", str(QUICKSTART), *FAST, *COLOCATED, "pipeline.check_weights=true",
+    emulate = ["rollout.builtin.emulate_vllm=0.34.0"] if protocol == "vllm" else []
+    res = rlctl("launch", str(QUICKSTART), *FAST, *COLOCATED, *emulate, "pipeline.check_weights=true",
                 f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     rd = RunDir(tmp_path / "runs" / res.stdout.strip().splitlines()[-1])

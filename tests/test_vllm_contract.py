@@ -24,7 +24,7 @@ from rlctl.engines.rollout.vllm.client import DEV_GETS
 from rlctl.engines.rollout.vllm.auth import TokenDoor
 from rlctl.errors import RunError
 from rlctl.recipe import VLLM_NEWEST, VLLM_OLDEST, VllmConfig
-from vllm_source import ARG_UTILS, RL_ROUTER, SUPPORTED, MissingWheel, literal_values
+from vllm_source import ARG_UTILS, RL_ROUTER, SUPPORTED, MissingWheel, Reply, literal_values
 
 
 def wheel_missing(version: str) -> str:
@@ -297,3 +297,36 @@ def test_vllm_health_checks_its_engine_without_generating(vllm, version):
     route = vllm(version).route("/health", "GET")
     calls = {ast.unparse(n.func) for n in ast.walk(route.handler) if isinstance(n, ast.Call)}
     assert "client.check_health" in calls and not any("generate" in c for c in calls), calls
+
+
+SLEEP_ROUTES = {"/sleep": ("POST", {"status", "level"}), "/wake_up": ("POST", {"status", "tags"}),
+                "/is_sleeping": ("GET", {"is_sleeping"}), "/release_kv_cache_memory": ("POST", {"status"})}
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_sleep_mode_routes_are_the_ones_the_client_and_the_emulation_use(vllm, version):
+    """vLLM's sleep mode as VllmClient calls it and the built-in server emulates it
+    (rlctl/engines/rollout/builtin/vllm_sleep.py): dev routes, their query parameters and bounds,
+    their replies, the tags a sleep puts to sleep, and the flag without which no memory moves."""
+    from rlctl.engines.rollout.builtin.vllm_sleep import SLEEP_TAGS
+
+    src = vllm(version)
+    for path, (method, keys) in SLEEP_ROUTES.items():
+        route = src.route(path, method)
+        assert route.dev_only, path
+        assert src.reply_shapes(path, method) == [Reply(200, "json", frozenset(keys))], path
+    params = src.params("/sleep", "POST")
+    assert (params["level"].where, params["mode"].where) == ("Query", "Query")
+    sleep = src.route("/sleep", "POST").handler
+    level = next(a for a in sleep.args.args if a.arg == "level")
+    assert ast.unparse(level.annotation) == "Annotated[int, Query(ge=0, le=2)]"
+    defaults = dict(zip([a.arg for a in sleep.args.args][-len(sleep.args.defaults):],
+                        [ast.literal_eval(d) for d in sleep.args.defaults], strict=True))
+    assert (defaults["level"], defaults["mode"]) == (1, "abort")
+    wake = ast.unparse(src.route("/wake_up", "POST").handler)
+    assert 'raw_request.query_params.getlist("tags")' in wake.replace("'", '"')
+    tags = src.assignment("vllm/v1/executor/abstract.py", "SLEEP_TAGS")
+    assert set(ast.literal_eval(tags.args[0])) == set(SLEEP_TAGS)
+    assert "enable_sleep_mode" in src.class_fields(ARG_UTILS, "EngineArgs")
+    cmd = launch_command("python", "/m", VllmConfig(), host="h", port=1, seed=0, sleep_mode=True)
+    assert "--enable-sleep-mode" in cmd

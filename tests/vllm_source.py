@@ -47,6 +47,7 @@ FILES = (
     "vllm/envs.py",
     "vllm/outputs.py",
     "vllm/v1/engine/__init__.py",
+    "vllm/v1/executor/abstract.py",
     "vllm/v1/metrics/loggers.py",
     "vllm/engine/arg_utils.py",
     "vllm/config/*.py",

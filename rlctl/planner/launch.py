@@ -13,7 +13,8 @@ from __future__ import annotations
 from rlctl.engines.train.adapter import trainer_adapter
 from rlctl.planner.placement import Placement
 from rlctl.engines.rollout.registry import rollout_adapter
-from rlctl.recipe import Recipe, RolloutEngine, SyncBackend
+from rlctl.errors import RecipeError
+from rlctl.recipe import Recipe, SyncBackend, recipe_from_yaml, recipe_to_yaml
 
 
 class NotLaunchable(Exception):
@@ -56,6 +57,10 @@ def launch_overrides(recipe: Recipe, p: Placement, running: int, per_node: int) 
         keys.append("train.sync_backend=nccl")
     keys += [f"{key}=[]" for key, given in (("train.cpus", tr.cpus), ("train.gpus", tr.gpus),
                                            ("rollout.cpus", ro.cpus), ("rollout.gpus", ro.gpus)) if given]
+    try:  # what else a colocated run needs (the engine, its TP size) the recipe's own checks say
+        recipe_from_yaml(recipe_to_yaml(recipe), "the plan's recipe", keys)
+    except RecipeError as e:
+        raise NotLaunchable(f"colocated: {e.key}: {e.message}") from None
     return keys
 
 
@@ -64,9 +69,6 @@ def _colocated(recipe: Recipe, p: Placement, running: int) -> list[str]:
     if p.rollout_gpus > 1:
         raise NotLaunchable(f"colocated on {p.rollout_gpus} GPUs is a plan: a colocated run takes turns on one GPU "
                             "for now (docs/colocate.md)")
-    if recipe.rollout.engine is not RolloutEngine.BUILTIN:
-        raise NotLaunchable(f"colocated runs take turns with built-in servers for now, not {recipe.rollout.engine} "
-                            "(docs/colocate.md)")
     keys = ["launcher=local", "pipeline.mode=sync", "colocate.enabled=true", "train.device=cuda",
             "rollout.device=cuda", "train.ranks=1", "rollout.servers=1",
             f"train.micro_batch_tokens={p.micro_batch_tokens}", f"rollout.max_running_requests={running}"]

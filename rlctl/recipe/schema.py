@@ -14,6 +14,7 @@ from rlctl.recipe.choices import (
     Overlong,
     PipelineMode,
     RolloutEngine,
+    ServerProtocol,
     SyncBackend,
     TrainEngine,
 )
@@ -129,9 +130,14 @@ class Recipe(Section):
         if self.launcher is not Launcher.LOCAL:
             raise FieldError("colocate.enabled", f"colocated runs take turns on this host's devices, and launcher="
                                                  f"{self.launcher} is not built yet; use launcher=local")
-        if self.rollout.engine is RolloutEngine.VLLM or self.rollout.builtin.emulate_vllm:
-            raise FieldError("rollout.engine", "colocated runs release and resume memory with SGLang's calls (vLLM's "
-                                               "sleep mode is not wired yet); use rollout.engine=builtin or sglang")
+        if self.rollout.engine is RolloutEngine.VLLM:
+            raise FieldError("rollout.engine", "a colocated vLLM server would take the weights from a rank on its own "
+                                               "GPU, and vLLM's ipc weight transfer is not wired yet; use sglang or builtin")
+        if self.rollout.protocol is ServerProtocol.VLLM:
+            release = self.colocate.server_release
+            if "cuda_graph" in release or release == ["weights"]:
+                raise FieldError("colocate.server_release", "vLLM's sleep puts the weights to sleep with the KV cache "
+                                                            "and has no cuda_graph tag; use [kv_cache] or [kv_cache, weights]")
         if self.rollout.device is not self.train.device:
             raise FieldError("rollout.device", f"colocated servers share the trainer's devices ({self.train.device}); "
                                                f"set rollout.device={self.train.device}")

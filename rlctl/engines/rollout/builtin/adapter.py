@@ -54,6 +54,7 @@ class BuiltinAdapter(RolloutAdapter):
             "--tp-size", str(ro.builtin.tp_size),
             *(["--emulate-sglang", ro.builtin.emulate_sglang] if ro.builtin.emulate_sglang else []),
             *(["--emulate-vllm", ro.builtin.emulate_vllm] if ro.builtin.emulate_vllm else []),
+            *(["--enable-sleep-mode"] if ro.builtin.emulate_vllm and s.recipe.colocate.enabled else []),
         ])
         if ro.builtin.emulate_vllm:  # as a vLLM server rlctl starts (vllm/launch.py launch_env), unless told otherwise
             os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")

@@ -119,29 +119,38 @@ class MemoryRoutes:
         tags = await read_tags(request)
         if isinstance(tags, web.Response):
             return tags
-        memory, engine = self.state.memory, self.state.engine
+        memory = self.state.memory
         if memory is None:
             return error("the model is still loading")
         try:
             names = memory.select(tags)
         except ValueError as e:
             return error(str(e))
+        failed = await self.move(names, release)
+        return error(failed) if failed else web.json_response(None)  # SGLang's handler returns nothing: 200, `null`
+
+    async def move(self, names: list[str], release: bool) -> str | None:
+        """Release or resume the memory under `names` (tags known to MemoryTags); why not, or
+        None. While anything is released no step runs and generation waits (engine.hold)."""
+        memory, engine = self.state.memory, self.state.engine
+        if memory is None:
+            return "the model is still loading"
         async with self.lock, self.weights.update_lock:
             if release:
                 if not self._idle():
-                    return error(NOT_IDLE)
+                    return NOT_IDLE
                 engine.hold(True)  # from here no step runs and /generate is refused
             else:
                 resident = [t for t in names if t not in memory.released]
                 if resident:
-                    return error(f"cannot resume {resident[0]!r}: it is not released")
+                    return f"cannot resume {resident[0]!r}: it is not released"
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self._in_lock, memory, release, names)
             except Exception as e:  # noqa: BLE001 - a tag moves whole or not at all (MemoryTags); say why
-                return error(f"{'release' if release else 'resume'}_memory_occupation failed: {e}")
+                return f"{'release' if release else 'resume'}_memory_occupation failed: {e}"
             finally:
                 engine.hold(bool(memory.released))
-        return web.json_response(None)  # SGLang's handler returns nothing: 200, `null`
+        return None
 
     def _in_lock(self, memory: MemoryTags, release: bool, names: list[str]) -> None:
         with self.state.engine.model_lock:

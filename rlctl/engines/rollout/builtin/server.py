@@ -37,6 +37,7 @@ from rlctl.engines.rollout.builtin.generation_routes import GenerationRoutes
 from rlctl.engines.rollout.builtin.memory_routes import MemoryRoutes
 from rlctl.engines.rollout.builtin.state import ServerState
 from rlctl.engines.rollout.builtin.vllm_routes import VllmRoutes, vllm_door
+from rlctl.engines.rollout.builtin.vllm_sleep import VllmSleep
 from rlctl.engines.rollout.builtin.weight_routes import WeightRoutes
 from rlctl.engines.rollout.protocol import HEALTH_GENERATION_ENV, HEALTH_TIMEOUT_ENV, HEALTH_TIMEOUT_S
 from rlctl.engines.weightsync.flat import flatten_parameters
@@ -96,6 +97,7 @@ class BuiltinServer:
         self.weights = WeightRoutes(self.state)
         self.memory = MemoryRoutes(self.state, self.weights)
         self.vllm = VllmRoutes(self.state)
+        self.sleep = VllmSleep(self.state, self.vllm, self.memory)
         # --api-key-file: every route but /health asks for this token, or with --key-scope for
         # the key derived from it (rlctl/process/auth.py); none = open
         self.token = read_token_file(args.api_key_file) if args.api_key_file else None
@@ -211,8 +213,9 @@ class BuiltinServer:
     def routes(self) -> list[tuple[str, str, Callable]]:
         """(method, path, handler) of every route, with SGLang's names and aliases."""
         gen, w, m = self.generation, self.weights, self.memory
-        if self.args.emulate_vllm:  # vLLM's routes instead (vllm_routes.py), and rlctl's weight check
-            return [*self.vllm.table(self.health), ("GET", "/rlctl/weight_checksums", w.weight_checksums)]
+        if self.args.emulate_vllm:  # vLLM's routes instead (vllm_routes.py), and rlctl's weight check and memory
+            return [*self.vllm.table(self.health, self.sleep), ("GET", "/rlctl/weight_checksums", w.weight_checksums),
+                    ("GET", "/rlctl/memory", m.memory)]
         table = [("GET", path, self.health) for path in ("/health", "/health_generate")]
         if self.state.sessions_required():  # /ready came with SGLang 0.5.21's sessions (not in 0.5.15)
             table.append(("GET", "/ready", self.health))
@@ -270,6 +273,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate-vllm", default="", metavar="VERSION",
                    help="answer as this vLLM release's OpenAI server does (vllm_routes.py; its dev routes "
                         "only with VLLM_SERVER_DEV_MODE=1), instead of SGLang's protocol")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="emulating vLLM: its sleep mode moves memory (vllm_sleep.py), as vLLM's flag of that name")
     p.add_argument("--record-requests", default="", metavar="FILE",
                    help="append every POST's path and JSON body to FILE (adapter contract tests)")
     p.add_argument("--api-key-file", default="", metavar="FILE",

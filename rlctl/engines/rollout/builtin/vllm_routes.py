@@ -3,7 +3,8 @@
 The routes, request fields and reply shapes are those of vLLM 0.33.0 / 0.34.0 that rlctl's vLLM
 adapter uses (rlctl/engines/rollout/vllm/client.py; tests/test_vllm_contract.py derives them from
 vLLM's source): /v1/completions with token-id prompts, per-token log-probs and weight-version
-spans; /pause?mode=, /resume, /is_paused, /abort_requests; the weight-transfer routes, received
+spans; /pause?mode=, /resume, /is_paused, /abort_requests; sleep mode (vllm_sleep.py); the
+weight-transfer routes, received
 the way vLLM's NCCL backend receives (packed chunks, vllm/group.py packed_chunks) but over gloo on
 the host (vllm/group.py TransferGroup). As in vLLM, the dev routes exist only when the server starts
 with VLLM_SERVER_DEV_MODE=1; without it they answer 404. The door is the one a run's vLLM servers
@@ -132,7 +133,8 @@ class VllmRoutes:
         self.buffer_bytes = 0
         self.update_lock = asyncio.Lock()
 
-    def table(self, health) -> list[tuple[str, str, Any]]:
+    def table(self, health, sleep: Any = None) -> list[tuple[str, str, Any]]:
+        """Its routes; `sleep`: the sleep-mode routes (vllm_sleep.py), dev routes too."""
         routes = [("GET", "/health", health), ("GET", "/version", self.version), ("GET", "/metrics", self.metrics),
                   ("POST", "/v1/completions", self.completions)]
         if dev_mode():
@@ -145,6 +147,7 @@ class VllmRoutes:
                        ("POST", "/finish_weight_update", self.finish_weight_update),
                        ("POST", "/update_weight_version", self.update_weight_version),
                        ("GET", "/weight_info", self.weight_info), ("GET", "/get_world_size", self.get_world_size)]
+            routes += sleep.table() if sleep is not None else []
         return routes
 
     async def version(self, request: web.Request) -> web.Response:
@@ -208,6 +211,12 @@ class VllmRoutes:
         if mode not in PAUSE_MODES:
             return web.json_response({"detail": [{"type": "literal_error", "loc": ["query", "mode"],
                                                   "msg": f"Input should be one of {PAUSE_MODES}"}]}, status=422)
+        await self.pause_scheduler(mode)
+        return web.json_response({"status": "paused"})
+
+    async def pause_scheduler(self, mode: str) -> None:
+        """vLLM's pause_scheduler: abort drops the requests, wait lets them finish first, keep
+        holds them where they are; abort and wait refuse new requests until the resume."""
         engine = self.state.engine
         self.refusing = mode in ("abort", "wait")
         if engine is not None:
@@ -216,12 +225,14 @@ class VllmRoutes:
                     await asyncio.sleep(0.01)
             engine.pause("abort" if mode == "abort" else "in_place")
         self.paused = True
-        return web.json_response({"status": "paused"})
 
-    async def resume(self, request: web.Request) -> web.Response:
+    def resume_scheduler(self) -> None:
         if self.state.engine is not None:
             self.state.engine.resume()
         self.paused = self.refusing = False
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.resume_scheduler()
         return web.json_response({"status": "resumed"})
 
     async def is_paused(self, request: web.Request) -> web.Response:

@@ -50,7 +50,7 @@ class VllmAdapter(RolloutAdapter):
         os.environ.setdefault("VLLM_SERVER_DEV_MODE", env.pop("VLLM_SERVER_DEV_MODE"))
         os.environ.update(env)
         s.exec(launch_command(sys.executable, s.model_path, s.recipe.rollout.vllm, host=s.host, port=s.role.port,
-                              seed=s.seed), key)
+                              seed=s.seed, sleep_mode=s.recipe.colocate.enabled), key)
 
     async def check(self, rollout: RolloutConfig, clients: list[RolloutClient]) -> None:
         for c in clients:

@@ -13,6 +13,9 @@ client asks them of vLLM's OpenAI server in dev mode, in the shapes vLLM's own s
   carry `status` ("paused", "resumed"), not `success`. While paused, new requests are refused
   with 503 (ServiceUnavailableError): generate waits and sends them again.
 - version: GET /version; the weight version: GET /weight_info; ranks: GET /get_world_size.
+- sleep mode (dev mode, and --enable-sleep-mode for memory to move): POST /sleep?level=&mode=,
+  POST /wake_up?tags=..., GET /is_sleeping, POST /release_kv_cache_memory; SGLang's
+  release/resume_memory_occupation calls map onto them for a colocated run's turns.
 
 A dev route that answers 404 means a server started without VLLM_SERVER_DEV_MODE=1.
 """
@@ -166,6 +169,34 @@ class VllmClient(RolloutClient):
     async def is_paused(self) -> bool:
         return bool((await self._get_json("/is_paused"))["is_paused"])
 
+    # -- sleep mode (a colocated run's turns: rlctl/control/colocate.py) ------------------------
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Pause the scheduler (mode) and, level 1, move the weights to host memory and drop the KV
+        cache; level 2 drops both. Memory moves only on a server started with --enable-sleep-mode."""
+        await self._control(f"/sleep?level={level}&mode={mode}", {})
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake those tags (all without any); True once nothing sleeps and scheduling resumed."""
+        query = "&".join(f"tags={t}" for t in tags or [])
+        return (await self._control("/wake_up" + (f"?{query}" if query else ""), {})).get("status") == "awake"
+
+    async def is_sleeping(self) -> bool:
+        return bool((await self._get_json("/is_sleeping"))["is_sleeping"])
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """SGLang's call in vLLM's terms: the weights go with the KV cache (/sleep level 1: the
+        weights kept in host memory, as a turn back that is no sync needs them); the KV cache
+        alone after a completed pause (/release_kv_cache_memory)."""
+        if tags is None or "weights" in tags:
+            await self.sleep(1, "abort")
+        else:
+            await self.pause_generation("abort")
+            await self._control("/release_kv_cache_memory", {})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self.wake_up(tags)
+
     # -- weight transfer (the receiving side lives in the server's workers) ----------------------
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -188,6 +219,6 @@ class VllmClient(RolloutClient):
         await self._control("/update_weight_version", {"new_version": new_version})
 
 
-DEV_GETS = ("/is_paused", "/weight_info", "/get_world_size")
+DEV_GETS = ("/is_paused", "/weight_info", "/get_world_size", "/is_sleeping")
 """GET routes vLLM registers only in dev mode: a 404 there means dev mode is off."""
 

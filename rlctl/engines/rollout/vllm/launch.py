@@ -33,9 +33,11 @@ SPOKEN = f"{'.'.join(map(str, VLLM_OLDEST))} .. {'.'.join(map(str, VLLM_NEWEST))
 INSTALL = f"pip install 'vllm>={'.'.join(map(str, VLLM_OLDEST))},<={'.'.join(map(str, VLLM_NEWEST))}'"
 
 
-def launch_command(python: str, model_path: str, cfg: VllmConfig, *, host: str, port: int, seed: int) -> list[str]:
+def launch_command(python: str, model_path: str, cfg: VllmConfig, *, host: str, port: int, seed: int,
+                   sleep_mode: bool = False) -> list[str]:
     """The command line of one vLLM server (the same on every node, its port from the plan). It
-    holds no secret: the token goes in the environment (launch_env)."""
+    holds no secret: the token goes in the environment (launch_env). `sleep_mode`: a colocated
+    server, whose /sleep moves memory only with --enable-sleep-mode."""
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
            "--host", host, "--port", str(port), "--tensor-parallel-size", str(cfg.tp_size),
            "--dtype", cfg.dtype, "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
@@ -43,6 +45,8 @@ def launch_command(python: str, model_path: str, cfg: VllmConfig, *, host: str, 
            "--middleware", DOOR]
     if cfg.max_model_len:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if sleep_mode:
+        cmd.append("--enable-sleep-mode")
     return cmd + list(cfg.extra_args)
 
 
