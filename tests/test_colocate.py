@@ -16,7 +16,6 @@ COLOCATED = ["colocate.enabled=true"]
 
 @pytest.mark.parametrize("overrides, key, said", [
     (["pipeline.mode=rolloutpipe"], "pipeline.mode", "rolloutpipe trains while the servers generate"),
-    (["pipeline.mode=async"], "pipeline.mode", "not built yet"),
     (["launcher=slurm"], "colocate.enabled", "launcher=slurm is not built yet"),
     (["rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1"], "rollout.engine",
      "vLLM's ipc weight transfer is not wired yet"),
@@ -72,6 +71,44 @@ def test_auto_sync_is_ipc_on_a_shared_gpu():
     assert str(sync_backend(load_recipe(QUICKSTART, COLOCATED, check_paths=False))) == "gloo"  # the CPU
 
 
+def took_turns(events: list[dict]) -> list[dict]:
+    """The trainer holds the devices from the end of each turn to it to the start of the next turn
+    to the servers: every train call ends inside such a hold, and no sample's generation starts
+    or ends inside one (a sample resumed across a turn, `segments` > 1, started before it)."""
+    turns = [e for e in events if e["event"] == "colocate_turn"]
+    holds = [(a["t"], b["start"]) for a, b in zip(turns, turns[1:], strict=False) if a["to"] == "trainer"]
+    trained = [e["t"] for e in events if e["event"] == "train_end"]
+    groups = [e for e in events if e["event"] == "group_completed"]
+    ends = [t for g in groups for t in g["ends"]]
+    starts = [t for g in groups for t, n in zip(g["starts"], g["segments"], strict=True) if n == 1]
+    assert len(trained) >= 3 and all(any(a <= t <= b for a, b in holds) for t in trained)
+    assert len(ends) >= 3 and not any(a < t < b for a, b in holds for t in ends + starts)
+    return groups
+
+
+@pytest.mark.e2e
+def test_async_colocated_aborts_at_each_turn_resumes_after_it_and_keeps_the_staleness_bound(tmp_path):
+    from rlctl.run.dir import RunDir
+
+    res = rlctl("launch", str(QUICKSTART), *FAST, "run.steps=6", *COLOCATED, "pipeline.mode=async",
+                "pipeline.inflight_at_update=abort_resume", "pipeline.max_staleness=1", "pipeline.check_weights=true",
+                f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rd = RunDir(tmp_path / "runs" / res.stdout.strip().splitlines()[-1])
+    events = rd.events()
+    groups = {g["group"]: g for g in took_turns(events)}
+    versions = {e["step"]: e["version"] for e in events if e["event"] == "step_start"}
+    trained = [(e["step"], g) for e in events if e["event"] == "train_start" for g in e["groups"]]
+    assert trained and all(versions[step] - min(groups[g]["versions"]) <= 1 for step, g in trained)
+    assert all(c["servers"] == 2 for c in events if c["event"] == "weights_checked")
+
+
+def test_async_colocated_needs_requests_that_resume_after_a_turn():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(QUICKSTART, [*COLOCATED, "pipeline.mode=async"], check_paths=False)
+    assert e.value.key == "pipeline.inflight_at_update" and "abort_resume" in e.value.message
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_a_colocated_run_takes_turns_and_every_sync_lands_bit_for_bit(tmp_path, protocol):
@@ -91,13 +128,7 @@ def test_a_colocated_run_takes_turns_and_every_sync_lands_bit_for_bit(tmp_path, 
     to_trainer = [t for t in turns[2:] if t["to"] == "trainer"]
     assert to_trainer and all(t["server_tags"] == ["kv_cache", "weights"] and t["trainer_bytes"] > 0
                               for t in to_trainer)  # the servers released, the trainer took its state back
-    # The trainer holds the devices from the end of each turn to it to the start of the next turn
-    # to the servers; nothing generates from the start of the one to the end of the other.
-    pairs = [(a, b) for a, b in zip(turns, turns[1:], strict=False) if a["to"] == "trainer"]
-    trained = [e["t"] for e in events if e["event"] == "train_end"]
-    generated = [e["t"] for e in events if e["event"] == "group_completed"]
-    assert len(trained) >= 3 and all(any(a["t"] <= t <= b["start"] for a, b in pairs) for t in trained)
-    assert len(generated) >= 3 and not any(a["start"] < t < b["t"] for a, b in pairs for t in generated)
+    took_turns(events)
     checked = [e for e in events if e["event"] == "weights_checked"]
     syncs = [e for e in events if e["event"] == "sync_end"]
     assert len(checked) == len(syncs) + 1 and all(c["servers"] == 2 for c in checked)  # + the initial sync

@@ -1,32 +1,44 @@
 """colocate.enabled: the rollout servers and the trainer take turns on the same devices.
 
-One step, as the pipeline's calls drive it (sync mode):
+One step, as the pipeline's calls drive it:
 
-    the servers generate the rollout batch            (the trainer's `trainer_release` is off the device)
-    train():  servers pause, give back `server_release`; the trainer takes its memory back
+    the servers generate                              (the trainer's `trainer_release` is off the device)
+    train():  no new generation starts; those in flight are aborted (async: they resume later
+              from where they stopped); the servers give back `server_release`, the trainer
+              takes its memory back and trains. The turn is the trainer's until the sync.
     sync_weights(): the trainer gives back its optimizer state (when released), the servers take
               their weights back, the weights go over (in place: CUDA IPC on a GPU), the servers
               take the rest back and continue, the trainer gives back its weights (when released)
-    generate(): the servers hold the devices again
+    generate(): runs once the servers hold the devices
 
-`Turns` keeps who holds the devices and moves the memory, one move at a time (a lock): the
-pipeline never has a generation and a train call out at once in sync mode, so a move never waits
-on work in flight. `ColocatedTrainer` and `ColocatedRollout` are the layers the pipeline calls
-through; each call first asks Turns for the devices it needs. Every move is an event
-(`colocate_turn`: to whom, seconds, bytes moved by the trainer), so the trace and the
-benchmarks see the time taking turns costs.
+`Turns` keeps who holds the devices and moves the memory, one move at a time. Generations pass
+through its gate (ColocatedRollout): while the trainer holds the devices they wait, and a move to
+the trainer waits until none is out. A turn the trainer takes for a checkpoint, the final policy
+or a weight check (no training) lasts that call: the next generation hands the devices back.
+`ColocatedTrainer` and `ColocatedRollout` are the layers the pipeline calls through. Every move
+is an event (`colocate_turn`: to whom, when it began, seconds, bytes moved by the trainer, the
+servers' tags), so the trace and the benchmarks see what taking turns costs.
 
-Weights the servers gave back come back by the next sync; a turn to the servers that is not a
-sync (a checkpoint after the sync, then the next step's generation) resumes the servers'
-weights as they were, which the built-in server keeps (rlctl/engines/memory.py).
+sync mode: a step's samples all come from the step's weights, as without colocation (nothing
+generates between the turn to the trainer and the sync). async mode (with
+pipeline.inflight_at_update=abort_resume): generation stops for each trainer turn; a request cut
+by it resumes after the sync from where it stopped, its samples recording each segment's
+version, and the staleness bound applies as without colocation.
+
+Weights the servers gave back come back by the next sync; a turn back that is not a sync resumes
+the servers' weights as they were (the built-in server keeps them; SGLang with
+--enable-weights-cpu-backup; vLLM's sleep level 1).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+from rlctl.errors import RunError
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
 
 if TYPE_CHECKING:
@@ -38,17 +50,19 @@ if TYPE_CHECKING:
     from rlctl.recipe import ColocateConfig
 
 SERVERS, TRAINER, BOTH = "servers", "trainer", "both"
+DRAIN_POLL_S = 0.5
 
 
 class Turns:
     """Who holds the devices: `holder` is BOTH at the start (each process has loaded what it
     holds), then SERVERS or TRAINER. `servers` and `trainer` are the HTTP clients of the servers
-    and of trainer rank 0 (whose memory calls every rank follows)."""
+    and of trainer rank 0 (whose memory calls every rank follows). `drain_s`: how long the
+    generations out may take to come back once aborted (rollout.stall_timeout_s)."""
 
     def __init__(self, cfg: ColocateConfig, servers: list[RolloutClient], trainer: TrainerClient, emit: EventSink,
-                 clock: Clock) -> None:
+                 clock: Clock, drain_s: float = 60.0) -> None:
         self.cfg, self.servers, self.trainer = cfg, list(servers), trainer
-        self.emit, self.clock = emit, clock
+        self.emit, self.clock, self.drain_s = emit, clock, drain_s
         self.watch: ServerWatch | None = None
         """The run's watch (set once it exists): it asks paused servers a route that does not generate."""
         self.holder = BOTH
@@ -56,6 +70,18 @@ class Turns:
         self.released: list[str] = []
         """The server tags now off the device."""
         self.began = 0.0
+        self.training = False
+        """The trainer's turn lasts until the sync (a train call took it), not just one call."""
+        self.open = asyncio.Event()
+        """Set while generations may start (the servers hold the devices, no move under way)."""
+        self.open.set()
+        self.out = 0
+        self.none_out = asyncio.Event()
+        self.none_out.set()
+        self.calls = 0
+        """Trainer calls under way in the trainer's turn: the devices are not handed back meanwhile."""
+        self.no_calls = asyncio.Event()
+        self.no_calls.set()
 
     def _live(self) -> list[RolloutClient]:
         lost = self.watch.server_set.lost if self.watch else set()
@@ -66,24 +92,61 @@ class Turns:
 
     def _moved(self, to: str, start: float, replies: list[dict[str, Any]], server_tags: list[str]) -> None:
         """The move's event: to whom, when it began (`start`, the run's clock) and its seconds (a
-        sync's own time left out: sync_end has it),
-        the bytes the trainer moved, the tags the servers released or resumed."""
+        sync's own time left out: sync_end has it), the bytes the trainer moved, the tags the
+        servers released or resumed."""
         trainer_bytes = sum(int(r.get("bytes") or 0) for r in replies if isinstance(r, dict))
         self.emit("colocate_turn", self.clock.now(), to=to, start=self.began, seconds=round(time.monotonic() - start, 4),
                   trainer_bytes=trainer_bytes, server_tags=server_tags)
 
-    async def to_trainer(self) -> None:
-        """The servers pause and give back server_release; the trainer takes everything back."""
+    @asynccontextmanager
+    async def generating(self) -> AsyncIterator[None]:
+        """One generation: it starts once the servers hold the devices (handing them back first
+        after a turn the trainer took for one call only) and counts as out until it returns."""
+        while not self.open.is_set() or self.holder == TRAINER:
+            if self.holder == TRAINER and not self.training:
+                await self.no_calls.wait()
+                await self.to_servers()
+            else:
+                await self.open.wait()
+        self.out += 1
+        self.none_out.clear()
+        try:
+            yield
+        finally:
+            self.out -= 1
+            if not self.out:
+                self.none_out.set()
+
+    @asynccontextmanager
+    async def trainer_call(self, training: bool = False) -> AsyncIterator[None]:
+        """One trainer call, in the trainer's turn (taken first where the servers hold it);
+        `training`: the turn lasts until the sync."""
+        await self.to_trainer(training)
+        self.calls += 1  # no await since the move: nothing hands the devices back in between
+        self.no_calls.clear()
+        try:
+            yield
+        finally:
+            self.calls -= 1
+            if not self.calls:
+                self.no_calls.set()
+
+    async def to_trainer(self, training: bool = False) -> None:
+        """No generation starts from here; those out are aborted and come back; the servers
+        give back server_release, and the trainer takes everything back."""
         async with self.lock:
+            self.training = self.training or training
             if self.holder == TRAINER:
                 return
             start, self.began = time.monotonic(), self.clock.now()
+            self.open.clear()
             replies = []
             if self.holder == SERVERS:
                 names = [c.name for c in self._live()]
                 if self.watch:
                     self.watch.pause(names)  # paused servers are asked a route that does not generate
-                await self._servers("pause_generation", "abort")  # sync mode: the batch is done, nothing to abort
+                await self._drain()
+                await self._servers("pause_generation", "abort")
                 if self.cfg.server_release:
                     await self._servers("release_memory_occupation", list(self.cfg.server_release))
                     self.released = list(self.cfg.server_release)
@@ -92,17 +155,32 @@ class Turns:
             self.holder = TRAINER
             self._moved(TRAINER, start, replies, list(self.released))
 
+    async def _drain(self) -> None:
+        """Abort what is out until none is: a generation that passed the gate just before it
+        closed may reach its server after an abort (and a paused vLLM server would make it wait,
+        not return), so the servers are asked to abort everything again every DRAIN_POLL_S."""
+        deadline = time.monotonic() + self.drain_s
+        while self.out:
+            if time.monotonic() > deadline:
+                raise RunError(f"{self.out} generations did not come back within {self.drain_s:.0f} s of their "
+                               "abort (rollout.stall_timeout_s); see the servers' logs")
+            await asyncio.gather(*(c.abort("", abort_all=True) for c in self._live()))
+            try:
+                await asyncio.wait_for(self.none_out.wait(), DRAIN_POLL_S)
+            except TimeoutError:
+                pass
+
     async def to_servers(self, sync: Any = None) -> Any:
         """The trainer gives back what it does not need for the sync; with `sync` (an awaitable
         factory) the servers take their weights back and the sync runs; then the servers take
         the rest back and continue, and the trainer gives back its weights (when released)."""
         async with self.lock:
-            if self.holder == SERVERS and sync is None:
-                return None
+            if sync is None and (self.holder != TRAINER or self.training or self.calls):
+                return None  # the servers hold the devices, or the trainer's turn is not over
             start, self.began = time.monotonic(), self.clock.now()
             replies, result, resumed = [], None, list(self.released)
             optimizer = [t for t in self.cfg.trainer_release if t != "weights"]
-            if optimizer and self.holder != SERVERS:
+            if optimizer and self.holder == TRAINER:
                 replies.append(await self.trainer.release_memory_occupation(optimizer))
             if "weights" in self.released:
                 await self._servers("resume_memory_occupation", ["weights"])
@@ -114,51 +192,52 @@ class Turns:
             if self.released:
                 await self._servers("resume_memory_occupation", list(self.released))
                 self.released = []
-            if self.holder != SERVERS or sync is not None:
+            if self.holder == TRAINER or sync is not None:
                 await self._servers("continue_generation")
                 if self.watch:
                     self.watch.unpause([c.name for c in self.servers])
             if "weights" in self.cfg.trainer_release:
                 replies.append(await self.trainer.release_memory_occupation(["weights"]))
-            self.holder = SERVERS
+            self.holder, self.training = SERVERS, False
+            self.open.set()
             self._moved(SERVERS, start, replies, resumed)
             return result
 
 
 class ColocatedTrainer(TrainerLayer):
-    """The trainer's calls, each once the trainer holds the devices; a sync hands them back."""
+    """The trainer's calls, each in the trainer's turn; a sync hands the devices back."""
 
     def __init__(self, inner: RunTrainer, turns: Turns) -> None:
         super().__init__(inner)
         self.turns = turns
 
     async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        await self.turns.to_trainer()
-        return await self.inner.accumulate(samples)
+        async with self.turns.trainer_call(training=True):
+            return await self.inner.accumulate(samples)
 
     async def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        await self.turns.to_trainer()
-        return await self.inner.train(samples)
+        async with self.turns.trainer_call(training=True):
+            return await self.inner.train(samples)
 
     async def sync_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
         await self.turns.to_trainer()
         return await self.turns.to_servers(lambda: self.inner.sync_weights(version, pause_mode))
 
     async def save_checkpoint(self, path: str) -> dict[str, Any]:
-        await self.turns.to_trainer()
-        return await self.inner.save_checkpoint(path)
+        async with self.turns.trainer_call():
+            return await self.inner.save_checkpoint(path)
 
     async def save_policy(self, path: str) -> dict[str, Any]:
-        await self.turns.to_trainer()
-        return await self.inner.save_policy(path)
+        async with self.turns.trainer_call():
+            return await self.inner.save_policy(path)
 
     async def load_checkpoint(self, path: str) -> dict[str, Any]:
-        await self.turns.to_trainer()
-        return await self.inner.load_checkpoint(path)
+        async with self.turns.trainer_call():
+            return await self.inner.load_checkpoint(path)
 
     async def weight_checksums(self) -> dict[str, Any]:
-        await self.turns.to_trainer()
-        return await self.inner.weight_checksums()
+        async with self.turns.trainer_call():
+            return await self.inner.weight_checksums()
 
 
 class ColocatedRollout:
@@ -170,8 +249,8 @@ class ColocatedRollout:
 
     async def generate(self, input_ids: list[int], sampling: SamplingRequest, rid: str,
                        return_logprob: bool = True) -> GenerateOutput:
-        await self.turns.to_servers()
-        return await self.inner.generate(input_ids, sampling, rid, return_logprob)
+        async with self.turns.generating():
+            return await self.inner.generate(input_ids, sampling, rid, return_logprob)
 
     async def abort(self, rid: str) -> None:
         await self.inner.abort(rid)

@@ -88,7 +88,8 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
                           **({"resumed_from": start} if resume_from else {}))
             recorder.events.flush()  # the launch's progress line names the phases before the first step
             lease = shared_pool(rd, recipe, session, token)
-            turns = Turns(recipe.colocate, servers, client, recorder.emit, clock) if recipe.colocate.enabled else None
+            turns = (Turns(recipe.colocate, servers, client, recorder.emit, clock, recipe.rollout.stall_timeout_s)
+                     if recipe.colocate.enabled else None)
             server_set = ServerSet(generating_servers(servers, lease, turns))
             watch = ServerWatch(server_set, servers, recipe, rd, recorder.emit, clock)
             trainer = compose_trainer(recipe, plan, keys, client, watch, recorder.emit, clock, lease, turns)

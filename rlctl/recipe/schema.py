@@ -10,6 +10,7 @@ from rlctl.recipe.checks import FieldError, Section, divides
 from rlctl.recipe.choices import (
     DataSource,
     Device,
+    InflightAtUpdate,
     Launcher,
     Overlong,
     PipelineMode,
@@ -114,7 +115,8 @@ class Recipe(Section):
             raise FieldError("train.sync_backend", "vLLM servers receive weights over NCCL; set it to nccl or auto")
 
     def _check_colocate(self) -> None:
-        """What taking turns needs: sync steps, the local launcher, servers that release memory by
+        """What taking turns needs: sync steps (or async ones whose requests cut by a turn resume
+        after it), the local launcher, servers that release memory by
         SGLang's calls (built-in or SGLang) on the trainer's devices (the CPU's cores, shared; on
         GPUs one trainer rank and its TP-1 server on one GPU, for now: weights go over CUDA IPC,
         which only a process that sees the GPU opens)."""
@@ -124,9 +126,9 @@ class Recipe(Section):
         if mode is PipelineMode.ROLLOUTPIPE:
             raise FieldError("pipeline.mode", "rolloutpipe trains while the servers generate, and colocated devices "
                                               "take turns; set pipeline.mode=sync or colocate.enabled=false")
-        if mode is PipelineMode.ASYNC:
-            raise FieldError("pipeline.mode", "async colocated (generation aborted and resumed around each turn) is "
-                                              "not built yet; set pipeline.mode=sync or colocate.enabled=false")
+        if mode is PipelineMode.ASYNC and self.pipeline.inflight_at_update is not InflightAtUpdate.ABORT_RESUME:
+            raise FieldError("pipeline.inflight_at_update", "async colocated runs abort the requests in flight at each "
+                             "of the trainer's turns and resume them after it; set it to abort_resume")
         if self.launcher is not Launcher.LOCAL:
             raise FieldError("colocate.enabled", f"colocated runs take turns on this host's devices, and launcher="
                                                  f"{self.launcher} is not built yet; use launcher=local")
