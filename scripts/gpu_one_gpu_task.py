@@ -1,15 +1,17 @@
 """The shipped one-GPU recipe (recipes/one-gpu-gsm8k.yaml) on a GPU machine, with a randomly
 initialized model of Qwen3-0.6B's shape (scripts/tiny_task.py --shape qwen3-0.6b: weights cannot be
 downloaded there) and its GSM8K-style data: do steps run and evaluations run, and what does an
-evaluation of 256 prompts x 4 samples add to a step?
+evaluation of N prompts x 4 samples add to a step?
 
-    python scripts/gpu_one_gpu_task.py [--steps 4] [--every 2] [--work DIR]
+    python scripts/gpu_one_gpu_task.py [--steps 4] [--every 2] [--max-new-tokens 256] [--eval-prompts 128] [--work DIR]
 
 The recipe runs as shipped but for run.steps, eval.every, run.save_every=0 and the paths (and
 reward.verifier=numeric on a machine without math-verify, data as JSONL without pyarrow). Prints
 each step (seconds: step, rollout, train, sync; reward; response length) and each evaluation
 (after how many steps, seconds, mean@4, pass@4, response length), then the median evaluation's
-seconds against the median step's. Writes results/gpu_one_gpu_task.json (commit, date, machine).
+seconds against the median step's. The random model's answers all run to the cap, so the cap
+(--max-new-tokens, 256) and the evaluation (--eval-prompts x 4 samples, 128 x 4) are smaller than
+the recipe's, to fit a 10-minute call. Writes results/gpu_one_gpu_task.json (commit, date, machine).
 """
 
 from __future__ import annotations
@@ -33,14 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/rlctl-one-gpu"))
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--eval-prompts", type=int, default=128)
     a = ap.parse_args(argv)
     fmt = "parquet" if importlib.util.find_spec("pyarrow") else "jsonl"
     subprocess.run([sys.executable, str(REPO / "scripts" / "tiny_task.py"), "--out", str(a.work), "--shape",
                     "qwen3-0.6b", "--format", fmt], check=True)
+    # A random model never ends its answers: every one runs to the cap, so the cap (and the
+    # evaluation's size) is what sets the time; a trained model's answers end far sooner.
     overrides = [f"model.path={a.work / 'models' / 'qwen3-0.6b-random'}", f"data.path=data/gsm8k/train.{fmt}",
                  f"run.steps={a.steps}", f"eval.every={a.every}", "run.save_every=0",
-                 f"eval.sets=[{{path: data/gsm8k/test.{fmt}, name: gsm8k-test, limit: 256, samples: 4, "
-                 "temperature: 0.6}]"]
+                 f"rollout.sampling.max_new_tokens={a.max_new_tokens}",
+                 f"eval.sets=[{{path: data/gsm8k/test.{fmt}, name: gsm8k-test, limit: {a.eval_prompts}, samples: 4, "
+                 f"temperature: 0.6, max_new_tokens: {a.max_new_tokens}}}]"]
     if not importlib.util.find_spec("math_verify"):
         overrides.append("reward.verifier=numeric")
     res = subprocess.run([sys.executable, "-m", "rlctl", "launch", str(REPO / "recipes" / "one-gpu-gsm8k.yaml"),
@@ -64,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{e['steps']:>10} {e['seconds']:8.2f} {e['mean@4']:7.3f} {e['pass@4']:7.3f} {e['response_len_mean']:8.1f}")
     step_s = statistics.median(m["step_time"] for m in steps)
     eval_s = statistics.median(e["seconds"] for e in evaluations)
-    print(f"an evaluation of 256 prompts x 4: {eval_s:.1f} s, {eval_s / step_s:.2f}x a step's {step_s:.1f} s (medians)")
+    print(f"an evaluation of {a.eval_prompts} prompts x 4: {eval_s:.1f} s, {eval_s / step_s:.2f}x a step's "
+          f"{step_s:.1f} s (medians)")
     path = write_artifact("gpu_one_gpu_task", {"recipe": "recipes/one-gpu-gsm8k.yaml", "overrides": overrides,
                                                 "steps": steps, "evaluations": evaluations,
                                                 "median_step_s": step_s, "median_eval_s": eval_s,

@@ -253,3 +253,17 @@ def test_requests_joining_and_leaving_a_running_batch_score_exactly(start_server
             lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
         want = lp[torch.arange(len(p) - 1, ids.shape[1] - 1), ids[0, len(p):]]
         torch.testing.assert_close(torch.tensor(out.logprobs), want, rtol=0, atol=1e-4)
+
+
+def test_a_scheduler_that_fails_ends_its_server(start_server, tmp_path):
+    """An engine step that raises (here a token id past the vocabulary; on a GPU, out of memory)
+    ends the server's process, as SGLang's scheduler ends its server: a supervisor sees a dead
+    server at once, where one whose HTTP side outlived its engine would hold requests until a
+    watchdog's timeout."""
+    url = start_server()
+    proc = start_server.procs[-1]
+    with pytest.raises(OSError):  # the connection ends with the process, no reply
+        post(url + "/generate", {"input_ids": [1, 10**6], "sampling_params": {"max_new_tokens": 2}})
+    assert proc.wait(timeout=30) == 1
+    log = next(tmp_path.glob(f"server-{url.rsplit(':', 1)[1]}.log")).read_text()
+    assert "the scheduler thread failed; this server exits" in log

@@ -59,6 +59,8 @@ class BuiltinAdapter(RolloutAdapter):
         if ro.builtin.emulate_vllm:  # as a vLLM server rlctl starts (vllm/launch.py launch_env), unless told otherwise
             os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
         os.environ.update(self.health_env(ro))  # as an SGLang server rlctl starts
+        if ro.device is Device.CUDA:  # its KV cache grows by torch.cat each step: without it, reserved
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # blocks go unused
         server.serve(args, sock)
 
     async def check(self, rollout: RolloutConfig, clients: list[RolloutClient]) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from typing import Any
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger("rlctl.rollout")
 
 
 @dataclass
@@ -230,6 +234,18 @@ class Engine:
     # -- scheduler thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        """The scheduler. A step that raises (out of memory, a broken model) ends the whole
+        process, as SGLang's scheduler ends its server: a server whose HTTP side outlived its
+        engine would hold its requests until a watchdog noticed; a dead one is seen at once,
+        and restarted by its supervisor."""
+        try:
+            self._schedule()
+        except BaseException:  # noqa: BLE001 - said in the log, then the process ends
+            log.exception("the scheduler thread failed; this server exits")
+            logging.shutdown()
+            os._exit(1)
+
+    def _schedule(self) -> None:
         while True:
             with self.cond:
                 while not self._stop and (self.paused or self.held or not (self.waiting or self.running)):
