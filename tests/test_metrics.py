@@ -53,6 +53,14 @@ def test_sync_step_metrics():
     assert m["rollout_idle_ratio"] == pytest.approx(1 - (3 / 7.5 + 4 / 7.5) / 2)
 
 
+def test_a_colocated_step_counts_its_turns():
+    e = timeline()
+    assert "turn_time" not in step_metrics(e, 0)  # not colocated: no such metric
+    e.insert(5, {"t": 4.0, "event": "colocate_turn", "to": "trainer", "start": 4.0, "seconds": 0.25})
+    e.insert(-2, {"t": 7.5, "event": "colocate_turn", "to": "servers", "start": 7.0, "seconds": 0.125})
+    assert step_metrics(e, 0)["turn_time"] == 0.375
+
+
 def test_async_step_trains_groups_that_were_ready_before_it():
     e = [
         {"t": 0.0, "event": "step_start", "step": 0, "version": 0},

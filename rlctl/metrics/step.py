@@ -67,6 +67,8 @@ class _Step:
     sync_starts: list[float] = field(default_factory=list)
     sync_ends: list[float] = field(default_factory=list)
     sync_bytes: int = 0
+    turns: list[float] = field(default_factory=list)
+    """colocate.enabled: the seconds of each turn of the devices (colocate_turn events)."""
     train_stats: dict[str, list[float]] = field(default_factory=dict)
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     """Each server's request intervals, from the step's start on."""
@@ -91,6 +93,10 @@ class Progress:
     """The weight versions synced to the servers, recent ones (sync lags are counted in them)."""
     version: int | None = None
     """The trainer's weight version after its last optimizer step."""
+
+
+OPEN_STEP_EVENTS = ("colocate_turn",)
+"""Events that name no step and belong to the step open when they happen (a colocated run's turns)."""
 
 
 class StepMetrics:
@@ -139,7 +145,7 @@ class StepMetrics:
         if kind == "step_start":
             self._open = _Step(event["step"], event["t"], event["t"])
             return None
-        if s is None or event.get("step") != s.step:
+        if s is None or event.get("step", s.step if kind in OPEN_STEP_EVENTS else None) != s.step:
             return None
         s.t_last = max(s.t_last, event["t"])
         s.trained_ready += ready
@@ -224,6 +230,8 @@ def _take(s: _Step, e: dict[str, Any], kind: str) -> None:
     elif kind == "sync_end":
         s.sync_ends.append(t)
         s.sync_bytes += e.get("bytes", 0)
+    elif kind == "colocate_turn":
+        s.turns.append(float(e.get("seconds") or 0.0))
 
 
 def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
@@ -285,13 +293,15 @@ def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
     for key in TRAIN_STATS:
         if key in s.train_stats:
             m[key] = statistics.fmean(s.train_stats[key])
-    return m | _by_source_and_score(s)
+    return m | _where_given(s)
 
 
-def _by_source_and_score(s: _Step) -> dict[str, float]:
+def _where_given(s: _Step) -> dict[str, float]:
     """reward_mean/<source> per data source and score_<name> per named score, where the data or
-    the reward function gives them."""
+    the reward function gives them; turn_time in a colocated run (what taking turns cost the
+    step: releasing and resuming memory)."""
     m = {f"reward_mean/{source}": statistics.fmean(rewards) for source, rewards in sorted(s.source_rewards.items())}
+    m |= {"turn_time": sum(s.turns)} if s.turns else {}
     return m | {f"score_{name}": statistics.fmean(values) for name, values in sorted(s.scores.items()) if values}
 
 
