@@ -22,6 +22,7 @@ from conftest import free_port, wait_http
 from rlctl.run.checkpoint import save_checkpoint
 from rlctl.engines.rollout.builtin.memory_routes import NOT_IDLE, TAGS
 from rlctl.engines.rollout.builtin.server import BuiltinServer, parser
+from rlctl.engines.rollout.protocol import HEALTH_GENERATION_ENV
 from rlctl.engines.rollout.client import RolloutClient, SamplingRequest
 from rlctl.engines.weightsync import WeightSender, tensor_sha256
 from rlctl.errors import RunError
@@ -45,7 +46,8 @@ def serve(tiny_model_dir, tmp_path):
         log = (tmp_path / f"server-{port}.log").open("wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "rlctl.engines.rollout.builtin.server", "--model-path", str(model or tiny_model_dir),
-             "--port", str(port), *extra], stdout=log, stderr=subprocess.STDOUT))
+             "--port", str(port), *extra], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, HEALTH_GENERATION_ENV: "false"}))  # as rlctl starts it: /health says alive
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health")
         return url, procs[-1]

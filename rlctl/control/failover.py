@@ -69,6 +69,8 @@ class ServerWatch:
         """The key_id in run.json when each server's probe now out was sent."""
         self.back: set[str] = set()
         """Lost servers started again that answer /health: they rejoin at the next sync."""
+        self.probed_route: dict[str, str] = {}
+        """The route each server's probe now out asks."""
         self.paused: set[str] = set()
         """Servers held from generating (pause): asked the route that does not generate."""
         adapter = rollout_adapter(recipe.rollout.engine)
@@ -116,19 +118,24 @@ class ServerWatch:
                 pass
 
     def pause(self, names: list[str]) -> None:
-        """These servers stop generating (they are being paused): probes that generate are
-        dropped, the next ones ask the route that does not."""
+        """These servers stop generating (they are being paused): a probe still out on the route
+        that generates is dropped (a paused SGLang server would hold it 20 s and answer 503), and
+        the next one asks the route that does not. A probe that has answered is left for the
+        next tick to read: syncs come more often than ticks, and dropping answers would starve
+        the watch of them."""
+        generating = self.route(False)
         for name in names:
             self.paused.add(name)
-            probe = self.probes.pop(name, None)
-            if probe is not None:
+            probe = self.probes.get(name)
+            if probe is not None and not probe.done() and self.probed_route.get(name) == generating:
                 probe.cancel()
+                del self.probes[name]
 
     def unpause(self, names: list[str]) -> None:
         self.paused.difference_update(names)
 
-    async def _probe(self, c: RolloutClient) -> bool:
-        route = self.route(c.name in self.paused)
+    async def _probe(self, c: RolloutClient, route: str | None = None) -> bool:
+        route = route or self.route(c.name in self.paused)
         try:
             # No credential: whoever answers on a lost server's port learns nothing from a probe.
             async with c.session.get(c.url + route, timeout=aiohttp.ClientTimeout(total=self.stall_s)) as resp:
@@ -160,7 +167,8 @@ class ServerWatch:
                         self.emit("server_back", now, server=c.name)
                 probe = None
             if probe is None:
-                self.probes[c.name] = asyncio.create_task(self._probe(c))
+                route = self.probed_route[c.name] = self.route(c.name in self.paused)
+                self.probes[c.name] = asyncio.create_task(self._probe(c, route))
                 self.probed_key_id[c.name] = key_ids[c.name]
             if c.name not in self.server_set.lost and now - self.last_ok[c.name] > self.stall_s:
                 route = self.route(c.name in self.paused)

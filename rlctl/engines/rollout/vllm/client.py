@@ -85,7 +85,7 @@ class VllmClient(RolloutClient):
 
     async def _get_json(self, path: str) -> Any:
         async with self.session.get(self.url + path, headers=self.headers) as resp:
-            if resp.status == 404 and path in DEV_GETS:
+            if resp.status == 404 and path in DEV_GETS + SLEEP_GETS:
                 raise RunError(f"{self.url}{path}: not found: the server was started without VLLM_SERVER_DEV_MODE=1, "
                                "which vLLM needs for the routes a trainer drives")
             if resp.status != 200:
@@ -219,6 +219,8 @@ class VllmClient(RolloutClient):
         await self._control("/update_weight_version", {"new_version": new_version})
 
 
-DEV_GETS = ("/is_paused", "/weight_info", "/get_world_size", "/is_sleeping")
-"""GET routes vLLM registers only in dev mode: a 404 there means dev mode is off."""
+DEV_GETS = ("/is_paused", "/weight_info", "/get_world_size")
+"""GET routes of vLLM's RL router, which it registers only in dev mode: a 404 there means dev mode is off."""
+SLEEP_GETS = ("/is_sleeping",)
+"""GET routes of vLLM's sleep router, dev mode only as well."""
 
