@@ -146,6 +146,18 @@ def test_chrome_trace_has_a_track_per_server_and_rank():
     assert [e["name"] for e in trace if e["pid"] == 3 and e["ph"] == "X"] == ["step 0"]
 
 
+def test_a_colocated_runs_turns_have_a_track_of_their_own():
+    from rlctl.metrics import chrome_trace
+
+    e = timeline()
+    e.insert(5, {"t": 4.25, "event": "colocate_turn", "to": "trainer", "start": 4.0, "seconds": 0.25})
+    trace = chrome_trace(e)["traceEvents"]
+    assert {"name": "thread_name", "ph": "M", "pid": 3, "tid": 2, "args": {"name": "colocated turns"}} in trace
+    (turn,) = [x for x in trace if x["ph"] == "X" and (x["pid"], x["tid"]) == (3, 2)]
+    assert (turn["name"], turn["ts"], turn["dur"]) == ("to trainer", 4e6, 0.25e6)
+    assert "colocated turns" not in str(chrome_trace(timeline()))  # a run that is not colocated has none
+
+
 def test_trace_opens_at_the_run_start_whatever_other_writers_stamped():
     """`rlctl launch` on a login node recorded the submission three days before the job ran, and
     `rlctl status` there recorded the end a day after: the trace still spans the run alone."""

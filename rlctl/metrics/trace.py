@@ -41,7 +41,7 @@ def _servers(e: dict[str, Any]) -> list[str]:
 def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[str, Any]:
     """One track per rollout server (each sample's request), one per trainer rank (train batches,
     weight syncs), and one for the controller (steps; and its held-out evaluations, when there are
-    any, on a track of their own). Time 0 is the run's start; instants from
+    any, on a track of their own; a colocated run's turns of the devices on another). Time 0 is the run's start; instants from
     before it (servers coming up, a Slurm submission) are left out, so the trace opens on the run.
     Events it cannot place are left out and counted in `otherData.skipped_events`."""
     placed = [e for e in events if usable(e)]
@@ -52,6 +52,8 @@ def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[s
     out = _track_names(tid_of, trainer_ranks)
     if any(e["event"] == "eval_end" for e in placed):
         out.append({"name": "thread_name", "ph": "M", "pid": 3, "tid": 1, "args": {"name": "evaluations"}})
+    if any(e["event"] == "colocate_turn" for e in placed):
+        out.append({"name": "thread_name", "ph": "M", "pid": 3, "tid": 2, "args": {"name": "colocated turns"}})
     pairer = SpanPairer()
     for e in sorted(placed, key=lambda e: e["t"]):
         try:
@@ -109,6 +111,9 @@ def _entries(e: dict[str, Any], closed: Span | None, t0: float, tid_of: dict[str
         return [_span(f"g{e['group']}", 1, tid_of[server], t0, float(a), float(b), group=e["group"], sample=i,
                       step=e["step"], tokens=e["lengths"][i], reward=e["rewards"][i], version=e["versions"][i])
                 for i, (server, a, b) in enumerate(zip(e.get("servers", []), e.get("starts", []), e.get("ends", [])))]
+    if kind == "colocate_turn":  # the move, its sync left out (a sync's own span is the trainer's)
+        return [_span(f"to {e['to']}", 3, 2, t0, e["t"] - float(e["seconds"]), e["t"], seconds=e["seconds"],
+                      trainer_bytes=e.get("trainer_bytes"), server_tags=e.get("server_tags"))]
     if closed is not None and closed.kind is SpanKind.STEP:
         return [_span(f"step {e['step']}", 3, 0, t0, closed.start["t"], e["t"], step=e["step"], version=e.get("version"))]
     if closed is not None and closed.kind is SpanKind.EVAL:
