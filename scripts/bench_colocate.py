@@ -76,8 +76,10 @@ def launch(recipe: Path, out: Path, seed: int, overrides: list[str]) -> dict:
         res = subprocess.run([sys.executable, "-m", "rlctl", "launch", str(recipe), f"run.seed={seed}",
                               f"run.output_dir={out}", *overrides], capture_output=True, text=True, cwd=out.parent)
     wall = time.monotonic() - start
-    if res.returncode != 0:
-        raise SystemExit(f"seed {seed} {overrides}: rlctl launch failed ({res.returncode}): {res.stderr.strip()[-800:]}")
+    if res.returncode != 0:  # recorded, not fatal: side by side may not fit a GPU that colocated fits
+        reason = res.stderr.strip().splitlines()[-1:] or ["?"]
+        print(f"seed {seed} {overrides}: rlctl launch failed ({res.returncode}): {res.stderr.strip()[-800:]}")
+        return {"seed": seed, "state": "failed", "reason": reason[0][:400], "wall_s": round(wall, 2), "peak_mib": memory.peak}
     run = out / res.stdout.strip().splitlines()[-1]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
@@ -135,8 +137,9 @@ def main() -> None:
                 for name, keys in variants.items():
                     run = launch(args.recipe, Path(tmp) / slug(name), seed, [*args.overrides, *keys])
                     results.setdefault(name, []).append(run)
-                    print(f"{name:>14} seed {seed}: {run['wall_s']:.1f} s, step {run['step_s']:.3f} s, reward "
-                          f"{run['reward_first']:.3f} -> {run['reward_final']:.3f}", flush=True)
+                    if run["state"] == "completed":
+                        print(f"{name:>14} seed {seed}: {run['wall_s']:.1f} s, step {run['step_s']:.3f} s, reward "
+                              f"{run['reward_first']:.3f} -> {run['reward_final']:.3f}", flush=True)
         finally:
             if pool:
                 subprocess.run([sys.executable, "-m", "rlctl", "pool", "down", pool], cwd=tmp, timeout=120)
@@ -153,8 +156,8 @@ def main() -> None:
         pooled = table["pool, one job"]
         print(f"{'colo / pool':>14}" + "".join(f"{(colo[c] / pooled[c] if pooled[c] else float('nan')):16.3f}"
                                                for c in cols))
-    spread = {name: (min(r["reward_final"] for r in runs), max(r["reward_final"] for r in runs))
-              for name, runs in results.items()}
+    spread = {name: (min(finals), max(finals)) if (finals := [r["reward_final"] for r in runs if "reward_final" in r])
+              else (float("nan"), float("nan")) for name, runs in results.items()}
     same = (spread["side by side"][0] <= colo["reward_final"] <= spread["side by side"][1]
             or spread["colocated"][0] <= side["reward_final"] <= spread["colocated"][1])
     print(f"\nfinal reward (mean of the last {FINAL_STEPS} steps): side by side {side['reward_final']:.3f} "

@@ -93,7 +93,11 @@ def test_a_completed_run_leaves_its_trained_policy_for_export(sync_run, tmp_path
     assert exported.returncode == 0, exported.stderr
     trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(rd.read()["model_path"]).state_dict()
-    assert trained.keys() == initial.keys() and all(not torch.equal(trained[k], initial[k]) for k in trained)
+    # The policy after the last optimizer step: every tensor moved, where any step had a gradient
+    # (a run whose every sample scored the same, as a tiny model's 4 steps sometimes do, has none).
+    changed = [k for k in trained if not torch.equal(trained[k], initial[k])]
+    learned = any(m["grad_norm"] > 0 for m in rd.metrics())
+    assert trained.keys() == initial.keys() and changed == (list(trained) if learned else []), (learned, changed)
     final_sync = [e for e in rd.events() if e["event"] == "final_saved"]
     assert [e["version"] for e in final_sync] == [8]
 
