@@ -127,9 +127,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-colocate-") as tmp:
         pool = None
         if args.pool:
-            on_gpu = "cuda" in subprocess.run([sys.executable, "-c", "from rlctl.recipe import load_recipe; import sys; "
-                                              f"print(load_recipe({str(args.recipe)!r}, sys.argv[1:]).train.device)",
-                                              *args.overrides], capture_output=True, text=True, cwd=REPO).stdout
+            from rlctl.recipe import Device, load_recipe
+
+            on_gpu = load_recipe(args.recipe, args.overrides, check_paths=False).train.device is Device.CUDA
             pool, keys = pool_of_one_device(on_gpu, Path(tmp))
             variants["pool, one job"] = keys
         try:

@@ -83,9 +83,10 @@ def test_a_paused_emulated_sglang_answers_its_health_as_sglang_does(start_server
             assert (await _status(s, started + "/ready"))[0] == 503  # SGLang's is_ready: not paused
             # Any reply of the scheduler meanwhile is a sign of life (SGLang's last_receive_tstamp).
             probe = asyncio.create_task(_status(s, started + "/health_generate"))
-            await asyncio.sleep(0.3)
-            await RolloutClient(started, s).flush_cache()
-            assert (await probe)[0] == 200
+            while not probe.done():  # a reply sent after the probe arrived answers it; until then, again
+                await RolloutClient(started, s).flush_cache()
+                await asyncio.wait([probe], timeout=0.2)
+            assert probe.result()[0] == 200
             await RolloutClient(started, s).continue_generation()
             status, took = await _status(s, started + "/health_generate")
             assert status == 200 and took < 1.0, (status, took)

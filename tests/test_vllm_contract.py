@@ -328,5 +328,13 @@ def test_sleep_mode_routes_are_the_ones_the_client_and_the_emulation_use(vllm, v
     tags = src.assignment("vllm/v1/executor/abstract.py", "SLEEP_TAGS")
     assert set(ast.literal_eval(tags.args[0])) == set(SLEEP_TAGS)
     assert "enable_sleep_mode" in src.class_fields(ARG_UTILS, "EngineArgs")
+    # What the emulation refuses and ignores, in the engine core's and executor's own words.
+    core, executor = src.function("vllm/v1/engine/core.py", "release_kv_cache_memory", "EngineCore"), \
+        ast.unparse(src.module("vllm/v1/executor/abstract.py"))
+    refusals = [ast.literal_eval(n.args[0]) for n in ast.walk(core)
+                if isinstance(n, ast.Call) and ast.unparse(n.func) == "RuntimeError"]
+    assert refusals == ["release_kv_cache_memory() requires a completed pause first",
+                        "release_kv_cache_memory() requires all executor memory to be resident"]
+    assert "Executor is already sleeping." in executor and "Executor is not sleeping." in executor
     cmd = launch_command("python", "/m", VllmConfig(), host="h", port=1, seed=0, sleep_mode=True)
     assert "--enable-sleep-mode" in cmd

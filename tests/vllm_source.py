@@ -48,6 +48,7 @@ FILES = (
     "vllm/outputs.py",
     "vllm/v1/engine/__init__.py",
     "vllm/v1/executor/abstract.py",
+    "vllm/v1/engine/core.py",
     "vllm/v1/metrics/loggers.py",
     "vllm/engine/arg_utils.py",
     "vllm/config/*.py",

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from rlctl.errors import RunError
@@ -51,6 +51,26 @@ if TYPE_CHECKING:
 
 SERVERS, TRAINER, BOTH = "servers", "trainer", "both"
 DRAIN_POLL_S = 0.5
+
+
+class Count:
+    """How many calls of a kind are out, and `none`, an event set while none is."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.none = asyncio.Event()
+        self.none.set()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.n += 1
+        self.none.clear()
+        try:
+            yield
+        finally:
+            self.n -= 1
+            if not self.n:
+                self.none.set()
 
 
 class Turns:
@@ -75,13 +95,10 @@ class Turns:
         self.open = asyncio.Event()
         """Set while generations may start (the servers hold the devices, no move under way)."""
         self.open.set()
-        self.out = 0
-        self.none_out = asyncio.Event()
-        self.none_out.set()
-        self.calls = 0
+        self.out = Count()
+        """Generations out."""
+        self.calls = Count()
         """Trainer calls under way in the trainer's turn: the devices are not handed back meanwhile."""
-        self.no_calls = asyncio.Event()
-        self.no_calls.set()
 
     def _live(self) -> list[RolloutClient]:
         lost = self.watch.server_set.lost if self.watch else set()
@@ -104,32 +121,20 @@ class Turns:
         after a turn the trainer took for one call only) and counts as out until it returns."""
         while not self.open.is_set() or self.holder == TRAINER:
             if self.holder == TRAINER and not self.training:
-                await self.no_calls.wait()
+                await self.calls.none.wait()
                 await self.to_servers()
             else:
                 await self.open.wait()
-        self.out += 1
-        self.none_out.clear()
-        try:
+        with self.out.held():
             yield
-        finally:
-            self.out -= 1
-            if not self.out:
-                self.none_out.set()
 
     @asynccontextmanager
     async def trainer_call(self, training: bool = False) -> AsyncIterator[None]:
         """One trainer call, in the trainer's turn (taken first where the servers hold it);
         `training`: the turn lasts until the sync."""
         await self.to_trainer(training)
-        self.calls += 1  # no await since the move: nothing hands the devices back in between
-        self.no_calls.clear()
-        try:
+        with self.calls.held():  # no await since the move: nothing hands the devices back in between
             yield
-        finally:
-            self.calls -= 1
-            if not self.calls:
-                self.no_calls.set()
 
     async def to_trainer(self, training: bool = False) -> None:
         """No generation starts from here; those out are aborted and come back; the servers
@@ -160,13 +165,13 @@ class Turns:
         closed may reach its server after an abort (and a paused vLLM server would make it wait,
         not return), so the servers are asked to abort everything again every DRAIN_POLL_S."""
         deadline = time.monotonic() + self.drain_s
-        while self.out:
+        while self.out.n:
             if time.monotonic() > deadline:
-                raise RunError(f"{self.out} generations did not come back within {self.drain_s:.0f} s of their "
+                raise RunError(f"{self.out.n} generations did not come back within {self.drain_s:.0f} s of their "
                                "abort (rollout.stall_timeout_s); see the servers' logs")
             await asyncio.gather(*(c.abort("", abort_all=True) for c in self._live()))
             try:
-                await asyncio.wait_for(self.none_out.wait(), DRAIN_POLL_S)
+                await asyncio.wait_for(self.out.none.wait(), DRAIN_POLL_S)
             except TimeoutError:
                 pass
 
@@ -175,7 +180,7 @@ class Turns:
         factory) the servers take their weights back and the sync runs; then the servers take
         the rest back and continue, and the trainer gives back its weights (when released)."""
         async with self.lock:
-            if sync is None and (self.holder != TRAINER or self.training or self.calls):
+            if sync is None and (self.holder != TRAINER or self.training or self.calls.n):
                 return None  # the servers hold the devices, or the trainer's turn is not over
             start, self.began = time.monotonic(), self.clock.now()
             replies, result, resumed = [], None, list(self.released)
