@@ -89,6 +89,7 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: Topology, info: dict, rank: in
 
     from rlctl.engines.train.service import TrainerService, follower_loop
     from rlctl.engines.weightsync import tcp_store
+    from rlctl.engines.weightsync.ipc import ipc_key
 
     role = plan.trainers[rank]
     placed = info.get("pool", {}).get("placement", {}).get(role.name)  # launcher=pool: the pool's choice
@@ -115,8 +116,8 @@ def run_trainer(rd: RunDir, recipe: Recipe, plan: Topology, info: dict, rank: in
         key_id = record_key_id(rd, role)  # once the port is ours, as a rollout server's
         service = TrainerService(engine, world, token=token, key=role_key(token, role.name, key_id), run_dir=rd.path)
         web.run_app(service.app(), sock=sock, print=None, access_log=None)
-    else:
-        follower_loop(engine)
+    else:  # colocated, each rank tags the buckets it hands its own server with the run's key
+        follower_loop(engine, ipc_key(run_token(rd)) if recipe.colocate.enabled else None)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ CPU is one device, a GPU run one GPU), the peak device memory where there is a G
 polled every 0.2 s), and the reward: mean of the first 5 and the last 20 steps. Learning is
 the same when each variant's mean final reward lies within the other's spread over the seeds.
 Prints the table with colocated / side-by-side ratios and writes
-results/bench_colocate-<cpu|gpu>.json.
+results/bench_colocate-cpu.json (or -gpu-torch, -gpu-megatron).
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--pool", action="store_true", help="also run it as the one job of a pool of one device")
     ap.add_argument("overrides", nargs="*", help="recipe overrides for every variant")
     args = ap.parse_args()
+    args.recipe = args.recipe.resolve()  # the runs start in a temporary folder
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict[str, list[dict]] = {}
     variants = dict(VARIANTS)
@@ -164,7 +165,11 @@ def main() -> None:
           f"[{spread['side by side'][0]:.3f}, {spread['side by side'][1]:.3f}], colocated {colo['reward_final']:.3f} "
           f"[{spread['colocated'][0]:.3f}, {spread['colocated'][1]:.3f}]: "
           f"{'within' if same else 'OUTSIDE'} each other's spread over {len(seeds)} seeds")
-    kind = "gpu" if any(r["peak_mib"] for runs in results.values() for r in runs) else "cpu"
+    kind = "cpu"
+    if any(r["peak_mib"] for runs in results.values() for r in runs):  # one file per trainer on a GPU
+        from rlctl.recipe import load_recipe
+
+        kind = f"gpu-{load_recipe(args.recipe, args.overrides, check_paths=False).train.engine}"
     write_artifact(f"bench_colocate-{kind}", {"recipe": str(args.recipe.resolve().relative_to(REPO)),
                                               "overrides": args.overrides, "seeds": seeds, "table": table,
                                               "ratio": ratio, "final_spread": spread, "same_learning": same,

@@ -47,10 +47,24 @@ if TYPE_CHECKING:
     from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest
     from rlctl.engines.train.client import TrainerClient
     from rlctl.pipelines.core import Clock, EventSink
-    from rlctl.recipe import ColocateConfig
+    from rlctl.process.topology import Topology
+    from rlctl.recipe import ColocateConfig, Recipe
 
 SERVERS, TRAINER, BOTH = "servers", "trainer", "both"
 DRAIN_POLL_S = 0.5
+
+
+def rank_sources(recipe: Recipe, plan: Topology, servers: list[dict[str, str]], backend: str) -> list[list[int]] | None:
+    """Which trainer ranks hand each server (`servers`: their roles, as RunKeys.servers names
+    them) its weights: colocated over ipc with one trainer rank per server TP rank, the ranks on
+    the server's own devices (trainer rank s * tp + j shares TP rank j of server s's device:
+    rlctl/process/devices.py); else None, and rank 0 hands over all (one GPU, or the CPU's shared
+    memory, which every process of the host opens)."""
+    tp, ranks = recipe.rollout.server_tp, recipe.train.ranks
+    if not recipe.colocate.enabled or backend != "ipc" or ranks == 1 or recipe.rollout.servers * tp != ranks:
+        return None
+    index = {role.name: role.index for role in plan.rollout}
+    return [[index[s["role"]] * tp + j for j in range(tp)] for s in servers]
 
 
 class Count:

@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from rlctl.control.checkpoints import checkpointer, load_checkpoint, restore_pipeline, save_final
-from rlctl.control.colocate import ColocatedRollout, ColocatedTrainer, Turns
+from rlctl.control.colocate import ColocatedRollout, ColocatedTrainer, Turns, rank_sources
 from rlctl.run.checkpoint import resume_point
 from rlctl.engines.rollout.client import RolloutClient
 from rlctl.engines.rollout.registry import rollout_adapter, rollout_client
@@ -315,9 +315,10 @@ async def connect_trainer(recipe: Recipe, plan: Topology, session: aiohttp.Clien
     trainer = TrainerClient(plan.trainer_url, session, timer=CallTimer(recipe.run.stall_timeout_s))
     await trainer.wait_healthy(READY_TIMEOUT_S)
     trainer.set_key(keys.key(plan.trainers[0].name))
-    await trainer.init_weight_sync(keys.servers(servers), plan.trainers[0].host, plan.weight_sync_port,
-                                   backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
-                                   **sync_target(recipe))
+    named, backend = keys.servers(servers), sync_backend(recipe)
+    await trainer.init_weight_sync(named, plan.trainers[0].host, plan.weight_sync_port, backend=backend,
+                                   bucket_mb=recipe.train.sync_bucket_mb,
+                                   from_ranks=rank_sources(recipe, plan, named, backend), **sync_target(recipe))
     return trainer
 
 
@@ -332,10 +333,10 @@ def weight_group_former(trainer: TrainerClient, recipe: Recipe, plan: Topology, 
     port it finds free on its host (port 0: the controller need not run there, as in a pool on
     Slurm). A server back from the dead has a new key: every client gets its current one."""
     async def connect(clients: list[RolloutClient]) -> dict[str, str]:
-        named = keys.servers(clients)
-        await trainer.init_weight_sync(named, plan.trainers[0].host, 0,
-                                       backend=sync_backend(recipe), bucket_mb=recipe.train.sync_bucket_mb,
-                                       **sync_target(recipe))
+        named, backend = keys.servers(clients), sync_backend(recipe)
+        await trainer.init_weight_sync(named, plan.trainers[0].host, 0, backend=backend,
+                                       bucket_mb=recipe.train.sync_bucket_mb,
+                                       from_ranks=rank_sources(recipe, plan, named, backend), **sync_target(recipe))
         return {s["role"]: s["key_id"] for s in named}
     return connect
 

@@ -118,8 +118,8 @@ class Recipe(Section):
         """What taking turns needs: sync steps (or async ones whose requests cut by a turn resume
         after it), the local launcher, servers that release memory by
         SGLang's calls (built-in or SGLang) on the trainer's devices (the CPU's cores, shared; on
-        GPUs one trainer rank and its TP-1 server on one GPU, for now: weights go over CUDA IPC,
-        which only a process that sees the GPU opens)."""
+        GPUs each trainer rank with one server TP rank on its GPU: weights go over CUDA IPC, which
+        only a process that sees the GPU opens, from every rank: weightsync/ipc_ranks.py)."""
         if not self.colocate.enabled:
             return
         mode = self.pipeline.mode
@@ -147,15 +147,13 @@ class Recipe(Section):
             raise FieldError("rollout.cpus", "colocated servers and trainer ranks take turns on the same cores: set "
                                              "rollout.cpus = train.cpus, or leave both empty")
         if self.train.device is Device.CUDA:
-            if self.rollout.servers != self.train.ranks:
-                raise FieldError("rollout.servers", f"each GPU hosts one trainer rank and one server: set it to "
-                                                    f"train.ranks ({self.train.ranks})")
-            if self.rollout.server_tp != 1:
-                raise FieldError(f"rollout.{self.rollout.engine}.tp_size", "a colocated server shares its one GPU with "
-                                 "the trainer rank; set it to 1")
-            if self.train.ranks != 1:
-                raise FieldError("train.ranks", "colocated on GPUs, one trainer rank and its server share one GPU for now "
-                                                "(each rank's weights to its own server over CUDA IPC is not built); set 1")
+            tp = self.rollout.server_tp
+            if self.rollout.servers * tp != self.train.ranks:
+                raise FieldError("rollout.servers", f"each GPU hosts one trainer rank and one server TP rank: set "
+                                 f"rollout.servers x TP ({self.rollout.servers} x {tp}) = train.ranks ({self.train.ranks})")
+            if self.train.gpus and len(self.train.gpus) != self.train.ranks:
+                raise FieldError("train.gpus", f"colocated, each trainer rank has a GPU of its own, shared with a "
+                                               f"server: list {self.train.ranks}, or leave it empty")
             if self.rollout.gpus != self.train.gpus:
                 raise FieldError("rollout.gpus", f"colocated servers use the trainer's GPUs: set it to train.gpus "
                                                  f"({self.train.gpus})")

@@ -64,13 +64,15 @@ class TrainerClient:
 
     async def init_weight_sync(self, servers: list[dict[str, str]], master_address: str, master_port: int,
                                backend: str, bucket_mb: float, protocol: str = "sglang",
-                               server: dict[str, Any] | None = None) -> None:
+                               server: dict[str, Any] | None = None, from_ranks: list[list[int]] | None = None) -> None:
         """`servers`: each one's url, role and key_id (rlctl/control/controller.py RunKeys.servers);
         `protocol`: what the servers speak ("sglang" or "vllm"); `server`: for vLLM, what they
-        hold their weights as ({"dtype", "model_path"}), which vLLM has no route to tell."""
+        hold their weights as ({"dtype", "model_path"}), which vLLM has no route to tell;
+        `from_ranks`: colocated, the trainer ranks that hand each server its weights (None: rank 0)."""
         await self._post("/init_weight_sync", {"servers": servers, "master_address": master_address,
                                                "master_port": master_port, "backend": backend,
-                                               "bucket_mb": bucket_mb, "protocol": protocol, "server": server})
+                                               "bucket_mb": bucket_mb, "protocol": protocol, "server": server,
+                                               "from_ranks": from_ranks})
 
     async def accumulate(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return await self._post("/accumulate", {"samples": samples})

@@ -38,7 +38,9 @@ broadcast_object_list, then every rank runs it; a command refused for released m
 on rank 0 before any other rank hears of it. Weight sync is rank 0's alone: every data-parallel
 replica takes the same optimizer step on the same reduced gradients (the torch engine's one
 gradient all-reduce per step, Megatron's DDP), so the replicas stay identical; with Megatron TP,
-the other ranks of rank 0's TP group join the gathers that rebuild full tensors. One worker
+the other ranks of rank 0's TP group join the gathers that rebuild full tensors. Colocated on
+several devices, every rank packs the buckets for the server on its own device and rank 0 sends
+them (rlctl/engines/weightsync/ipc_ranks.py). One worker
 thread runs all engine work, so a train batch and a weight sync never overlap, and memory is not
 moved while a sync reads the weights.
 """
@@ -61,6 +63,7 @@ from rlctl.run.manifest import check_manifest
 from rlctl.process.auth import role_key, token_middleware
 from rlctl.engines.train.base import TrainEngine, TrainSample
 from rlctl.engines.weightsync import DEFAULT_GROUP_NAME, WeightSender, as_served, tensor_sha256
+from rlctl.engines.weightsync.ipc_ranks import SHARE_COMMAND, follow_share
 from rlctl.errors import RunError
 
 log = logging.getLogger("rlctl.trainer")
@@ -78,8 +81,10 @@ COMMANDS = {
 }
 
 
-def follower_loop(engine: TrainEngine) -> None:
-    """Ranks > 0: run whatever rank 0 broadcasts until told to stop."""
+def follower_loop(engine: TrainEngine, ipc_key: bytes | None = None) -> None:
+    """Ranks > 0: run whatever rank 0 broadcasts until told to stop. `ipc_key`: colocated runs'
+    (the run's token's IPC key, ipc.py), with which a rank tags the buckets it hands its server."""
+    buffers: list = [None, None]  # the pack buffers of the buckets this rank hands over, kept between syncs
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
@@ -89,7 +94,14 @@ def follower_loop(engine: TrainEngine) -> None:
         if command == "weights":
             for _ in engine.hf_weights():  # take part in the all-gathers that rebuild full tensors
                 pass  # and keep none of them
+        elif command == SHARE_COMMAND:
+            if ipc_key is None:
+                raise RunError("rank 0 asked this rank to hand its server the weights, and it was started without "
+                               "the run's IPC key (colocate.enabled)")
+            follow_share(engine.hf_weights(), payload, ipc_key, buffers, dist.get_world_size())
         elif command in COMMANDS:
+            if command == "release_memory":
+                buffers = [None, None]
             getattr(engine, COMMANDS[command][0])(payload)
 
 
@@ -143,12 +155,17 @@ class TrainerService:
             dist.broadcast_object_list([(command, payload)], src=0)
         return getattr(self.engine, method)(payload)
 
-    def _weights(self):
+    def _weights(self, for_sync: bool = False):
         """Full HF-named weights, one tensor at a time: iterate it on the engine thread. An
         engine whose weights are sharded across ranks (Megatron with TP > 1) needs every rank in
-        the gathers: rank 0 tells the others to join, and they gather as this is iterated."""
+        the gathers: rank 0 tells the others to join, and they gather as this is iterated. For a
+        sync whose servers take the weights from every rank (colocated), each rank reads its
+        own and hands them over with rank 0 (ipc_ranks.py)."""
         self._require("reading the weights", ("weights",))
-        if self.world_size > 1 and getattr(self.engine, "collective_export", False):
+        spec = self.sender.share_spec if for_sync and self.sender is not None else None
+        if self.world_size > 1 and spec is not None:
+            dist.broadcast_object_list([(SHARE_COMMAND, spec)], src=0)
+        elif self.world_size > 1 and getattr(self.engine, "collective_export", False):
             dist.broadcast_object_list([("weights", None)], src=0)
         return iter(self.engine.hf_weights())
 
@@ -231,6 +248,8 @@ class TrainerService:
             port = free_ports(1, listen_address(body["master_address"]))[0]
         common = dict(master_address=body["master_address"], master_port=port, backend=body.get("backend", "gloo"),
                       bucket_bytes=int(float(body["bucket_mb"]) * 2**20), run_token=self.token, **group)
+        if body.get("from_ranks") is not None:  # colocated: each server's weights from the ranks on its devices
+            common.update(from_ranks=body["from_ranks"], trainer_ranks=self.world_size)
         self.sender = protocol.sender(clients, server=body.get("server"), device=self._device(), **common)
         try:
             await self.sender.connect()
@@ -238,6 +257,9 @@ class TrainerService:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         log.info("weight sync to %d server(s) by %s in buckets of %s MiB; servers hold %s", len(clients),
                  self.sender.backend, body["bucket_mb"], self.sender.server_dtype or "their own dtypes")
+        if self.sender.from_ranks is not None:
+            log.info("each server takes the weights from the trainer ranks on its devices: %s", ", ".join(
+                f"{s['role']} <- {ranks}" for s, ranks in zip(body["servers"], self.sender.from_ranks, strict=True)))
         return web.json_response({"success": True, "servers": len(clients), "world_size": self.sender.world_size})
 
     def _device(self) -> str | None:
@@ -252,7 +274,7 @@ class TrainerService:
         # The weights are read on the engine thread (no train batch runs meanwhile), bucket by bucket.
         self.syncing += 1
         try:
-            weights = await self._run(self._weights)
+            weights = await self._run(self._weights, True)
             stats = await self.sender.send(weights, str(body["version"]), pause_mode=body.get("pause_mode", "abort"),
                                            producer=self.worker)
             if getattr(self.engine, "behaviour", None) is not None or getattr(self.engine, "critic", None) is not None:

@@ -12,6 +12,8 @@ Three ways to send a bucket (`backend`):
 - nccl: a broadcast straight from GPU memory;
 - ipc: no group; the bucket's tensors are handed over in place (ipc.py) by
   /update_weights_from_tensor, to servers on the trainer's own GPU (or host, for CPU servers).
+  Colocated on several devices, each server gets them from the ranks on its own devices
+  (`from_ranks`: ipc_ranks.py); rank 0 still makes every HTTP call.
 
 A group's store, which rank 0 hosts, is sealed once every server has joined and closed as soon as
 no rank needs it: at once for gloo, after the first bucket for NCCL (store.py).
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Iterable
 
-from rlctl.engines.weightsync.buckets import Bucket, BucketMaker, dtype_from_name, unflatten_bucket
+from rlctl.engines.weightsync.buckets import Bucket, BucketMaker, dtype_from_name, dtype_name, unflatten_bucket
 from rlctl.engines.weightsync.group import (
     DEFAULT_GROUP_NAME,
     close_store,
@@ -43,6 +45,7 @@ from rlctl.engines.weightsync.group import (
     init_custom_process_group,
     seal_store,
 )
+from rlctl.engines.weightsync.ipc_ranks import RankShares, ShareSpec, payloads_by_server
 from rlctl.models.hf_config import declared_dtype, read_config
 
 if TYPE_CHECKING:
@@ -88,7 +91,8 @@ class WeightSender:
 
     def __init__(self, clients: list, *, master_address: str, master_port: int, backend: str,
                  bucket_bytes: int, group_name: str = DEFAULT_GROUP_NAME, flattened: bool = True,
-                 run_token: str | None = None) -> None:
+                 run_token: str | None = None, from_ranks: list[list[int]] | None = None,
+                 trainer_ranks: int = 1) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown weight-sync backend {backend!r}; one of {', '.join(BACKENDS)}")
         self.clients = clients
@@ -117,6 +121,11 @@ class WeightSender:
         self.run_token = run_token
         """The run's token (None outside a run): IPC buffers carry a tag made with it, by which
         the built-in server knows them for this run's (ipc.py)."""
+        self.from_ranks = from_ranks
+        """IPC only, colocated: for each server, the trainer ranks on its devices, one per TP rank,
+        which hand it their own copy of each bucket (ipc_ranks.py). None: rank 0 hands over all."""
+        self.trainer_ranks = trainer_ranks
+        self.shares: RankShares | None = None
 
     async def connect(self) -> None:
         """Ask every server what it is (TP size: how many ranks it takes; dtype) and, for a
@@ -129,6 +138,28 @@ class WeightSender:
         if self.backend != "ipc":
             await self._join()
         self.session_needed = list(await asyncio.gather(*(c.needs_update_session() for c in self.clients)))
+        if self.from_ranks is not None:
+            self._check_from_ranks()
+
+    def _check_from_ranks(self) -> None:
+        from rlctl.errors import RunError
+
+        if self.backend != "ipc":
+            raise RunError("weights come from every trainer rank only over ipc")
+        if len(self.from_ranks) != len(self.clients):
+            raise RunError(f"{len(self.from_ranks)} lists of trainer ranks for {len(self.clients)} server(s)")
+        for client, ranks, tp in zip(self.clients, self.from_ranks, self.tp_sizes, strict=True):
+            if len(ranks) != tp or not all(0 <= r < self.trainer_ranks for r in ranks):
+                raise RunError(f"server {client.url} has {tp} TP rank(s), and trainer ranks {ranks} of "
+                               f"{self.trainer_ranks} are to hand it its weights: one rank per TP rank")
+
+    @property
+    def share_spec(self) -> ShareSpec | None:
+        """What the other trainer ranks need to pack the buckets rank 0 does, when they hand
+        their servers the weights themselves (None: they do not)."""
+        if self.from_ranks is None:
+            return None
+        return ShareSpec(self.bucket_bytes, self.flattened, dtype_name(self.server_dtype) if self.server_dtype else None)
 
     async def _join(self) -> None:
         loop = asyncio.get_running_loop()
@@ -179,15 +210,22 @@ class WeightSender:
         from rlctl.engines.weightsync import ipc
 
         key = ipc.ipc_key(self.run_token)
-        return BucketMaker(weights, self.bucket_bytes, self.flattened, self.server_dtype, staging=staging,
-                           share=True, buffers=self.buffers, trailer=ipc.TAG_BYTES,
-                           seal=lambda buf: ipc.tag_buffer(buf, key))
+        maker = BucketMaker(weights, self.bucket_bytes, self.flattened, self.server_dtype, staging=staging,
+                            share=True, buffers=self.buffers, trailer=ipc.TAG_BYTES,
+                            seal=lambda buf: ipc.tag_buffer(buf, key))
+        self.shares = RankShares(maker, self.trainer_ranks) if self.from_ranks is not None else None
+        return maker
 
     def _next(self, maker: BucketMaker) -> Bucket | None:
         """The next bucket, and for IPC its payloads: one per TP rank of every server (each
         pickle is opened once: torch counts the references a CUDA IPC handle has)."""
         from rlctl.engines.weightsync import ipc
 
+        if self.shares is not None:
+            bucket, pickles = self.shares.next()
+            if bucket is not None:
+                bucket.ipc = payloads_by_server(pickles, self.from_ranks or [])
+            return bucket
         bucket = maker.next()
         if bucket is not None and self.backend == "ipc":
             assert bucket.flat is not None
@@ -225,7 +263,8 @@ class WeightSender:
             # tensor, even of a sync refused before its first bucket.
             if upcoming is not None:
                 await asyncio.gather(upcoming, return_exceptions=True)
-            await asyncio.gather(loop.run_in_executor(producer, maker.drain), return_exceptions=True)
+            drain = self.shares.drain if self.shares is not None else maker.drain
+            await asyncio.gather(loop.run_in_executor(producer, drain), return_exceptions=True)
             await self._abandon()
             raise
         await self._finish(everyone, in_session, version, buckets)
