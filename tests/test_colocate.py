@@ -16,7 +16,15 @@ COLOCATED = ["colocate.enabled=true"]
 
 @pytest.mark.parametrize("overrides, key, said", [
     (["pipeline.mode=rolloutpipe"], "pipeline.mode", "rolloutpipe trains while the servers generate"),
-    (["launcher=slurm"], "colocate.enabled", "launcher=slurm is not built yet"),
+    (["launcher=pool", "pool.name=p"], "colocate.enabled", "a pool places and moves its jobs' engines itself"),
+    (["launcher=slurm"], "rollout.servers", "colocated on Slurm, each trainer rank shares its GPU with a server TP "
+     "rank: set rollout.servers x TP (2 x 1) = train.ranks (1)"),
+    (["launcher=slurm", "train.ranks=2"], "slurm.rollout.servers_per_node",
+     "a node runs the servers of its 2 trainer rank(s): set it to 2"),
+    (["launcher=slurm", "train.ranks=2", "slurm.trainer.nodes=2", "slurm.rollout.gpus_per_node=1"],
+     "slurm.rollout.gpus_per_node", "the servers run on the trainer's nodes and GPUs"),
+    (["launcher=slurm", "train.ranks=2", "slurm.rollout.servers_per_node=2", "train.device=cuda", "rollout.device=cuda",
+      "slurm.trainer.gpus_per_node=8"], "slurm.trainer.gpus_per_node", "takes one GPU: set it to 2"),
     (["rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda", "rollout.servers=1"], "rollout.engine",
      "vLLM's ipc weight transfer is not wired yet"),
     (["rollout.builtin.emulate_vllm=0.34.0", "colocate.server_release=[weights]"], "colocate.server_release",

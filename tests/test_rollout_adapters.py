@@ -17,7 +17,7 @@ from rlctl.engines.rollout.sglang.adapter import SGLangAdapter
 from rlctl.engines.rollout.vllm.adapter import VllmAdapter
 from rlctl.engines.rollout.vllm.client import VllmClient
 from rlctl.errors import RunError
-from rlctl.launchers.slurm.script import server_gpus
+from rlctl.launchers.slurm.placement import server_gpus
 from rlctl.planner.launch import NotLaunchable, launch_overrides
 from rlctl.planner.placement import Placement
 from rlctl.costs.shape import serving_bytes

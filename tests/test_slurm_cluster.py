@@ -392,3 +392,38 @@ def test_state_is_read_by_column_name_whatever_the_job_name(tmp_path, monkeypatc
     assert st["state"] == "cancelled" and f"Slurm job {het} ended CANCELLED" in st["exit_reason"]
     assert st["slurm"]["state"] == "CANCELLED" and st["slurm"]["exit_code"] == scontrol(het)["ExitCode"]
     assert rd.read()["slurm"]["last"]["nodes"] == job.nodes
+
+
+def test_a_colocated_job_puts_each_trainer_rank_and_its_server_on_the_same_gpu_of_the_same_node(tmp_path):
+    """colocate.enabled on 2 nodes of 2 (fake) GPUs: 4 trainer ranks and 4 built-in servers in one
+    job, read from each process's environment: rank r and server r on one node and one GPU. The
+    weights go over ipc, from every rank to the server beside it (weightsync/ipc_ranks.py): shared
+    memory that only opens on the rank's own node, checked bit for bit at every sync."""
+    rd = launch(tmp_path, *FAST, "run.steps=12", "colocate.enabled=true", "train.ranks=4", "rollout.servers=4",
+                "slurm.trainer.nodes=2", "slurm.rollout.servers_per_node=2", "slurm.trainer.gpus_per_node=2",
+                "slurm.trainer.cpus_per_task=1", "train.sync_backend=ipc", "pipeline.check_weights=true",
+                detach=True)
+    assert "hetjob" not in (rd.path / "job.sbatch").read_text()  # one component holds both
+    roles = [f"{kind}-{i}" for kind in ("rollout", "trainer") for i in range(4)]
+    placed: dict[str, tuple[str, str]] = {}
+
+    def read_placement() -> bool:  # each process's node and GPU, while it runs
+        for role, p in (rd.read().get("processes") or {}).items():
+            if role in roles and role not in placed and p.get("pid"):
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    placed[role] = (p["host"], task_env(p["pid"])["CUDA_VISIBLE_DEVICES"])
+        return len(placed) == len(roles)
+
+    wait_for(read_placement, 240, "every server and trainer rank to start")
+    for i in range(4):
+        assert placed[f"trainer-{i}"] == placed[f"rollout-{i}"], placed
+    assert len({host for host, _ in placed.values()}) == 2, placed  # 2 ranks and their servers a node
+    assert len(set(placed.values())) == 4, placed  # no two ranks share a GPU of a node
+    wait_for(lambda: rd.read()["state"] in ("completed", "failed"), 400, "the run to end")
+    info = rd.read()
+    assert info["state"] == "completed", info.get("exit_reason")
+    events = rd.events()
+    checked = [e for e in events if e["event"] == "weights_checked"]
+    assert len(checked) >= 12 and all(c["servers"] == 4 for c in checked)
+    log = (Path(info["slurm"]["logs"]) / "trainer-0.log").read_text()
+    assert "rollout-0 <- [0], rollout-1 <- [1], rollout-2 <- [2], rollout-3 <- [3]" in log

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,6 +27,11 @@ CASES = {
     "options": (GOLDEN / "options.yaml", []),
     "example-qwen3-1.7b": (REPO / "recipes" / "slurm-qwen3-1.7b.yaml", []),  # the README's cluster example
     "example-qwen3-1.7b-vllm": (REPO / "recipes" / "slurm-qwen3-1.7b-vllm.yaml", []),  # the same with vLLM
+    # colocated: 2 nodes of 4 GPUs, each GPU a Megatron rank and a TP rank of one of 4 SGLang servers of TP 2
+    "colocated-2x4": (REPO / "recipes" / "slurm-qwen3-1.7b.yaml", [
+        "colocate.enabled=true", "pipeline.mode=sync", "rollout.servers=4", "slurm.trainer.nodes=2", "train.ranks=8",
+        "slurm.trainer.gpus_per_node=4", "slurm.rollout.servers_per_node=2", "rollout.sglang.tp_size=2",
+        "slurm.rollout.gpus_per_node=0", "slurm.rollout.nodes=0"]),
 }
 
 
@@ -116,6 +122,38 @@ def test_too_few_gpus_for_a_server_is_one_line_in_its_log():
     assert res.stderr.strip().splitlines() == [
         "error: " + os.uname().nodename + " gave this server 2 GPU(s) (0 1), it needs 4: "
         "raise slurm.rollout.gpus_per_node or lower servers_per_node"]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("visible", ["0,1,2,3", "4,5,6,7", None])
+def test_colocated_each_rank_and_its_servers_tp_rank_take_the_same_gpu(visible):
+    """colocated-2x4: servers of TP 2, 2 per node, 4 ranks per node. The script's own lines run
+    in bash: each server's first GPU and each rank's come from their positions among the job's
+    GPUs of the node, which every overlapping step sees alike."""
+    text = render("colocated-2x4")
+    fn = text[text.index("rlctl_colocated_gpus() {"):text.index("\n}\n", text.index("rlctl_colocated_gpus() {")) + 3]
+    server = re.search(r"bash -c 'rlctl_colocated_gpus \"\$@\"' rlctl_colocated_gpus (.+) \\\n", text).group(1)
+    trainer = re.search(r"(bash -c 'rlctl_colocated_gpus \"\$SLURM_LOCALID\".*') rlctl_colocated_gpus \\\n", text).group(1)
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", **({"CUDA_VISIBLE_DEVICES": visible}
+                                                                                      if visible else {})}
+    echo = "bash -c 'echo \"$CUDA_VISIBLE_DEVICES\"'"
+
+    def gpus(line: str, *args: str, **extra: str) -> list[str]:
+        res = subprocess.run(["bash", "-c", f"{fn}\nexport -f rlctl_colocated_gpus\n{line}", "script", *args],
+                             capture_output=True, text=True,
+                             env={**env, **extra})
+        assert res.returncode == 0, res.stderr
+        return res.stdout.splitlines()[-1].split(",")
+
+    node = (visible or "0,1,2,3").split(",")
+    for index in range(4):  # server i: node i // 2, TP ranks on the GPUs of trainer ranks 2i and 2i+1
+        mine = gpus(f"set -- {index}; rlctl_colocated_gpus {server} {echo}")
+        ranks = [gpus(f"{trainer} rlctl_colocated_gpus {echo}", SLURM_LOCALID=str(r % 4))[0]
+                 for r in (2 * index, 2 * index + 1)]
+        assert mine == ranks == node[index % 2 * 2:index % 2 * 2 + 2], (index, mine, ranks)
+    res = subprocess.run(["bash", "-c", f"{fn}\nrlctl_colocated_gpus 2 2 true"], capture_output=True, text=True,
+                         env={**env, "CUDA_VISIBLE_DEVICES": "0,1,2"})
+    assert res.returncode == 1 and "needs GPUs 2..3: set slurm.trainer.gpus_per_node" in res.stderr
 
 
 def nodes_python(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

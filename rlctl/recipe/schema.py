@@ -129,9 +129,11 @@ class Recipe(Section):
         if mode is PipelineMode.ASYNC and self.pipeline.inflight_at_update is not InflightAtUpdate.ABORT_RESUME:
             raise FieldError("pipeline.inflight_at_update", "async colocated runs abort the requests in flight at each "
                              "of the trainer's turns and resume them after it; set it to abort_resume")
-        if self.launcher is not Launcher.LOCAL:
-            raise FieldError("colocate.enabled", f"colocated runs take turns on this host's devices, and launcher="
-                                                 f"{self.launcher} is not built yet; use launcher=local")
+        if self.launcher is Launcher.POOL:
+            raise FieldError("colocate.enabled", "a pool places and moves its jobs' engines itself; leave colocation "
+                                                 "to it, or use launcher=local or slurm")
+        if self.launcher is Launcher.SLURM:
+            self._check_colocated_slurm()
         if self.rollout.engine is RolloutEngine.VLLM:
             raise FieldError("rollout.engine", "a colocated vLLM server would take the weights from a rank on its own "
                                                "GPU, and vLLM's ipc weight transfer is not wired yet; use sglang or builtin")
@@ -161,6 +163,26 @@ class Recipe(Section):
                 raise FieldError("train.sync_backend", "a colocated server opens the trainer's weights on their GPU "
                                  "(NCCL refuses two ranks on one GPU); set it to ipc or auto")
 
+    def _check_colocated_slurm(self) -> None:
+        """One component whose every GPU hosts a trainer rank and a server TP rank (rlctl/launchers/
+        slurm/placement.py): the servers of a node are its ranks' servers."""
+        sl, tp, ranks = self.slurm, self.rollout.server_tp, self.train.ranks
+        if self.rollout.servers * tp != ranks:
+            raise FieldError("rollout.servers", f"colocated on Slurm, each trainer rank shares its GPU with a server TP "
+                             f"rank: set rollout.servers x TP ({self.rollout.servers} x {tp}) = train.ranks ({ranks})")
+        per_node = ranks // sl.trainer.nodes
+        if sl.rollout.servers_per_node * tp != per_node:
+            raise FieldError("slurm.rollout.servers_per_node", f"colocated, a node runs the servers of its {per_node} "
+                             f"trainer rank(s): set it to {per_node // tp or 1}")
+        if sl.rollout.nodes not in (0, sl.trainer.nodes) or sl.rollout.gpus_per_node or sl.rollout.mem:
+            key = "slurm.rollout.nodes" if sl.rollout.nodes not in (0, sl.trainer.nodes) else (
+                "slurm.rollout.gpus_per_node" if sl.rollout.gpus_per_node else "slurm.rollout.mem")
+            raise FieldError(key, "colocated, the servers run on the trainer's nodes and GPUs (slurm.trainer.*); "
+                                  "remove it")
+        if self.train.device is Device.CUDA and sl.trainer.gpus_per_node not in (0, per_node):
+            raise FieldError("slurm.trainer.gpus_per_node", f"colocated, each of a node's {per_node} trainer rank(s) "
+                                                             f"takes one GPU: set it to {per_node}")
+
     def _check_ipc(self) -> None:
         """train.sync_backend=ipc hands weights over in place: one host, TP-1 built-in servers,
         on the trainer's device kind."""
@@ -170,9 +192,9 @@ class Recipe(Section):
             raise FieldError("train.sync_backend", "ipc opens the trainer's tensors where the server runs, and an "
                              "SGLang server sees only its own GPUs (\"Invalid device_uuid\") unless colocated on the "
                              "trainer's; use nccl or auto, or colocate.enabled=true")
-        if self.launcher is Launcher.SLURM:
+        if self.launcher is Launcher.SLURM and not self.colocate.enabled:
             raise FieldError("train.sync_backend", "ipc hands weights over within one host; with launcher=slurm "
-                                                   "use nccl or gloo (or auto)")
+                                                   "use nccl or gloo (or auto), or colocate.enabled=true")
         if self.rollout.engine is RolloutEngine.BUILTIN and self.rollout.builtin.tp_size != 1:
             raise FieldError("train.sync_backend", "ipc goes to TP-1 built-in servers; set rollout.builtin.tp_size=1 "
                                                    "or sync_backend=gloo")
@@ -213,4 +235,6 @@ class Recipe(Section):
 
 def slurm_rollout_nodes(recipe: Recipe) -> int:
     sl = recipe.slurm.rollout
+    if recipe.colocate.enabled:  # the servers are on the trainer's nodes
+        return recipe.slurm.trainer.nodes
     return sl.nodes or -(-recipe.rollout.servers // sl.servers_per_node)

@@ -32,36 +32,9 @@ import shlex
 from pathlib import Path
 
 from rlctl.run.checkpoint import PREEMPTED_EXIT
-from rlctl.engines.rollout.registry import rollout_adapter
-from rlctl.engines.train.adapter import trainer_adapter
+from rlctl.launchers.slurm.placement import node_mem, rank_gpus, server_gpus, step_placement, task_cpus
 from rlctl.launchers.slurm.values import refuse_control_characters, sbatch_value
-from rlctl.recipe import Device, Recipe, SlurmConfig, slurm_rollout_nodes
-
-CPUS_PER_GPU = 4
-"""Default CPUs per GPU of a task: SGLang runs a scheduler process per GPU besides its HTTP and
-detokenizer processes; 4 per GPU fits every GPU node with 8 GPUs and 32 CPUs or more."""
-
-# Exported to the rollout steps (srun --export=ALL), which run `bash -c 'rlctl_own_gpus N "$@"' ...`.
-_OWN_GPUS = r"""
-# rlctl_own_gpus N CMD...: exec CMD on the N GPUs Slurm gave this server's step (--gres=gpu:N, so
-# the servers of a node never share one: Slurm gives concurrent steps different GPUs), counted
-# from 0 by the server; 0..N-1 where Slurm set no CUDA_VISIBLE_DEVICES.
-rlctl_own_gpus() {{
-  local n=$1 all mine
-  shift
-  IFS=, read -r -a all <<<"${{CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((n - 1)))}}"
-  if ((${{#all[@]}} < n)); then
-    echo "error: $(hostname) gave this server ${{#all[@]}} GPU(s) (${{all[*]}}), it needs $n:" \
-      "raise slurm.rollout.gpus_per_node or lower servers_per_node" >&2
-    exit 1
-  fi
-  mine=$(IFS=,; echo "${{all[*]:0:n}}")
-  echo "rlctl: $(hostname) runs this server on GPUs $mine (CUDA_VISIBLE_DEVICES; step $SLURM_JOB_ID.$SLURM_STEP_ID)"
-  export CUDA_VISIBLE_DEVICES=$mine
-  exec "$@"
-}}
-export -f rlctl_own_gpus
-"""
+from rlctl.recipe import Recipe, SlurmConfig, slurm_rollout_nodes
 
 
 def port_stride(recipe: Recipe) -> int:
@@ -69,31 +42,6 @@ def port_stride(recipe: Recipe) -> int:
     weight-sync store), rounded up to 8: job j's ports start at 20000 + j x stride (mod 40000), so
     the jobs of a sweep sharing a node (consecutive ids) never share a port."""
     return -(-(recipe.slurm.rollout.servers_per_node + 3) // 8) * 8
-
-
-def server_gpus(recipe: Recipe, bound: bool = True) -> int:
-    """GPUs of each rollout server: SGLang's or vLLM's tp_size, 1 for a built-in server on cuda,
-    else 0. bound=True: the GPUs it is bound to, where a CPU server on a component that asks for
-    GPUs is bound to 1 as well (harmless, and how the test cluster observes the binding)."""
-    return rollout_adapter(recipe.rollout.engine).server_gpus(recipe.rollout, bound and recipe.slurm.rollout.gpus_per_node > 0)
-
-
-def rank_gpus(recipe: Recipe) -> int:
-    """GPUs per trainer rank, for its default CPUs: the node's GPUs shared by its ranks."""
-    sl, per_node = recipe.slurm.trainer, recipe.train.ranks // recipe.slurm.trainer.nodes
-    if sl.gpus_per_node:
-        return max(1, sl.gpus_per_node // per_node)
-    return int(trainer_adapter(recipe.train.engine).device(recipe.train) is Device.CUDA)
-
-
-def task_cpus(cpus_per_task: int, gpus: int, threads: int) -> int:
-    """slurm.*.cpus_per_task, or CPUS_PER_GPU per GPU of the task, or its torch threads without GPUs."""
-    return cpus_per_task or (CPUS_PER_GPU * gpus if gpus else threads)
-
-
-def node_mem(mem: str, gpus_per_node: int) -> str:
-    """slurm.*.mem, or all of the node's memory (0) for a component with GPUs, or the cluster's default."""
-    return mem or ("0" if gpus_per_node else "")
 
 
 def _quoted(value: str) -> str:
@@ -170,6 +118,24 @@ def _requeue_parts(requeue: bool) -> dict[str, str]:
             "requeue_after": f'[ "$code" = {PREEMPTED_EXIT} ] && requeue_run\n'}
 
 
+def _nodes_and_memory(colocated: bool, spn: int) -> tuple[str, str]:
+    """The lines that name the job's nodes, and those that give each step its share of a node's
+    memory (STEP_MEM for a server, TRAINER_MEM for the trainer step; JOB_MEM is scontrol's Mem=,
+    in MB, all of the node's with --mem=0). Colocated, the servers of a node share half of it and the
+    trainer ranks the other half."""
+    if colocated:
+        return ("""TRAINER_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\\n' ' ')
+ROLLOUT_NODES=$TRAINER_NODES  # colocated: every server on its trainer ranks' node""",
+                f"""STEP_MEM=() TRAINER_MEM=()
+if [ "${{JOB_MEM:-0}}" -gt 0 ]; then
+  STEP_MEM=(--mem=$((JOB_MEM / 2 / {spn}))M) TRAINER_MEM=(--mem=$((JOB_MEM / 2))M)
+fi""")
+    return ("""TRAINER_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | tr '\\n' ' ')
+ROLLOUT_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1" | tr '\\n' ' ')""",
+            f"""STEP_MEM=()
+[ "${{JOB_MEM:-0}}" -gt 0 ] && STEP_MEM=(--mem=$((JOB_MEM / {spn}))M)""")
+
+
 def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str) -> str:
     """The batch script of a run. Pure: same recipe, paths and interpreter -> same text.
 
@@ -181,7 +147,7 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
     r_nodes, t_nodes = slurm_rollout_nodes(recipe), sl.trainer.nodes
     ranks_per_node, spn = n_ranks // t_nodes, sl.rollout.servers_per_node
     run_dir_q = shlex.quote(str(run_dir))
-    threads, own_gpus = recipe.run.threads_per_process, server_gpus(recipe)
+    threads, colocated = recipe.run.threads_per_process, recipe.colocate.enabled
     t_cpus = task_cpus(sl.trainer.cpus_per_task, rank_gpus(recipe), threads)
     r_cpus = task_cpus(sl.rollout.cpus_per_task, server_gpus(recipe, bound=False), threads)
 
@@ -195,29 +161,33 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
         lines += [f"#SBATCH {arg}" for arg in sl.sbatch_args]
         return lines
 
+    if colocated:
+        what = [f"# rlctl run {run_id}: one Slurm job, written by `rlctl launch` (launcher=slurm, colocate.enabled).",
+                f"#   {t_nodes} node(s), {n_ranks} trainer rank(s) and {n_servers} rollout server(s) taking turns on "
+                f"their GPUs; the controller runs on the first"]
+        components = component(t_nodes, ranks_per_node, sl.trainer.gpus_per_node, t_cpus, sl.trainer.mem)
+    else:
+        what = [f"# rlctl run {run_id}: one heterogeneous Slurm job, written by `rlctl launch` (launcher=slurm).",
+                f"#   component 0: {t_nodes} trainer node(s), {n_ranks} trainer rank(s); the controller runs on the first",
+                f"#   component 1: {r_nodes} rollout node(s), {n_servers} rollout server(s), {spn} per node"]
+        components = [*component(t_nodes, ranks_per_node, sl.trainer.gpus_per_node, t_cpus, sl.trainer.mem),
+                      "#SBATCH hetjob", *component(r_nodes, spn, sl.rollout.gpus_per_node, r_cpus, sl.rollout.mem)]
     header = [
         "#!/bin/bash",
         "# shellcheck disable=SC1090,SC1091  # slurm.setup may source files that exist only on the nodes",
-        f"# rlctl run {run_id}: one heterogeneous Slurm job, written by `rlctl launch` (launcher=slurm).",
-        f"#   component 0: {t_nodes} trainer node(s), {n_ranks} trainer rank(s); the controller runs on the first",
-        f"#   component 1: {r_nodes} rollout node(s), {n_servers} rollout server(s), {spn} per node",
+        *what,
         f"#SBATCH --output={sbatch_value(str(run_dir).replace('%', '%%') + '/logs/slurm-%j.out')}",
         "#SBATCH --open-mode=append",
         f"#SBATCH --time={sl.time}",
         *([f"#SBATCH --signal=B:USR1@{sl.signal_before_s}", "#SBATCH --requeue"] if sl.requeue else ["#SBATCH --no-requeue"]),
-        *component(t_nodes, ranks_per_node, sl.trainer.gpus_per_node, t_cpus, sl.trainer.mem),
-        "#SBATCH hetjob",
-        *component(r_nodes, spn, sl.rollout.gpus_per_node, r_cpus, sl.rollout.mem),
+        *components,
     ]
     setup = "\n".join(sl.setup) if sl.setup else "# (no slurm.setup lines)"
     env = "\n".join(f"export {name}={_quoted(value)}" for name, value in sl.env.items()) or "# (no slurm.env)"
-    if own_gpus:
-        bind_fn = _OWN_GPUS.format()
-        bind_note = '  # shellcheck disable=SC2016  # "$@" is expanded by the step\'s own shell\n'
-        bind = f"bash -c 'rlctl_own_gpus {own_gpus} \"$@\"' rlctl_own_gpus \\\n    "
-        gres = f"--gres=gpu:{own_gpus} "
-    else:
-        bind_fn, bind_note, bind, gres = "", "", "", ""
+    place = step_placement(recipe)
+    no_expand = '# shellcheck disable=SC2016  # "$@" is expanded by the step\'s own shell\n'
+    server_note = "  " + no_expand if place.server_bind else ""
+    trainer_note = no_expand if place.trainer_bind else ""
     port_base = str(sl.port_base) if sl.port_base else f"$((20000 + SLURM_JOB_ID * {port_stride(recipe)} % 40000))"
     prepare = (
         'rlctl_step prepare >"$RLCTL_LOGS/prepare.log" 2>&1 '
@@ -225,6 +195,7 @@ def render_batch_script(recipe: Recipe, run_dir: Path, run_id: str, python: str)
         if recipe.model.init is not None else ""
     )
     rq = _requeue_parts(sl.requeue)
+    nodes, step_mem = _nodes_and_memory(colocated, spn)
     max_restarts = recipe.rollout.max_restarts
     stall_s = int(recipe.run.stall_timeout_s)
     body = f"""\
@@ -241,7 +212,7 @@ echo "rlctl: job ${{SLURM_JOB_ID:-}} starts on $HOSTNAME (Slurm restart count ${
 {env}
 
 {python_lines(sl, python)}
-{bind_fn}
+{place.functions}
 rlctl_step() {{ "$PY" -m rlctl.worker "$1" --run-dir "$RUN_DIR" "${{@:2}}"; }}
 
 # The attempt's number; a later attempt (requeued, or submitted again by rlctl resume) continues
@@ -283,12 +254,11 @@ end_run() {{
 trap 'end_run cancelled job "SIGTERM from Slurm (scancel or the time limit)"' TERM
 trap 'end_run cancelled job "SIGINT from Slurm"' INT
 {rq['requeue_fns']}
-TRAINER_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | tr '\\n' ' ')
-ROLLOUT_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1" | tr '\\n' ' ')
+{nodes}
 rlctl_step plan --trainer-nodes "$TRAINER_NODES" --rollout-nodes "$ROLLOUT_NODES" --port-base "{port_base}" \\
   || end_run failed plan "could not write the plan; see $RUN_DIR/logs/slurm-$SLURM_JOB_ID.out"
 {prepare}
-# Rollout servers: one srun step each, on its node of component 1 (server i on node i / {spn}), so
+# Rollout servers: one srun step each, on its node of {'the job' if colocated else 'component 1'} (server i on node i / {spn}), so
 # that a server that dies while the run runs is started again alone, on its node, up to
 # rollout.max_restarts times (server_check); meanwhile the controller sends its requests to the
 # others, and gives it the weights when it is back. Then wait for every server's /health.
@@ -297,13 +267,12 @@ read -r -a ROLLOUT_NODE <<<"$ROLLOUT_NODES"
 # all of the node's with --mem=0): where Slurm tracks memory, a step that names none asks for all of
 # it, and the servers of a node could not run side by side. Where it does not (Mem=0), nothing.
 JOB_MEM=$(scontrol show job -d "${{SLURM_JOB_ID_HET_GROUP_1:-$SLURM_JOB_ID}}" 2>/dev/null | grep -o ' Mem=[0-9]*' | head -n 1 | cut -d= -f2)
-STEP_MEM=()
-[ "${{JOB_MEM:-0}}" -gt 0 ] && STEP_MEM=(--mem=$((JOB_MEM / {spn}))M)
+{step_mem}
 SERVER=() RESTARTS=()
 start_server() {{  # start_server I: server I's step
-{bind_note}  srun --het-group=1 --nodes=1 --ntasks=1 --nodelist="${{ROLLOUT_NODE[$1 / {spn}]}}" --cpus-per-task={r_cpus} \\
-    {gres}--exact ${{STEP_MEM[@]+"${{STEP_MEM[@]}}"}} --export=ALL --output="$RLCTL_LOGS/rollout-$1.log" \\
-    {bind}"$PY" -m rlctl.worker rollout --run-dir "$RUN_DIR" --index "$1" 2>>"$RLCTL_LOGS/rollout-$1.srun.log" &
+{server_note}  srun {place.server_group}--nodes=1 --ntasks=1 --nodelist="${{ROLLOUT_NODE[$1 / {spn}]}}" --cpus-per-task={r_cpus} \\
+    {place.server_flags} ${{STEP_MEM[@]+"${{STEP_MEM[@]}}"}} --export=ALL --output="$RLCTL_LOGS/rollout-$1.log" \\
+    {place.server_bind}"$PY" -m rlctl.worker rollout --run-dir "$RUN_DIR" --index "$1" 2>>"$RLCTL_LOGS/rollout-$1.srun.log" &
   SERVER[$1]=$!
 }}
 # server_check: a server step that exited ends the run before the controller runs; after, it is
@@ -330,10 +299,10 @@ until rlctl_step health; do
   sleep 1
 done
 
-# Trainer ranks on component 0 (rendezvous on its first node), and the controller here.
-srun --het-group=0 --nodes={t_nodes} --ntasks={n_ranks} --ntasks-per-node={ranks_per_node} --cpus-per-task={t_cpus} \\
+# Trainer ranks{' on component 0' if not colocated else ''} (rendezvous on its first node), and the controller here.
+{trainer_note}srun {place.trainer_flags}--nodes={t_nodes} --ntasks={n_ranks} --ntasks-per-node={ranks_per_node} --cpus-per-task={t_cpus} \\
   --export=ALL --kill-on-bad-exit=1 --output="$RLCTL_LOGS/trainer-%t.log" \\
-  "$PY" -m rlctl.worker trainer --run-dir "$RUN_DIR" 2>"$RLCTL_LOGS/trainer.srun.log" &
+  {place.trainer_bind}"$PY" -m rlctl.worker trainer --run-dir "$RUN_DIR" 2>"$RLCTL_LOGS/trainer.srun.log" &
 TRAINER=$!
 rm -f "$RUN_DIR/heartbeat"  # the controller's loop touches it every 2 s (rlctl/process/watchdog.py)
 {rq['controller_start']}
