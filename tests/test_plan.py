@@ -197,19 +197,24 @@ def test_a_planned_placement_launches_as_the_slurm_job_it_names(tmp_path):
     """`rlctl plan` says how to launch each placement rlctl can run, and why not the others; the
     keys it gives render the batch script of that placement (a dry run of the real launcher)."""
     r = recipe(QWEN)
+    kinds = {}  # one placement of each kind: the recipe check of all 1036 takes minutes on 2 cores
     for e in plan(r, cost_model(r), 64, 8, pp=True).ranked:
+        q = e.placement
+        kinds.setdefault((q.mode, q.colocated, q.rollout_tp, q.train_tp, q.train_pp > 1), e)
+    for e in kinds.values():
         p = e.placement
         try:
             launch_overrides(r, p, e.running, 8)
-            assert not p.colocated and p.train_pp == 1, p
+            assert p.train_pp == 1, p
         except NotLaunchable as why:
-            assert str(why).startswith("colocated" if p.colocated else "pipeline-parallel") and (
-                p.colocated or p.train_pp > 1), (p, why)
+            assert str(why).startswith("pipeline-parallel") and p.train_pp > 1, (p, why)
     res = rlctl_here("plan", str(QWEN), "--gpus", "64", "--top", "60", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     ranked = json.loads(res.stdout)["ranked"]
-    assert all((e["launch"] is None) == bool(e["not_launchable"]) == e["placement"]["colocated"] for e in ranked)
-    e = next(e for e in ranked if e["launch"] and e["placement"]["rollout_tp"] > 1 and e["placement"]["train_tp"] > 1)
+    assert all((e["launch"] is None) == bool(e["not_launchable"]) for e in ranked)
+    assert any(e["launch"] and e["placement"]["colocated"] for e in ranked)
+    e = next(e for e in ranked if e["launch"] and e["placement"]["rollout_tp"] > 1 and e["placement"]["train_tp"] > 1
+             and not e["placement"]["colocated"])
     p = e["placement"]
     res = rlctl_here("launch", str(QWEN), "--dry-run", f"run.output_dir={tmp_path / 'runs'}", *e["launch"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -229,7 +234,7 @@ def test_a_planned_placement_launches_as_the_slurm_job_it_names(tmp_path):
 
 def test_a_colocated_placement_on_one_gpu_launches_as_a_colocated_local_run():
     """One GPU: the plan's #1 is colocated, and its keys make a recipe whose server and trainer take
-    turns on it (docs/colocate.md); on more GPUs a colocated placement says why it is a plan only."""
+    turns on it (docs/colocate.md)."""
     one_gpu = REPO / "recipes" / "one-gpu-gsm8k.yaml"
     r = load_recipe(one_gpu, check_paths=False)
     best = plan(r, cost_model(r), 1, 1).ranked[0]
@@ -239,7 +244,22 @@ def test_a_colocated_placement_on_one_gpu_launches_as_a_colocated_local_run():
     assert launched.colocate.enabled and str(launched.pipeline.mode) == "sync"
     assert (launched.train.ranks, launched.rollout.servers, str(launched.train.device)) == (1, 1, "cuda")
     assert launched.rollout.max_running_requests == best.running
-    wide = load_recipe(QWEN, check_paths=False)
-    many = next(e for e in plan(wide, cost_model(wide), 64, 8).ranked if e.placement.colocated)
-    with pytest.raises(NotLaunchable, match="colocated on 64 GPUs is a plan"):
-        launch_overrides(wide, many.placement, many.running, 8)
+
+
+def test_the_plans_colocated_first_on_64_gpus_launches_as_one_slurm_job_and_dry_runs(tmp_path):
+    """`rlctl plan recipes/slurm-qwen3-1.7b.yaml --gpus 64`: #1 is colocated; its launch line is one
+    Slurm job (no hetjob) of 8 nodes whose every GPU holds a Megatron rank and an SGLang TP rank."""
+    res = rlctl_here("plan", str(QWEN), "--gpus", "64", "--top", "1", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    best = json.loads(res.stdout)["ranked"][0]
+    p = best["placement"]
+    assert p["colocated"] and best["launch"], best
+    res = rlctl_here("launch", str(QWEN), "--dry-run", f"run.output_dir={tmp_path / 'runs'}", *best["launch"],
+                     cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "#SBATCH hetjob" not in res.stdout and "#SBATCH --nodes=8\n" in res.stdout
+    assert "#SBATCH --ntasks-per-node=8\n" in res.stdout and "#SBATCH --gpus-per-node=8\n" in res.stdout
+    assert f"rlctl_colocated_gpus $(($1 % {8 // p['rollout_tp']} * {p['rollout_tp']})) {p['rollout_tp']}" in res.stdout
+    assert not (tmp_path / "runs").exists()
+    written = load_recipe(QWEN, best["launch"], check_paths=False)
+    assert written.colocate.enabled and written.train.ranks == written.rollout.servers * p["rollout_tp"] == 64
