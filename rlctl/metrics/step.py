@@ -19,7 +19,7 @@ from rlctl.metrics.spans import SpanKind, SpanPairer, union_length
 
 TRAIN_STATS = ("loss", "clip_frac", "kl", "grad_norm", "logprob_diff", "approx_kl", "entropy", "dual_clip_frac",
                "mismatch_kl", "is_weight_mean", "is_capped_frac", "value_loss", "value_clip_frac", "explained_var",
-               "values_mean", "critic_grad_norm", "update_ok")
+               "values_mean", "critic_grad_norm", "update_ok", "peak_gib")
 """The trainer's statistics a step's record averages over its train batches (docs/metrics.md);
 each is present only where the run's algo section produces it."""
 

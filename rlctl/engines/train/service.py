@@ -81,6 +81,10 @@ COMMANDS = {
 }
 
 
+PEAK_MEASURED = ("train", "accumulate")
+"""Commands whose reply carries `peak_gib`: rank 0's most GPU memory allocated while it ran."""
+
+
 def follower_loop(engine: TrainEngine, ipc_key: bytes | None = None) -> None:
     """Ranks > 0: run whatever rank 0 broadcasts until told to stop. `ipc_key`: colocated runs'
     (the run's token's IPC key, ipc.py), with which a rank tags the buckets it hands its server."""
@@ -153,7 +157,15 @@ class TrainerService:
             self.engine.check_memory_tags(payload)
         if self.world_size > 1:
             dist.broadcast_object_list([(command, payload)], src=0)
-        return getattr(self.engine, method)(payload)
+        if command not in PEAK_MEASURED or not str(self._device() or "").startswith("cuda"):
+            return getattr(self.engine, method)(payload)
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        out = getattr(self.engine, method)(payload)
+        if isinstance(out, dict):  # what the memory model's trainer bytes are checked against (docs/plan.md)
+            out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
 
     def _weights(self, for_sync: bool = False):
         """Full HF-named weights, one tensor at a time: iterate it on the engine thread. An
