@@ -7,10 +7,12 @@ schedules them: docs/pool.md), over several seeds.
     python scripts/bench_colocate.py --recipe recipes/bench-longtail-gpu.yaml --seeds 0 --pool   # one GPU
 
 Per variant and seed: the wall time of `rlctl launch`, the mean step, rollout, train and sync
-seconds (metrics.jsonl), the seconds a step spends taking turns (the colocate_turn events:
-releasing and resuming memory), device-seconds per 1k samples (wall x devices / samples: the
-CPU is one device, a GPU run one GPU), the peak device memory where there is a GPU (nvidia-smi,
-polled every 0.2 s), and the reward: mean of the first 5 and the last 20 steps. Learning is
+seconds (metrics.jsonl), the seconds the trainer's own send of a sync took (sync_end), the
+seconds a step spends taking turns (the colocate_turn events: releasing and resuming memory) and
+in each part of them (their phases), trainer rank 0's peak GPU memory in its train calls
+(metrics' peak_gib, the figure rlctl plan's trainer bytes are checked against), device-seconds
+per 1k samples (wall x devices / samples: the CPU is one device, a GPU run one GPU), the peak
+device memory where there is a GPU (nvidia-smi, polled every 0.2 s), and the reward: mean of the first 5 and the last 20 steps. Learning is
 the same when each variant's mean final reward lies within the other's spread over the seeds.
 Prints the table with colocated / side-by-side ratios and writes
 results/bench_colocate-cpu.json (or -gpu-torch, -gpu-megatron).
@@ -85,13 +87,23 @@ def launch(recipe: Path, out: Path, seed: int, overrides: list[str]) -> dict:
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
     run_info = json.loads((run / "run.json").read_text())
     turns = [e for e in events if e["event"] == "colocate_turn"]
+    steps = max(1, len(metrics))
+    phases: dict[str, float] = {}
+    for e in turns:
+        for part, seconds in (e.get("phases") or {}).items():
+            key = f"{e['to']}:{part}"
+            phases[key] = phases.get(key, 0.0) + seconds / steps
+    sends = [e["seconds"] for e in events if e["event"] == "sync_end" and isinstance(e.get("seconds"), int | float)]
     rewards = [m["reward_mean"] for m in metrics]
     samples = sum(m.get("samples", 0) for m in metrics)
     return {"seed": seed, "state": run_info["state"], "wall_s": round(wall, 2), "steps": len(metrics),
             "samples": samples, "step_s": round(mean(metrics, "step_time"), 4),
             "rollout_s": round(mean(metrics, "rollout_time"), 4), "train_s": round(mean(metrics, "train_time"), 4),
             "sync_s": round(mean(metrics, "sync_time"), 4),
-            "turn_s_per_step": round(sum(e["seconds"] for e in turns) / max(1, len(metrics)), 4),
+            "send_s": round(statistics.fmean(sends), 4) if sends else None,
+            "turn_s_per_step": round(sum(e["seconds"] for e in turns) / steps, 4),
+            "turn_phases_s_per_step": {k: round(v, 4) for k, v in sorted(phases.items())},
+            "trainer_peak_gib": round(mean(metrics, "peak_gib"), 3) if any("peak_gib" in m for m in metrics) else None,
             "device_s_per_1k": round(wall / max(1, samples) * 1000, 3),
             "peak_mib": memory.peak,
             "reward_first": round(statistics.fmean(rewards[:5]), 4),
@@ -144,8 +156,22 @@ def main() -> None:
         finally:
             if pool:
                 subprocess.run([sys.executable, "-m", "rlctl", "pool", "down", pool], cwd=tmp, timeout=120)
-    cols = ["wall_s", "step_s", "rollout_s", "train_s", "sync_s", "turn_s_per_step", "device_s_per_1k", "peak_mib",
-            "reward_first", "reward_final"]
+    summary = summarize(results, len(seeds))
+    kind = "cpu"
+    if any(r["peak_mib"] for runs in results.values() for r in runs):  # one file per trainer on a GPU
+        from rlctl.recipe import load_recipe
+
+        kind = f"gpu-{load_recipe(args.recipe, args.overrides, check_paths=False).train.engine}"
+    write_artifact(f"bench_colocate-{kind}", {"recipe": str(args.recipe.resolve().relative_to(REPO)),
+                                              "overrides": args.overrides, "seeds": seeds, **summary,
+                                              "runs": results})
+
+
+def summarize(results: dict[str, list[dict]], n_seeds: int) -> dict:
+    """Print the table (means over the seeds), the ratios, each variant's turn phases and
+    whether learning is the same; return the figures."""
+    cols = ["wall_s", "step_s", "rollout_s", "train_s", "sync_s", "send_s", "turn_s_per_step", "device_s_per_1k",
+            "peak_mib", "trainer_peak_gib", "reward_first", "reward_final"]
     table = {name: {c: mean(runs, c) for c in cols} for name, runs in results.items()}
     side, colo = table["side by side"], table["colocated"]
     print(f"\n{'':>14}" + "".join(f"{c:>16}" for c in cols))
@@ -157,6 +183,11 @@ def main() -> None:
         pooled = table["pool, one job"]
         print(f"{'colo / pool':>14}" + "".join(f"{(colo[c] / pooled[c] if pooled[c] else float('nan')):16.3f}"
                                                for c in cols))
+    for name, runs in results.items():
+        phases = {k for r in runs for k in r.get("turn_phases_s_per_step") or {}}
+        if phases:
+            print(f"{name}: seconds per step in each part of the turns: " + ", ".join(
+                f"{k} {mean([r['turn_phases_s_per_step'] for r in runs], k):.3f}" for k in sorted(phases)))
     spread = {name: (min(finals), max(finals)) if (finals := [r["reward_final"] for r in runs if "reward_final" in r])
               else (float("nan"), float("nan")) for name, runs in results.items()}
     same = (spread["side by side"][0] <= colo["reward_final"] <= spread["side by side"][1]
@@ -164,16 +195,8 @@ def main() -> None:
     print(f"\nfinal reward (mean of the last {FINAL_STEPS} steps): side by side {side['reward_final']:.3f} "
           f"[{spread['side by side'][0]:.3f}, {spread['side by side'][1]:.3f}], colocated {colo['reward_final']:.3f} "
           f"[{spread['colocated'][0]:.3f}, {spread['colocated'][1]:.3f}]: "
-          f"{'within' if same else 'OUTSIDE'} each other's spread over {len(seeds)} seeds")
-    kind = "cpu"
-    if any(r["peak_mib"] for runs in results.values() for r in runs):  # one file per trainer on a GPU
-        from rlctl.recipe import load_recipe
-
-        kind = f"gpu-{load_recipe(args.recipe, args.overrides, check_paths=False).train.engine}"
-    write_artifact(f"bench_colocate-{kind}", {"recipe": str(args.recipe.resolve().relative_to(REPO)),
-                                              "overrides": args.overrides, "seeds": seeds, "table": table,
-                                              "ratio": ratio, "final_spread": spread, "same_learning": same,
-                                              "runs": results})
+          f"{'within' if same else 'OUTSIDE'} each other's spread over {n_seeds} seeds")
+    return {"table": table, "ratio": ratio, "final_spread": spread, "same_learning": same}
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ the trainer waits until none is out. A turn the trainer takes for a checkpoint, 
 or a weight check (no training) lasts that call: the next generation hands the devices back.
 `ColocatedTrainer` and `ColocatedRollout` are the layers the pipeline calls through. Every move
 is an event (`colocate_turn`: to whom, when it began, seconds, bytes moved by the trainer, the
-servers' tags), so the trace and the benchmarks see what taking turns costs.
+servers' tags, and `phases`: the seconds of each part of the move, e.g. `trainer_resume` or
+`servers_release`), so the trace and the benchmarks see what taking turns costs and where.
 
 sync mode: a step's samples all come from the step's weights, as without colocation (nothing
 generates between the turn to the trainer and the sync). async mode (with
@@ -87,6 +88,21 @@ class Count:
                 self.none.set()
 
 
+class Phases:
+    """The seconds each named part of one move took (a part run twice adds up)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.monotonic() - start, 4)
+
+
 class Turns:
     """Who holds the devices: `holder` is BOTH at the start (each process has loaded what it
     holds), then SERVERS or TRAINER. `servers` and `trainer` are the HTTP clients of the servers
@@ -121,13 +137,14 @@ class Turns:
     async def _servers(self, call: str, *args: Any) -> None:
         await asyncio.gather(*(getattr(c, call)(*args) for c in self._live()))
 
-    def _moved(self, to: str, start: float, replies: list[dict[str, Any]], server_tags: list[str]) -> None:
+    def _moved(self, to: str, start: float, replies: list[dict[str, Any]], server_tags: list[str],
+               phases: Phases) -> None:
         """The move's event: to whom, when it began (`start`, the run's clock) and its seconds (a
         sync's own time left out: sync_end has it), the bytes the trainer moved, the tags the
-        servers released or resumed."""
+        servers released or resumed, and the seconds of each part."""
         trainer_bytes = sum(int(r.get("bytes") or 0) for r in replies if isinstance(r, dict))
         self.emit("colocate_turn", self.clock.now(), to=to, start=self.began, seconds=round(time.monotonic() - start, 4),
-                  trainer_bytes=trainer_bytes, server_tags=server_tags)
+                  trainer_bytes=trainer_bytes, server_tags=server_tags, phases=phases.seconds)
 
     @asynccontextmanager
     async def generating(self) -> AsyncIterator[None]:
@@ -157,22 +174,25 @@ class Turns:
             self.training = self.training or training
             if self.holder == TRAINER:
                 return
-            start, self.began = time.monotonic(), self.clock.now()
+            start, self.began, phase = time.monotonic(), self.clock.now(), Phases()
             self.open.clear()
             replies = []
             if self.holder == SERVERS:
                 names = [c.name for c in self._live()]
                 if self.watch:
                     self.watch.pause(names)  # paused servers are asked a route that does not generate
-                await self._drain()
-                await self._servers("pause_generation", "abort")
+                with phase("drain"):
+                    await self._drain()
+                    await self._servers("pause_generation", "abort")
                 if self.cfg.server_release:
-                    await self._servers("release_memory_occupation", list(self.cfg.server_release))
+                    with phase("servers_release"):
+                        await self._servers("release_memory_occupation", list(self.cfg.server_release))
                     self.released = list(self.cfg.server_release)
                 if self.cfg.trainer_release:
-                    replies.append(await self.trainer.resume_memory_occupation(list(self.cfg.trainer_release)))
+                    with phase("trainer_resume"):
+                        replies.append(await self.trainer.resume_memory_occupation(list(self.cfg.trainer_release)))
             self.holder = TRAINER
-            self._moved(TRAINER, start, replies, list(self.released))
+            self._moved(TRAINER, start, replies, list(self.released), phase)
 
     async def _drain(self) -> None:
         """Abort what is out until none is: a generation that passed the gate just before it
@@ -196,30 +216,34 @@ class Turns:
         async with self.lock:
             if sync is None and (self.holder != TRAINER or self.training or self.calls.n):
                 return None  # the servers hold the devices, or the trainer's turn is not over
-            start, self.began = time.monotonic(), self.clock.now()
+            start, self.began, phase = time.monotonic(), self.clock.now(), Phases()
             replies, result, resumed = [], None, list(self.released)
             optimizer = [t for t in self.cfg.trainer_release if t != "weights"]
             if optimizer and self.holder == TRAINER:
-                replies.append(await self.trainer.release_memory_occupation(optimizer))
+                with phase("trainer_release"):
+                    replies.append(await self.trainer.release_memory_occupation(optimizer))
             if "weights" in self.released:
-                await self._servers("resume_memory_occupation", ["weights"])
+                with phase("servers_resume"):
+                    await self._servers("resume_memory_occupation", ["weights"])
                 self.released.remove("weights")
             if sync is not None:
                 synced = time.monotonic()
                 result = await sync()
                 start += time.monotonic() - synced
             if self.released:
-                await self._servers("resume_memory_occupation", list(self.released))
+                with phase("servers_resume"):
+                    await self._servers("resume_memory_occupation", list(self.released))
                 self.released = []
             if self.holder == TRAINER or sync is not None:
                 await self._servers("continue_generation")
                 if self.watch:
                     self.watch.unpause([c.name for c in self.servers])
             if "weights" in self.cfg.trainer_release:
-                replies.append(await self.trainer.release_memory_occupation(["weights"]))
+                with phase("trainer_release"):
+                    replies.append(await self.trainer.release_memory_occupation(["weights"]))
             self.holder, self.training = SERVERS, False
             self.open.set()
-            self._moved(SERVERS, start, replies, resumed)
+            self._moved(SERVERS, start, replies, resumed, phase)
             return result
 
 
