@@ -93,6 +93,7 @@ def launch(recipe: Path, out: Path, seed: int, overrides: list[str]) -> dict:
         for part, seconds in (e.get("phases") or {}).items():
             key = f"{e['to']}:{part}"
             phases[key] = phases.get(key, 0.0) + seconds / steps
+    prompts = [e["prompt_tokens"] for e in events if e["event"] == "group_completed" and "prompt_tokens" in e]
     sends = [e["seconds"] for e in events if e["event"] == "sync_end" and isinstance(e.get("seconds"), int | float)]
     rewards = [m["reward_mean"] for m in metrics]
     samples = sum(m.get("samples", 0) for m in metrics)
@@ -100,14 +101,35 @@ def launch(recipe: Path, out: Path, seed: int, overrides: list[str]) -> dict:
             "samples": samples, "step_s": round(mean(metrics, "step_time"), 4),
             "rollout_s": round(mean(metrics, "rollout_time"), 4), "train_s": round(mean(metrics, "train_time"), 4),
             "sync_s": round(mean(metrics, "sync_time"), 4),
+            "prompt_tokens": round(statistics.fmean(prompts), 1) if prompts else None,
             "send_s": round(statistics.fmean(sends), 4) if sends else None,
             "turn_s_per_step": round(sum(e["seconds"] for e in turns) / steps, 4),
             "turn_phases_s_per_step": {k: round(v, 4) for k, v in sorted(phases.items())},
+            "turns": [f"{e['to']} {e['seconds']:.3f}" for e in turns],  # the first ones pin their host memory
             "trainer_peak_gib": round(mean(metrics, "peak_gib"), 3) if any("peak_gib" in m for m in metrics) else None,
             "device_s_per_1k": round(wall / max(1, samples) * 1000, 3),
             "peak_mib": memory.peak,
             "reward_first": round(statistics.fmean(rewards[:5]), 4),
             "reward_final": round(statistics.fmean(rewards[-FINAL_STEPS:]), 4), "rewards": [round(r, 4) for r in rewards]}
+
+
+def planned(recipe: Path, overrides: list[str], prompt_tokens: float | None) -> dict:
+    """What `rlctl plan`'s memory model gives this recipe colocated on one GPU (GiB per GPU): the
+    trainer's parts and the server's, to set beside the measured peaks; priced at the runs' mean
+    prompt length (sim.prompt_tokens, which the planner otherwise takes from the recipe)."""
+    from rlctl.costs.memory import GIB
+    from rlctl.costs.recipe import cost_model
+    from rlctl.planner.estimate import estimate
+    from rlctl.planner.placement import Placement
+    from rlctl.recipe import PipelineMode, load_recipe
+
+    prompt = [f"sim.prompt_tokens={max(1, round(prompt_tokens))}"] if prompt_tokens else []
+    r = load_recipe(recipe, [*overrides, "colocate.enabled=true", *prompt], check_paths=False)
+    e = estimate(r, cost_model(r), Placement(PipelineMode.SYNC, 1, 1, 1, micro_batch_tokens=r.train.micro_batch_tokens,
+                                             colocated=True))
+    return {"prompt_tokens": r.sim.prompt_tokens, "trainer_gib": round(e.trainer.total / GIB, 2), "server_gib": round(e.server.total / GIB, 2),
+            "trainer_parts_gib": {k: round(v / GIB, 2) for k, v in e.trainer.parts.items() if v},
+            "server_parts_gib": {k: round(v / GIB, 2) for k, v in e.server.parts.items() if v}}
 
 
 def pool_of_one_device(on_gpu: bool, cwd: Path) -> tuple[str, list[str]]:
@@ -157,20 +179,24 @@ def main() -> None:
             if pool:
                 subprocess.run([sys.executable, "-m", "rlctl", "pool", "down", pool], cwd=tmp, timeout=120)
     summary = summarize(results, len(seeds))
-    kind = "cpu"
+    kind, plan = "cpu", None
     if any(r["peak_mib"] for runs in results.values() for r in runs):  # one file per trainer on a GPU
         from rlctl.recipe import load_recipe
 
         kind = f"gpu-{load_recipe(args.recipe, args.overrides, check_paths=False).train.engine}"
+        plan = planned(args.recipe, args.overrides, summary["table"]["colocated"]["prompt_tokens"])
+        measured = summary["table"]["colocated"]["trainer_peak_gib"]
+        print(f"rlctl plan's memory model, colocated: trainer {plan['trainer_gib']} GiB {plan['trainer_parts_gib']}, "
+              f"server {plan['server_gib']} GiB {plan['server_parts_gib']}; measured trainer peak {measured:.2f} GiB")
     write_artifact(f"bench_colocate-{kind}", {"recipe": str(args.recipe.resolve().relative_to(REPO)),
                                               "overrides": args.overrides, "seeds": seeds, **summary,
-                                              "runs": results})
+                                              "plan": plan, "runs": results})
 
 
 def summarize(results: dict[str, list[dict]], n_seeds: int) -> dict:
     """Print the table (means over the seeds), the ratios, each variant's turn phases and
     whether learning is the same; return the figures."""
-    cols = ["wall_s", "step_s", "rollout_s", "train_s", "sync_s", "send_s", "turn_s_per_step", "device_s_per_1k",
+    cols = ["prompt_tokens", "wall_s", "step_s", "rollout_s", "train_s", "sync_s", "send_s", "turn_s_per_step", "device_s_per_1k",
             "peak_mib", "trainer_peak_gib", "reward_first", "reward_final"]
     table = {name: {c: mean(runs, c) for c in cols} for name, runs in results.items()}
     side, colo = table["side by side"], table["colocated"]
