@@ -130,6 +130,8 @@ class MegatronTrainEngine(PieceTraining, MegatronMemory, MegatronCheckpoint):
         from megatron.core import parallel_state, tensor_parallel
 
         torch.cuda.set_device(torch.device(device).index or 0)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        """This rank's GPU: where the service measures peak_gib and a vLLM weight group sends from."""
         if not dist.is_initialized():
             dist.init_process_group("nccl", init_method=init_method or "env://", rank=self.rank,
                                     world_size=self.world_size)
