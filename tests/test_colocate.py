@@ -146,8 +146,9 @@ def test_a_colocated_run_takes_turns_and_every_sync_lands_bit_for_bit(tmp_path, 
     to_trainer = [t for t in turns[2:] if t["to"] == "trainer"]
     assert to_trainer and all(t["server_tags"] == ["kv_cache", "weights"] and t["trainer_bytes"] > 0
                               for t in to_trainer)  # the servers released, the trainer took its state back
-    assert all(set(t["phases"]) == {"drain", "servers_release", "trainer_resume"}
-               and sum(t["phases"].values()) <= t["seconds"] for t in to_trainer)  # where each turn's time went
+    odd = [t for t in to_trainer if set(t["phases"]) != {"drain", "servers_release", "trainer_resume"}
+           or sum(t["phases"].values()) > t["seconds"] + 5e-4]  # each figure is rounded to 0.1 ms
+    assert not odd, odd  # where each turn's time went
     assert all({"trainer_release", "servers_resume"} <= set(t["phases"]) for t in turns[2:] if t["to"] == "servers")
     took_turns(events)
     checked = [e for e in events if e["event"] == "weights_checked"]
