@@ -12,9 +12,10 @@ seconds a step spends taking turns (the colocate_turn events: releasing and resu
 in each part of them (their phases), trainer rank 0's peak GPU memory in its train calls
 (metrics' peak_gib, the figure rlctl plan's trainer bytes are checked against), device-seconds
 per 1k samples (wall x devices / samples: the CPU is one device, a GPU run one GPU), the peak
-device memory where there is a GPU (nvidia-smi, polled every 0.2 s), and the reward: mean of the first 5 and the last 20 steps. Learning is
-the same when each variant's mean final reward lies within the other's spread over the seeds.
-Prints the table with colocated / side-by-side ratios and writes
+device memory where there is a GPU (nvidia-smi, polled every 0.2 s), and the reward: mean of the
+first 5 and the last 20 steps. Learning is the same when each variant's mean final reward lies
+within the other's spread over the seeds. Prints the table with colocated / side-by-side ratios
+(on a GPU also rlctl plan's memory model beside the measured trainer peak) and writes
 results/bench_colocate-cpu.json (or -gpu-torch, -gpu-megatron).
 """
 
@@ -127,7 +128,8 @@ def planned(recipe: Path, overrides: list[str], prompt_tokens: float | None) -> 
     r = load_recipe(recipe, [*overrides, "colocate.enabled=true", *prompt], check_paths=False)
     e = estimate(r, cost_model(r), Placement(PipelineMode.SYNC, 1, 1, 1, micro_batch_tokens=r.train.micro_batch_tokens,
                                              colocated=True))
-    return {"prompt_tokens": r.sim.prompt_tokens, "trainer_gib": round(e.trainer.total / GIB, 2), "server_gib": round(e.server.total / GIB, 2),
+    return {"prompt_tokens": r.sim.prompt_tokens, "trainer_gib": round(e.trainer.total / GIB, 2),
+            "server_gib": round(e.server.total / GIB, 2),
             "trainer_parts_gib": {k: round(v / GIB, 2) for k, v in e.trainer.parts.items() if v},
             "server_parts_gib": {k: round(v / GIB, 2) for k, v in e.server.parts.items() if v}}
 
@@ -196,8 +198,8 @@ def main() -> None:
 def summarize(results: dict[str, list[dict]], n_seeds: int) -> dict:
     """Print the table (means over the seeds), the ratios, each variant's turn phases and
     whether learning is the same; return the figures."""
-    cols = ["prompt_tokens", "wall_s", "step_s", "rollout_s", "train_s", "sync_s", "send_s", "turn_s_per_step", "device_s_per_1k",
-            "peak_mib", "trainer_peak_gib", "reward_first", "reward_final"]
+    cols = ["prompt_tokens", "wall_s", "step_s", "rollout_s", "train_s", "sync_s", "send_s", "turn_s_per_step",
+            "device_s_per_1k", "peak_mib", "trainer_peak_gib", "reward_first", "reward_final"]
     table = {name: {c: mean(runs, c) for c in cols} for name, runs in results.items()}
     side, colo = table["side by side"], table["colocated"]
     print(f"\n{'':>14}" + "".join(f"{c:>16}" for c in cols))
