@@ -20,9 +20,10 @@ class ColocateConfig(Section):
     (docs/colocate.md)."""
 
     enabled: bool = False
-    """Rollout and training take turns on the same devices (pipeline.mode=sync; local launcher;
-    built-in or SGLang servers on the trainer's devices: any number on the CPU, on a GPU one TP-1
-    server beside one trainer rank)."""
+    """Rollout and training take turns on the same devices (pipeline.mode=sync, or async with
+    pipeline.inflight_at_update=abort_resume; local or Slurm launcher; built-in or SGLang servers
+    on the trainer's devices: any number on the CPU, on GPUs one server TP rank beside each
+    trainer rank)."""
     server_release: list[str] = field(default_factory=lambda: ["kv_cache", "weights"])
     """What the servers give back while the trainer trains: kv_cache, weights, cuda_graph (what
     is not named stays on the device). Released weights come back with the next weight sync."""
