@@ -264,3 +264,12 @@ def test_a_model_path_on_the_command_line_replaces_the_recipes_init():
     assert (r.model.path, r.model.init) == ("/models/Qwen3-0.6B", None)
     with pytest.raises(RecipeError, match="set exactly one of model.path"):
         load_recipe(QUICKSTART, ["model.path=/models/Qwen3-0.6B", "model.init.hidden_size=32"], check_paths=False)
+
+
+def test_a_section_given_a_plain_value_names_its_keys():
+    """`colocate=true` reads like a switch, but colocate is a section: the error names its keys."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(QUICKSTART, ["colocate=true"], check_paths=False)
+    assert e.value.file == "<overrides>" and e.value.key == "colocate"
+    assert "colocate.enabled" in e.value.message and "is a section" in e.value.message
+    assert load_recipe(QUICKSTART, ["colocate={enabled: true}"], check_paths=False).colocate.enabled

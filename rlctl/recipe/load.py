@@ -170,12 +170,24 @@ def structured_from_data(schema: type, data: dict, file: str, overrides: Sequenc
             if "[" in key or any(part.isdigit() for part in key.split(".")):
                 raise RecipeError(current_file, key, "an item of a list is not set on its own: give the whole list, "
                                                      "e.g. eval.sets=[{path: test.parquet, limit: 16}]")
+            _check_not_a_section(schema, key, item.partition("=")[2].strip(), current_file)
             override = _override(item)
             _check_list_items(schema, OmegaConf.to_container(override), current_file, "")
             cfg = OmegaConf.merge(cfg, override)
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise _translate_omegaconf_error(e, file, current_file, schema) from None
+
+
+def _check_not_a_section(schema: type, key: str, value: str, file: str) -> None:
+    """`colocate=true`: a section given a plain value (OmegaConf's own error names neither the
+    key nor the fix). A mapping (`colocate={enabled: true}`) is a section's value, and null
+    that of an optional one (OmegaConf checks that it is optional)."""
+    section = _unwrap_optional(_field_type(key, schema))
+    if is_dataclass(section) and not value.startswith("{") and value not in ("null", "~"):
+        keys = ", ".join(f"{key}.{f.name}" for f in fields(section))
+        raise RecipeError(file, key, f"is a section, not a value; set one of its keys ({keys}), "
+                                     f"e.g. {key}.{fields(section)[0].name}=...")
 
 
 def _check_list_items(schema: type, data: Any, file: str, prefix: str) -> None:
