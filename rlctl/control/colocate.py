@@ -100,7 +100,10 @@ class Phases:
         try:
             yield
         finally:
-            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.monotonic() - start, 4)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - start
+
+    def rounded(self) -> dict[str, float]:
+        return {name: round(s, 4) for name, s in self.seconds.items()}
 
 
 class Turns:
@@ -144,7 +147,7 @@ class Turns:
         servers released or resumed, and the seconds of each part."""
         trainer_bytes = sum(int(r.get("bytes") or 0) for r in replies if isinstance(r, dict))
         self.emit("colocate_turn", self.clock.now(), to=to, start=self.began, seconds=round(time.monotonic() - start, 4),
-                  trainer_bytes=trainer_bytes, server_tags=server_tags, phases=phases.seconds)
+                  trainer_bytes=trainer_bytes, server_tags=server_tags, phases=phases.rounded())
 
     @asynccontextmanager
     async def generating(self) -> AsyncIterator[None]:
