@@ -1,6 +1,6 @@
 """Pipeline invariants of every mode: in sync and rolloutpipe every trained sample has its step's
 weight version; in async the lag never exceeds max_staleness; no group is trained twice, and every
-opened group ends in exactly one event (completed, then trained or dropped; or aborted).
+admitted group ends in exactly one event (completed, then trained or dropped; or aborted).
 
 Each setting is checked in virtual time first (the same scheduler on simulated engines,
 rlctl/sim/run.py: the fast tier), then on real runs (real servers, trainer and controller: the
@@ -97,6 +97,15 @@ def test_rolloutpipe_is_on_policy_in_virtual_time(admission, stream):
 
 def test_rolloutpipe_dynamic_sampling_keeps_batches_full_in_virtual_time():
     check_dynamic_sampling(simulated(*DYNAMIC))
+
+
+def test_groups_cancelled_before_any_request_went_out_are_in_no_event():
+    """Over-provisioned far past what one request at a time can start, most leftover groups at a
+    step's end never had a request admitted: they are neither admitted nor dropped."""
+    events = simulated(*DYNAMIC, "rollout.concurrency=1", "rollout.over_provision=2.0")
+    check_dynamic_sampling(events)
+    dropped = Counter(e["reason"] for e in events if e["event"] == "group_dropped")
+    assert dropped["aborted"] >= 2, dropped  # the admitted leftovers are still recorded
 
 
 @pytest.mark.parametrize("inflight", ["finish", "abort_resume"])

@@ -83,6 +83,8 @@ class Group:
     prompt_ids: list[int]
     samples: list[Sample] = field(default_factory=list)
     cancelled: bool = False
+    admitted: bool = False
+    """A request of it has gone to a server (group_admitted): from then on it ends in an event."""
 
     @property
     def rewards(self) -> list[float]:
@@ -159,7 +161,8 @@ class GroupRunner:
             await self.admission.acquire((group.id, index))
             if t0 is None:
                 t0 = self.clock.now()
-                if index == 0:
+                if not group.admitted:
+                    group.admitted = True
                     self.emit("group_admitted", t0, step=group.step, group=group.id, prompt=group.prompt.index)
             rid = f"g{group.id}-s{index}-{segment}"
             self.rids_of[group.id].add(rid)
@@ -221,7 +224,8 @@ class GroupProducer:
     complete group is trainable is dynamic sampling's call: a group whose rewards are all equal
     has zero advantage everywhere. Groups still open when the batch is full are cancelled (their
     requests aborted on the servers); groups completing beyond the target are surplus. Both are
-    recorded as dropped, so every opened group ends in exactly one event.
+    recorded as dropped, so every admitted group ends in exactly one event. A group cancelled
+    before any of its requests was admitted cost nothing and is in no event.
     """
 
     def __init__(self, runner: GroupRunner, prompts: Iterator[Prompt], *, dynamic_sampling: bool,
@@ -346,7 +350,7 @@ class GroupProducer:
     def unfinished(self) -> list[Group]:
         """Groups opened and not yet trained or dropped: open, or complete and waiting (a checkpoint
         does not keep them; a resume records them as dropped)."""
-        return [g for g, _ in self.open.values()] + [g for g in list(self._ready._queue) if isinstance(g, Group)]  # type: ignore[attr-defined]
+        return [g for g, _ in self.open.values() if g.admitted] + [g for g in list(self._ready._queue) if isinstance(g, Group)]  # type: ignore[attr-defined]
 
     def drop_ready(self, reason: str) -> None:
         """Record the complete groups nobody will train (async, at the end of the run)."""
@@ -365,4 +369,5 @@ class GroupProducer:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for g in groups:
-            self.emit("group_dropped", self.clock.now(), step=g.step, group=g.id, reason="aborted")
+            if g.admitted:
+                self.emit("group_dropped", self.clock.now(), step=g.step, group=g.id, reason="aborted")
