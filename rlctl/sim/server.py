@@ -79,6 +79,7 @@ class SimServer:
         self._busy = 0.0
         self._tokens = 0
         self._aborting: set[str] = set()
+        self._step_seconds: dict[int, float] = {}  # decode_step_seconds by batch size, computed once each
 
     async def generate(self, prompt_tokens: int, new_tokens: int, key: str | None = None) -> tuple[float, float, int]:
         """Queue a request for `new_tokens` tokens after a `prompt_tokens` prompt, and wait for it.
@@ -287,7 +288,11 @@ class SimServer:
             return
         self._active = True
         self._seg_prefill = self._prefill_owed
-        self._seg_step = self.cost.decode_step_seconds(len(self._running))
+        batch = len(self._running)
+        step = self._step_seconds.get(batch)
+        if step is None:
+            step = self._step_seconds[batch] = self.cost.decode_step_seconds(batch)
+        self._seg_step = step
         self._schedule(self._running[0][0] - self._counter)
 
     @staticmethod
