@@ -17,7 +17,8 @@ import torch
 from torch.multiprocessing import reductions
 
 from rlctl.engines.weightsync import ipc
-from rlctl.engines.weightsync.ipc_open import SHM_DIR, SHM_HEADER, Refused, loads
+from rlctl.engines.weightsync.ipc_handles import SHM_DIR, SHM_HEADER, Refused
+from rlctl.engines.weightsync.ipc_open import loads
 
 KEY = ipc.ipc_key("the run's token")
 

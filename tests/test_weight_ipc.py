@@ -49,13 +49,17 @@ async def sync(urls: list[str], weights, version: str, **sender_args) -> tuple:
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("version", SUPPORTED)
-def test_ipc_sync_is_bit_exact_and_no_weight_bytes_cross_http(sglang, start_server, tiny_model_dir, tmp_path, version):
+@pytest.mark.parametrize(("version", "flattened"), [(v, True) for v in SUPPORTED] + [(SUPPORTED[-1], False)])
+def test_ipc_sync_is_bit_exact_and_no_weight_bytes_cross_http(sglang, start_server, tiny_model_dir, tmp_path, version,
+                                                              flattened):
+    """Flattened buckets (one handle each, load_format "flattened_bucket"), and lists of views
+    (load_format null), to servers that check every body against the release's request struct."""
     src = sglang(version)
     records = [tmp_path / f"requests-{i}.jsonl" for i in range(2)]
     urls = [start_server(i, "--emulate-sglang", version, "--record-requests", str(r)) for i, r in enumerate(records)]
     weights = changed_weights(tiny_model_dir)
-    _, stats, sums, versions = asyncio.run(sync(urls, weights, "3", backend="ipc", bucket_bytes=16 * 1024))
+    _, stats, sums, versions = asyncio.run(sync(urls, weights, "3", backend="ipc", bucket_bytes=16 * 1024,
+                                                flattened=flattened))
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     assert stats.buckets > 2 and stats.bytes == nbytes and versions == ["3", "3"]
     want = {n: tensor_sha256(t) for n, t in weights}
@@ -67,6 +71,7 @@ def test_ipc_sync_is_bit_exact_and_no_weight_bytes_cross_http(sglang, start_serv
         updates = [c["body"] for c in calls if c["path"] == "/update_weights_from_tensor"]
         assert len(updates) == stats.buckets and not any(c["path"] == "/init_weights_update_group" for c in calls)
         assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["3"]
+        assert {u["load_format"] for u in updates} == {"flattened_bucket" if flattened else None}
         assert sum(len(json.dumps(u)) for u in updates) < nbytes / 4  # handles and metadata, not the weights
 
 
@@ -210,6 +215,112 @@ def test_our_pickles_are_ones_sglangs_unpickler_allows(sglang, version):
     index = next(ast.literal_eval(s.value) for s in patch.body if isinstance(s, (ast.Assign, ast.AnnAssign))
                  and "_REDUCE_TENSOR_ARG_DEVICE_INDEX" in ast.unparse(s))
     assert index == ipc._DEVICE_ARG
+
+
+FLATTENED_PATHS = ("sglang/srt/model_executor/model_runner_components/weight_updater.py",  # 0.5.21 on
+                   "sglang/srt/model_executor/model_runner.py")  # 0.5.15.post1
+
+
+def _flattened_handler(src) -> ast.FunctionDef:
+    """SGLang's _update_weights_from_flattened_bucket, wherever the release keeps it."""
+    for rel in FLATTENED_PATHS:
+        if src.has(rel):
+            for node in ast.walk(src.module(rel)):
+                if isinstance(node, ast.FunctionDef) and node.name == "_update_weights_from_flattened_bucket":
+                    return node
+    raise LookupError(f"no _update_weights_from_flattened_bucket in {FLATTENED_PATHS}")
+
+
+def _bucket_of(weights: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list]:
+    """The weights packed into one tagged CPU buffer, as the sender packs a bucket."""
+    from rlctl.engines.weightsync.buckets import flatten_bucket
+
+    total = sum(t.numel() * t.element_size() for _, t in weights)
+    buf = torch.zeros(total + ipc.TAG_BYTES, dtype=torch.uint8)
+    flatten_bucket([t for _, t in weights], out=buf)
+    ipc.tag_buffer(buf, ipc.ipc_key(None))
+    return buf, [(n, t.dtype, tuple(t.shape)) for n, t in weights]
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_a_flattened_bucket_is_one_handle_that_sglangs_own_code_rebuilds_bit_for_bit(sglang, version):
+    """load_format "flattened_bucket": SGLang's unpickler allows every global of the payload,
+    its handler reads the two keys the payload has and the fields its metadata class defines,
+    and its own FlattenedTensorBucket (run from the release's file) rebuilds every weight."""
+    import base64
+    import sys
+
+    from rlctl.engines.weightsync import ipc_open
+
+    src = sglang(version)
+    weights = [("w.weight", torch.randn(3, 5)), ("b.bias", torch.randn(7).to(torch.bfloat16)),
+               ("e.weight", torch.randn(2, 2, 2).to(torch.float16)), ("i", torch.arange(3, dtype=torch.int64))]
+    weights.sort(key=lambda w: -w[1].element_size())  # the sender's order (buckets.plan_buckets)
+    buf, metas = _bucket_of(weights)
+    payload = ipc.dumps_bucket(buf, metas)
+
+    bucket_cls = src.flattened_tensor_bucket()
+    meta_cls = sys.modules[bucket_cls.__module__].FlattenedTensorMetadata
+
+    class SGLangSide(_Recording):  # the metadata class is the release's own
+        def find_class(self, module, name):
+            if (module, name) == ipc.FLAT_META:
+                self.seen.add((module, name))
+                return meta_cls
+            return super().find_class(module, name)
+
+    allows = _allows(src)
+    reader = SGLangSide(base64.b64decode(payload))
+    got = reader.load()
+    assert reader.seen and all(allows(*g) for g in reader.seen), [g for g in reader.seen if not allows(*g)]
+    assert ipc.FLAT_META in reader.seen and reader.seen <= ipc.ALLOWED
+    # One shared-memory handle for the bucket; the (name, tensor) list names one per tensor.
+    assert base64.b64decode(payload).count(b"/torch_") == 1
+    views = [(n, buf[:0].new_empty(0).set_(buf.untyped_storage(), 0, (0,))) for n, _ in weights]
+    assert base64.b64decode(ipc.dumps(views)).count(b"/torch_") == len(weights)
+
+    handler = _flattened_handler(src)
+    keys = {n.slice.value for n in ast.walk(handler) if isinstance(n, ast.Subscript)
+            and isinstance(n.slice, ast.Constant)}
+    read = {n.attr for n in ast.walk(handler) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "meta"}
+    fields = set(src.class_fields("sglang/srt/weight_sync/tensor_bucket.py", "FlattenedTensorMetadata"))
+    assert keys == {"flattened_tensor", "metadata"} and read <= fields == {
+        "name", "shape", "dtype", "start_idx", "end_idx", "numel"}
+
+    rebuilt = bucket_cls(flattened_tensor=got["flattened_tensor"], metadata=got["metadata"]).reconstruct_tensors()
+    ours = ipc_open.loads(payload, key=ipc.ipc_key(None), flattened=True)
+    for out in (rebuilt, ours):
+        assert [n for n, _ in out] == [n for n, _ in weights]
+        for (_, t), (_, want) in zip(out, weights, strict=True):
+            assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
+
+
+def test_a_flattened_bucket_the_server_cannot_lay_out_is_refused_before_anything_is_loaded():
+    from rlctl.engines.weightsync import ipc_open
+    from rlctl.engines.weightsync.ipc_handles import Refused
+
+    key = ipc.ipc_key(None)
+    buf, metas = _bucket_of([("a", torch.ones(4)), ("b", torch.ones(2))])
+    flat = buf[:24]
+
+    def refused(entries, tensor=flat, flattened=True):
+        payload = ipc.pickle_bucket(tensor, [ipc.FlatMeta(*e) for e in entries])
+        with pytest.raises(Refused) as e:
+            ipc_open.loads(payload, key=key, flattened=flattened)
+        return str(e.value)
+
+    f32 = torch.float32
+    assert "bytes [0, 32)" in refused([("a", torch.Size([8]), f32, 0, 32, 32)])  # past the flattened tensor
+    assert "aligned" in refused([("a", torch.Size([2]), f32, 2, 10, 8)])
+    assert "aligned" in refused([("a", torch.Size([4]), f32, 0, 8, 8)])  # 8 bytes named for a 16-byte tensor
+    assert "contiguous uint8" in refused([("a", torch.Size([4]), f32, 0, 16, 16)], tensor=flat.view(f32))
+    assert "list of (name, tensor)" in refused([("a", torch.Size([4]), f32, 0, 16, 16)], flattened=False)
+    with pytest.raises(Refused, match="a flattened bucket is"):
+        ipc_open.loads(ipc.dumps([("a", flat[:16].view(f32))]), key=key, flattened=True)
+    with pytest.raises(Refused, match="unknown parameter name 'c'"):
+        payload = ipc.dumps_bucket(buf, [("c", f32, (4,))])
+        ipc_open.loads(payload, key=key, flattened=True, params={"a": torch.zeros(4)})
 
 
 def test_ipc_recipes_are_checked_and_auto_picks_ipc_only_on_one_gpu():

@@ -206,12 +206,14 @@ class RolloutClient:
             "load_format": "flattened_bucket" if flattened else None,
         })
 
-    async def update_weights_from_tensor(self, payloads: list[str], *, weight_version: str | None) -> None:
+    async def update_weights_from_tensor(self, payloads: list[str], *, weight_version: str | None,
+                                         load_format: str | None = "flattened_bucket") -> None:
         """Hand over one bucket in place (rlctl/engines/weightsync/ipc.py): `payloads` holds one
-        pickled list of (name, tensor) per TP rank of the server, base64 as SGLang's HTTP route takes it."""
+        pickle per TP rank of the server, base64 as SGLang's HTTP route takes it: a flattened
+        bucket (ipc.dumps_bucket), or with load_format None a list of (name, tensor) (ipc.dumps)."""
         await self._control("/update_weights_from_tensor", {
             "serialized_named_tensors": payloads,
-            "load_format": None,
+            "load_format": load_format,
             "flush_cache": True,
             "abort_all_requests": False,
             "weight_version": weight_version,

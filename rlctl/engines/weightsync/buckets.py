@@ -215,7 +215,7 @@ class Bucket:
     last: bool
     flat: torch.Tensor | None = None
     ipc: list[list[str]] | None = None
-    """For IPC: per server, one pickled list of views of `flat` per TP rank (ipc.dumps)."""
+    """For IPC: per server, one pickled flattened bucket of `flat` per TP rank (ipc.dumps_bucket)."""
 
 
 @dataclass

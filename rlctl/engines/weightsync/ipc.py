@@ -4,8 +4,11 @@ SGLang's /update_weights_from_tensor takes, per TP rank, a list of (name, tensor
 torch.multiprocessing pickles tensors (MultiprocessingSerializer: ForkingPickler, then base64 in
 the JSON body). A CUDA tensor pickles as a CUDA IPC handle of its allocation, so what crosses
 HTTP is a few hundred bytes per tensor, and the receiver reads the sender's memory. rlctl packs a
-bucket into one buffer and sends views of it: every tensor of the bucket names the same
-allocation, which the receiver opens once.
+bucket into one buffer and hands it over whole, as SGLang's load_format "flattened_bucket" takes
+it (dumps_bucket): one tensor, the buffer, and each weight's name, shape, dtype and byte range in
+it, as SGLang's FlattenedTensorMetadata. So a bucket costs one IPC handle on each side (torch
+records an event and takes a reference for every tensor it pickles), not one per weight. The
+list of (name, tensor) that load_format null takes (dumps) is still what SGLang senders may send.
 
 The pickles are SGLang's own (tests/test_weight_ipc.py reads its SafeUnpickler allowlist from
 the wheels of the releases rlctl speaks): the functions referenced are torch's rebuild_tensor,
@@ -32,6 +35,7 @@ import base64
 import hashlib
 import hmac
 import io
+import math
 import pickle
 from typing import TYPE_CHECKING
 
@@ -50,6 +54,7 @@ ALLOWED = {
     *(("torch", d) for d in DTYPES),
     *(("torch.multiprocessing.reductions", f) for f in REBUILDERS),
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
 }
 """What a weight pickle may reference: rlctl's own pickles use the torch names; an SGLang
 sender's patched pickles name SGLang's rebuild function. The receiver (ipc_open.py) answers
@@ -131,3 +136,57 @@ def dumps(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(list(named_tensors))
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+FLAT_META = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+"""The class a flattened bucket's metadata entries are made with, on SGLang's side."""
+FLATTENED_BUCKET = "flattened_bucket"
+"""The load_format of a flattened bucket's payload (/update_weights_from_tensor)."""
+
+
+class FlatMeta:
+    """One metadata entry of a flattened bucket, pickled as a call of SGLang's
+    FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel) (byte offsets into the
+    flattened tensor; numel counts its uint8 elements: bytes). SGLang need not be importable here:
+    the pickle names this class, and dumps_bucket puts SGLang's name in its place."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __reduce__(self):
+        return FlatMeta, self.args
+
+
+# Protocol 3 names a global in one text line (GLOBAL: "c" module "\n" name "\n") and, unlike 2,
+# pickles bytes (an IPC handle) without naming a global for them; 4 would frame the stream.
+_PROTOCOL = 3
+_OURS = b"c%s\n%s\n" % (__name__.encode(), FlatMeta.__qualname__.encode())
+_SGLANGS = b"c%s\n%s\n" % tuple(part.encode() for part in FLAT_META)
+
+
+def dumps_bucket(flat: torch.Tensor, metas: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> str:
+    """One TP rank's payload of a flattened bucket: {"flattened_tensor": the used prefix of the
+    packed uint8 buffer `flat`, "metadata": [FlattenedTensorMetadata, ...]}, the dict SGLang's
+    load_format "flattened_bucket" unpickles, base64. `metas` are the bucket's tensors in the
+    order they lie in `flat`, back to back."""
+    import torch
+
+    entries, offset = [], 0
+    for name, dtype, shape in metas:
+        n = math.prod(shape) * dtype.itemsize
+        entries.append(FlatMeta(name, torch.Size(shape), dtype, offset, offset + n, n))
+        offset += n
+    return pickle_bucket(flat[:offset], entries)
+
+
+def pickle_bucket(flattened: torch.Tensor, entries: list[FlatMeta]) -> str:
+    """{"flattened_tensor": flattened, "metadata": entries} pickled as SGLang's flattened-bucket
+    payload, base64: the entries as calls of SGLang's FlattenedTensorMetadata."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=_PROTOCOL).dump({"flattened_tensor": flattened, "metadata": entries})
+    data = buf.getvalue()
+    if data.count(_OURS) != 1:  # the pickle memoizes a global after its first use
+        raise RuntimeError(f"a flattened bucket's pickle names its metadata class {data.count(_OURS)} times, not once")
+    return base64.b64encode(data.replace(_OURS, _SGLANGS)).decode("ascii")

@@ -4,7 +4,7 @@ A CUDA IPC handle opens only in a process that sees its GPU, and a colocated ser
 the GPUs it shares with trainer ranks: trainer rank s * tp + j and TP rank j of server s sit on
 one GPU (rlctl/process/devices.py places both from the same list). So no one rank can hand
 every server the weights. Instead every rank packs the same bucket on its own device and pickles
-its views of it (ipc.dumps); the pickles are gathered to rank 0, which sends server s the
+it as a flattened bucket (ipc.dumps_bucket); the pickles are gathered to rank 0, which sends server s the
 pickles of its ranks, one per TP rank, in the list SGLang's /update_weights_from_tensor takes.
 Every rank holds the full tensors as it reads them: a torch trainer's ranks are replicas, and a
 Megatron trainer's TP ranks gather each tensor whole (megatron_engine.py hf_weights).
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from rlctl.engines.weightsync import ipc
 from rlctl.errors import RunError
-from rlctl.engines.weightsync.buckets import Bucket, BucketMaker, dtype_from_name, unflatten_bucket
+from rlctl.engines.weightsync.buckets import Bucket, BucketMaker, dtype_from_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -56,12 +56,11 @@ def tagged_maker(weights: Iterable[tuple[str, torch.Tensor]], spec: ShareSpec, k
 
 
 def pickle_of(bucket: Bucket | None) -> str | None:
-    """This rank's payload of a bucket: its views of the packed buffer, pickled (ipc.dumps)."""
+    """This rank's payload of a bucket: its packed buffer as a flattened bucket (ipc.dumps_bucket)."""
     if bucket is None:
         return None
     assert bucket.flat is not None
-    metas = [(m.name, dtype_from_name(m.dtype), m.shape) for m in bucket.metas]
-    return ipc.dumps(list(unflatten_bucket(bucket.flat, metas)))
+    return ipc.dumps_bucket(bucket.flat, [(m.name, dtype_from_name(m.dtype), m.shape) for m in bucket.metas])
 
 
 def _broadcast(flag: str | None) -> str:

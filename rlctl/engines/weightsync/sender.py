@@ -10,8 +10,8 @@ update_weight_version instead.
 Three ways to send a bucket (`backend`):
 - gloo: a broadcast in the weight-sync group from host memory (GPU weights are staged there);
 - nccl: a broadcast straight from GPU memory;
-- ipc: no group; the bucket's tensors are handed over in place (ipc.py) by
-  /update_weights_from_tensor, to servers on the trainer's own GPU (or host, for CPU servers).
+- ipc: no group; the bucket's buffer is handed over in place, one IPC handle per bucket (ipc.py),
+  by /update_weights_from_tensor, to servers on the trainer's own GPU (or host, for CPU servers).
   Colocated on several devices, each server gets them from the ranks on its own devices
   (`from_ranks`: ipc_ranks.py); rank 0 still makes every HTTP call.
 
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Iterable
 
 from rlctl.engines.weightsync.buckets import Bucket, BucketMaker, dtype_from_name, dtype_name, unflatten_bucket
+from rlctl.engines.weightsync.ipc import FLATTENED_BUCKET
 from rlctl.engines.weightsync.group import (
     DEFAULT_GROUP_NAME,
     close_store,
@@ -105,6 +106,10 @@ class WeightSender:
         """Buckets as one flattened uint8 tensor each (SGLang's load_format "flattened_bucket":
         one broadcast per bucket; a slice of the trainer's parameters as they lie, when they lie
         back to back: weightsync/flat.py), or tensor by tensor (one broadcast per tensor)."""
+        self.ipc_load_format = FLATTENED_BUCKET if flattened or from_ranks is not None else None
+        """IPC: every bucket is packed into one buffer and handed over as one flattened bucket
+        (one IPC handle; ipc.dumps_bucket), or with flattened=False as a list of (name, tensor)
+        views of that buffer (load_format null; a handle per tensor, as SGLang senders may send)."""
         self.group = None
         self.broken = False
         self.session_needed: list[bool] = []
@@ -230,8 +235,11 @@ class WeightSender:
         if bucket is not None and self.backend == "ipc":
             assert bucket.flat is not None
             metas = [(m.name, dtype_from_name(m.dtype), m.shape) for m in bucket.metas]
-            views = list(unflatten_bucket(bucket.flat, metas))
-            bucket.ipc = [[ipc.dumps(views) for _ in range(tp)] for tp in self.tp_sizes]
+            if self.ipc_load_format == FLATTENED_BUCKET:
+                bucket.ipc = [[ipc.dumps_bucket(bucket.flat, metas) for _ in range(tp)] for tp in self.tp_sizes]
+            else:
+                views = list(unflatten_bucket(bucket.flat, metas))
+                bucket.ipc = [[ipc.dumps(views) for _ in range(tp)] for tp in self.tp_sizes]
         return bucket
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]], version: str, pause_mode: str = "abort",
@@ -306,7 +314,8 @@ class WeightSender:
         from rlctl.errors import RunError
 
         if self.backend == "ipc":
-            await asyncio.gather(*(c.update_weights_from_tensor(payloads, weight_version=version)
+            await asyncio.gather(*(c.update_weights_from_tensor(payloads, weight_version=version,
+                                                                load_format=self.ipc_load_format)
                                    for c, payloads in zip(self.clients, bucket.ipc or [], strict=True)))
             return
         replies = [asyncio.create_task(self._announce(c, bucket, version)) for c in self.clients]

@@ -136,6 +136,7 @@ class WeightRoutes:
         Only this run's trainer's buffers are opened, and only tensors that fit the model's
         parameters are taken (weightsync/ipc_open.py); anything else is refused, 400."""
         from rlctl.engines.weightsync import ipc_open
+        from rlctl.engines.weightsync.ipc import FLATTENED_BUCKET
 
         body = await request.json()
         if self.state.sessions_required() and not self.in_update_session:
@@ -143,8 +144,10 @@ class WeightRoutes:
         payloads = body.get("serialized_named_tensors")
         if not isinstance(payloads, list) or len(payloads) != self.state.tp_size:
             return fail(f"bad request: serialized_named_tensors must hold one payload per TP rank ({self.state.tp_size})")
-        if self.state.tp_size != 1 or body.get("load_format") not in (None, "direct"):
-            return fail("update_weights_from_tensor: the built-in server takes TP 1 and load_format null")
+        load_format = body.get("load_format")
+        if self.state.tp_size != 1 or load_format not in (None, "direct", FLATTENED_BUCKET):
+            return fail("update_weights_from_tensor: the built-in server takes TP 1 and load_format null or "
+                        f"{FLATTENED_BUCKET!r}")
         engine = self.state.engine
         assert engine is not None
         async with self.update_lock:
@@ -153,7 +156,8 @@ class WeightRoutes:
             state = engine.model.state_dict()
             try:
                 key = self._ipc_key()
-                named = await self._in_executor(lambda: ipc_open.loads(payloads[0], key=key, params=state))
+                named = await self._in_executor(lambda: ipc_open.loads(
+                    payloads[0], key=key, params=state, flattened=load_format == FLATTENED_BUCKET))
             except Exception as e:  # noqa: BLE001 - an unreadable or refused payload is the sender's error
                 return fail(f"Failed to update weights from tensor: {e}")
             await self._in_executor(self._copy, self._as_one_slice(named) or [(state[n], t) for n, t in named])
