@@ -7,8 +7,10 @@ The long-tail response-length distribution is used both by real runs
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+import statistics
 
 
 class LengthDistribution:
@@ -32,10 +34,18 @@ class LengthDistribution:
     A single lognormal cannot do both: a sigma wide enough for a one-third top-5% share (~1.2)
     puts the p99 at ~17x the median, and clipping at max_tokens caps the share near 0.25.
     sigma 0.5 keeps the body tight (its p95 is 2.3x its median), so the tail is the truncations.
+
+    Prompts differ (`prompt_share`): in RLVR a hard problem gets long responses and runs into the
+    cap more often, whichever sample it is. With prompt_share r > 0, each prompt has a difficulty
+    u ~ N(0, 1), fixed by its text (the same prompt in a later epoch has the same u): its body is
+    lognormal around exp(mu + sigma * sqrt(r) * u) with log-standard-deviation sigma * sqrt(1 - r)
+    (the body's total log-variance stays sigma^2, r of it shared by a prompt's samples), and it
+    is truncated with probability truncated_fraction * exp(sqrt(r) * u - r / 2) (capped at 1),
+    whose mean over prompts is truncated_fraction. r = 0: every sample independent of its prompt.
     """
 
     def __init__(self, max_tokens: int, median_fraction: float = 0.095, sigma: float = 0.5,
-                 min_tokens: int = 1, truncated_fraction: float = 0.05) -> None:
+                 min_tokens: int = 1, truncated_fraction: float = 0.05, prompt_share: float = 0.0) -> None:
         if not 1 <= min_tokens <= max_tokens:
             raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
         if not 0 < median_fraction <= 1:
@@ -44,15 +54,32 @@ class LengthDistribution:
             raise ValueError(f"sigma must be >= 0, got {sigma}")
         if not 0 <= truncated_fraction < 1:
             raise ValueError(f"truncated_fraction must be in [0, 1), got {truncated_fraction}")
+        if not 0 <= prompt_share < 1:
+            raise ValueError(f"prompt_share must be in [0, 1), got {prompt_share}")
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
         self.median_fraction = median_fraction
         self.sigma = sigma
         self.truncated_fraction = truncated_fraction
+        self.prompt_share = prompt_share
         self._mu = math.log(median_fraction * max_tokens)
 
-    def sample(self, rng: random.Random) -> int:
-        """One response length in tokens."""
-        if rng.random() < self.truncated_fraction:
+    def sample(self, rng: random.Random, prompt: str = "") -> int:
+        """One response length in tokens, for a sample of `prompt` (its text)."""
+        mu, sigma, truncated = self._mu, self.sigma, self.truncated_fraction
+        if self.prompt_share:
+            u = difficulty(prompt)
+            share = math.sqrt(self.prompt_share)
+            mu += sigma * share * u
+            sigma *= math.sqrt(1.0 - self.prompt_share)
+            truncated = min(1.0, truncated * math.exp(share * u - self.prompt_share / 2))
+        if rng.random() < truncated:
             return self.max_tokens
-        return min(self.max_tokens, max(self.min_tokens, round(rng.lognormvariate(self._mu, self.sigma))))
+        return min(self.max_tokens, max(self.min_tokens, round(rng.lognormvariate(mu, sigma))))
+
+
+def difficulty(prompt: str) -> float:
+    """A prompt's difficulty u ~ N(0, 1), the same for the same text in every run and process."""
+    digest = hashlib.blake2b(prompt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    fraction = (int.from_bytes(digest, "big") + 0.5) / 2**64  # in (0, 1)
+    return statistics.NormalDist().inv_cdf(fraction)

@@ -19,7 +19,8 @@ from rlctl.recipe import load_recipe
 from rlctl.run.dir import RunDir
 from rlctl.sim.run import simulate_run
 
-ROLLOUTPIPE = [("frontier", True), ("fifo", True), ("frontier", False), ("fifo", False)]
+ROLLOUTPIPE = [("frontier", True), ("fifo", True), ("frontier", False), ("fifo", False), ("longest", True),
+               ("longest", False)]
 ASYNC = ["pipeline.mode=async", "pipeline.max_staleness=1", "run.steps=6", "rollout.sampling.long_tail.enabled=true",
          "rollout.sampling.max_new_tokens=24"]
 DYNAMIC = ["pipeline.mode=rolloutpipe", "pipeline.admission=frontier", "rollout.dynamic_sampling=true",
@@ -91,6 +92,15 @@ def check_dynamic_sampling(events: list[dict]) -> None:
 @pytest.mark.parametrize("admission,stream", ROLLOUTPIPE)
 def test_rolloutpipe_is_on_policy_in_virtual_time(admission, stream):
     events = simulated(*rolloutpipe(admission, stream))
+    check_accounting(events)
+    check_on_policy(events)
+
+
+def test_longest_admission_stays_on_policy_on_a_dataset_read_again_with_prompt_lengths():
+    """A dataset of 8 prompts read every step, lengths that belong to their prompts: what the
+    length-aware policy learns from; every invariant holds."""
+    events = simulated(*rolloutpipe("longest", True), "sim.dataset_prompts=8", "rollout.sampling.long_tail.enabled=true",
+                       "rollout.sampling.long_tail.prompt_share=0.8", "rollout.sampling.max_new_tokens=64")
     check_accounting(events)
     check_on_policy(events)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 
@@ -182,6 +183,33 @@ def test_length_distribution_bounds_and_validation() -> None:
         LengthDistribution(max_tokens=10, min_tokens=20)
     with pytest.raises(ValueError):
         LengthDistribution(max_tokens=10, median_fraction=0)
+
+
+def test_a_prompts_samples_share_its_length_when_prompt_share_is_set() -> None:
+    """prompt_share r: the same prompt text gives alike lengths (in any run: the share is fixed by
+    the text), the spread over prompts keeps the distribution's shape, and r = 0 draws exactly as
+    before (no prompt in the draw)."""
+    import statistics
+
+    dist, plain = LengthDistribution(16384, prompt_share=0.8), LengthDistribution(16384)
+    rng = random.Random(7)
+    by_prompt = {p: [dist.sample(rng, f"problem {p}") for _ in range(16)] for p in range(300)}
+    again = {}
+    for p in range(300):  # another run's draws, in another order
+        other = random.Random(1000 + p)
+        again[p] = [dist.sample(other, f"problem {p}") for _ in range(16)]
+    logs = {p: [math.log(x) for x in xs if x < 16384] for p, xs in by_prompt.items()}
+    within = statistics.fmean(statistics.pvariance(v) for v in logs.values() if len(v) > 1)
+    total = statistics.pvariance([x for v in logs.values() for x in v])
+    assert within < 0.4 * total  # 80% of the body's log-variance is the prompt's
+    medians = [statistics.median(by_prompt[p]) for p in range(300)]
+    assert statistics.correlation(medians, [statistics.median(again[p]) for p in range(300)]) > 0.7
+    truncated = sum(x == 16384 for xs in by_prompt.values() for x in xs) / (300 * 16)
+    assert 0.02 < truncated < 0.09  # the prompts' rates average to truncated_fraction (0.05)
+    a, b = random.Random(3), random.Random(3)
+    assert [plain.sample(a, f"p{i}") for i in range(50)] == [plain.sample(b) for _ in range(50)]
+    with pytest.raises(ValueError, match="prompt_share"):
+        LengthDistribution(100, prompt_share=1.0)
 
 
 # --- simulated server ----------------------------------------------------------------------------

@@ -8,6 +8,8 @@ are opened, so a smaller key belongs to a group that an earlier train batch need
 - frontier: at most `bound` requests are out; when one returns, the smallest waiting key goes
   next. The groups of the next train batch (the frontier) are therefore generated first and
   complete early and steadily, instead of all groups finishing together at the end.
+- longest: frontier's bound and train-batch order, and within a train batch the requests whose
+  prompts ran longest before go first (rlctl/pipelines/lengths.py learns that from the run).
 
 Both can be closed (no new request goes out, e.g. during a weight update) and drained.
 """
@@ -19,6 +21,7 @@ import heapq
 import itertools
 from typing import Protocol
 
+from rlctl.pipelines.lengths import LengthModel
 from rlctl.recipe import Admission as AdmissionKind
 
 Key = tuple[int, int]
@@ -27,11 +30,14 @@ Key = tuple[int, int]
 class Admission(Protocol):
     in_flight: int
 
-    async def acquire(self, key: Key) -> None:
-        """Wait until this request may go to a server."""
+    async def acquire(self, key: Key, prompt: str = "") -> None:
+        """Wait until this request (a sample of `prompt`) may go to a server."""
 
     def release(self) -> None:
         """The request came back (done, aborted or failed)."""
+
+    def finished(self, prompt: str, tokens: int) -> None:
+        """A sample of `prompt` is complete, `tokens` long."""
 
     def close(self) -> None:
         """Hold every new request until open() (in-flight ones continue)."""
@@ -73,9 +79,12 @@ class _Gate:
     async def drained(self) -> None:
         await self._idle.wait()
 
+    def finished(self, prompt: str, tokens: int) -> None:
+        pass  # only length-aware admission learns from lengths
+
 
 class FifoAdmission(_Gate):
-    async def acquire(self, key: Key) -> None:
+    async def acquire(self, key: Key, prompt: str = "") -> None:
         while not self.is_open:
             await self._opened.wait()
         self._took()
@@ -88,15 +97,19 @@ class FrontierAdmission(_Gate):
     def __init__(self, bound: int) -> None:
         super().__init__()
         self.bound = bound
-        self._waiting: list[tuple[Key, int, asyncio.Future[None]]] = []
+        self._waiting: list[tuple[tuple, int, asyncio.Future[None], Key, str]] = []
         self._tie = itertools.count()
 
-    async def acquire(self, key: Key) -> None:
+    def priority(self, key: Key, prompt: str) -> tuple:
+        """The order of waiting requests: smallest first."""
+        return key
+
+    async def acquire(self, key: Key, prompt: str = "") -> None:
         if self.is_open and self.in_flight < self.bound and not self._waiting:
             self._took()
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (key, next(self._tie), fut))
+        heapq.heappush(self._waiting, (self.priority(key, prompt), next(self._tie), fut, key, prompt))
         try:
             await fut
         except asyncio.CancelledError:
@@ -109,7 +122,7 @@ class FrontierAdmission(_Gate):
 
     def _admit_waiting(self) -> None:
         while self.is_open and self.in_flight < self.bound and self._waiting:
-            _, _, fut = heapq.heappop(self._waiting)
+            fut = heapq.heappop(self._waiting)[2]
             if fut.done():
                 continue
             self._took()
@@ -124,5 +137,34 @@ class FrontierAdmission(_Gate):
         self._admit_waiting()
 
 
-def make_admission(kind: AdmissionKind, bound: int) -> Admission:
-    return FrontierAdmission(bound) if kind is AdmissionKind.FRONTIER else FifoAdmission()
+class LongestAdmission(FrontierAdmission):
+    """At most `bound` requests out; the train batches' order is frontier's, and within a train
+    batch the request expected to run longest goes first.
+
+    Sample i of group g feeds train batch g // groups_per_batch (groups are numbered in the
+    order they are opened). A batch is complete when its slowest group is, so starting its
+    longest requests first ends it sooner: longest-processing-time-first within the batch. How
+    long a request runs is expected from its prompt's earlier samples (rlctl/pipelines/lengths.py);
+    a prompt never seen expects the run's mean, and with nothing learned the order is frontier's.
+    Requests never overtake those of an earlier train batch: ordering a long request of a later
+    batch before short ones of this batch shortens the rollout but completes this batch's groups
+    later (docs/pipelines.md measures both)."""
+
+    def __init__(self, bound: int, groups_per_batch: int, lengths: LengthModel | None = None) -> None:
+        super().__init__(bound)
+        self.groups_per_batch = max(1, groups_per_batch)
+        self.lengths = lengths or LengthModel()
+
+    def priority(self, key: Key, prompt: str) -> tuple:
+        return (key[0] // self.groups_per_batch, -self.lengths.expected_tokens(prompt), *key)
+
+    def finished(self, prompt: str, tokens: int) -> None:
+        self.lengths.finished(prompt, tokens)
+
+
+def make_admission(kind: AdmissionKind, bound: int, groups_per_batch: int = 1) -> Admission:
+    if kind is AdmissionKind.FRONTIER:
+        return FrontierAdmission(bound)
+    if kind is AdmissionKind.LONGEST:
+        return LongestAdmission(bound, groups_per_batch)
+    return FifoAdmission()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from rlctl.data import MixedStream, Prompt, prompt_stream
+from rlctl.data import MixedStream, Prompt, PromptStream, prompt_stream
 from rlctl.engines.rollout.protocol import SamplingRequest
 from rlctl.pipelines.admission import make_admission
 from rlctl.pipelines.async_ import AsyncPipeline
@@ -23,9 +23,11 @@ from rlctl.workloads import LengthDistribution
 
 def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
                    on_step_end: Callable[[int], None], *, tokenize: Callable[[Prompt], list[int]],
-                   score: Score, server_set: ServerSet | None = None) -> Pipeline:
+                   score: Score, server_set: ServerSet | None = None,
+                   prompts: PromptStream | MixedStream | None = None) -> Pipeline:
     """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated).
-    `server_set`: the servers' ServerSet when the caller watches it (failover); one is made otherwise."""
+    `server_set`: the servers' ServerSet when the caller watches it (failover); one is made otherwise.
+    `prompts`: the stream of prompts (by default the recipe's data)."""
     s = recipe.rollout.sampling
     sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
@@ -33,21 +35,23 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
     rngs: dict[str, random.Random] = {}
     if s.long_tail.enabled:
         lt = s.long_tail
-        dist = LengthDistribution(s.max_new_tokens, lt.median_fraction, lt.sigma, lt.min_tokens, lt.truncated_fraction)
+        dist = LengthDistribution(s.max_new_tokens, lt.median_fraction, lt.sigma, lt.min_tokens, lt.truncated_fraction,
+                                  lt.prompt_share)
         rng = rngs["lengths"] = random.Random(recipe.run.seed)
-        lengths = lambda: dist.sample(rng)  # noqa: E731
+        lengths = lambda prompt: dist.sample(rng, prompt)  # noqa: E731
     p = recipe.pipeline
-    admission = make_admission(p.admission, recipe.rollout.concurrency * len(servers))
+    admission = make_admission(p.admission, recipe.rollout.concurrency * len(servers), recipe.train.groups_per_batch)
     runner = GroupRunner(
         server_set or ServerSet(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize, score=score,
         clock=clock, emit=emit, lengths=lengths,
         resume_aborted=p.mode is PipelineMode.ASYNC and p.inflight_at_update is InflightAtUpdate.ABORT_RESUME,
         reward_errors=RewardErrors.of(recipe.reward),
     )
-    prompts = prompt_stream(recipe.data, recipe.run.seed, prompt_tokens=lambda prompt: len(tokenize(prompt)))
-    if prompts.rows:
-        emit("data_loaded", clock.now(), rows=len(prompts.rows), left_out=prompts.left_out,
-             **({"by_source": prompts.by_source()} if isinstance(prompts, MixedStream) else {}))
+    if prompts is None:
+        prompts = prompt_stream(recipe.data, recipe.run.seed, prompt_tokens=lambda prompt: len(tokenize(prompt)))
+        if prompts.rows:
+            emit("data_loaded", clock.now(), rows=len(prompts.rows), left_out=prompts.left_out,
+                 **({"by_source": prompts.by_source()} if isinstance(prompts, MixedStream) else {}))
     producer = GroupProducer(runner, prompts,
                              dynamic_sampling=recipe.rollout.dynamic_sampling, clock=clock, emit=emit,
                              max_equal_in_a_row=recipe.rollout.max_gen_batches * recipe.rollout.batch_size or None)

@@ -117,7 +117,7 @@ class GroupRunner:
 
     def __init__(self, servers: ServerSet, admission: Admission, sampling: SamplingRequest, group_size: int,
                  tokenize: Callable[[Prompt], list[int]], score: Score, clock: Clock, emit: EventSink,
-                 lengths: Callable[[], int] | None = None, resume_aborted: bool = False,
+                 lengths: Callable[[str], int] | None = None, resume_aborted: bool = False,
                  reward_errors: RewardErrors | None = None) -> None:
         self.servers = servers
         self.admission = admission
@@ -143,14 +143,14 @@ class GroupRunner:
             del self.rids_of[group.id]
         return group
 
-    def _request(self) -> SamplingRequest:
+    def _request(self, prompt: Prompt) -> SamplingRequest:
         if self.lengths is None:
             return self.sampling
         s = self.sampling  # built directly: dataclasses.replace costs 3x as much, per sample
-        return SamplingRequest(self.lengths(), s.temperature, s.top_p, s.top_k, s.stop_token_ids, True)
+        return SamplingRequest(self.lengths(prompt.text), s.temperature, s.top_p, s.top_k, s.stop_token_ids, True)
 
     async def _sample(self, group: Group, index: int) -> Sample:
-        request = self._request()
+        request = self._request(group.prompt)
         output: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -158,7 +158,7 @@ class GroupRunner:
         t0: float | None = None
         segment = 0
         while True:
-            await self.admission.acquire((group.id, index))
+            await self.admission.acquire((group.id, index), group.prompt.text)
             if t0 is None:
                 t0 = self.clock.now()
                 if not group.admitted:
@@ -187,6 +187,8 @@ class GroupRunner:
                 break
             segment += 1
         t_end = self.clock.now()  # the server's part ends here; waiting for a scoring slot is not its busy time
+        if reason != "abort":
+            self.admission.finished(group.prompt.text, n_tokens)
         try:
             text, scored = await self.score(output, group.prompt)
             reward, scores = scored.reward, scored.scores

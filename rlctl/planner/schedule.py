@@ -128,7 +128,7 @@ def schedule(recipe: Recipe, cost: CostModel, p: Placement, lengths: Lengths, ou
     """Fill out.stages (seconds on the critical path), out.step_s and out.bound."""
     ro, pipe, prompt = recipe.rollout, recipe.pipeline, recipe.sim.prompt_tokens
     # Frontier admission keeps rollout.concurrency requests in flight per server, in every mode.
-    b = min(out.running, ro.concurrency) if pipe.admission is Admission.FRONTIER else out.running
+    b = min(out.running, ro.concurrency) if pipe.admission in (Admission.FRONTIER, Admission.LONGEST) else out.running
     train = Training(recipe, cost, p, lengths)
     rollout = Rollout(cost, lengths, out.samples / p.servers, b, prompt, out.samples, p.servers)
     tail = rollout.tail

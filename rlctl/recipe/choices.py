@@ -22,6 +22,7 @@ class PipelineMode(enum.StrEnum):
 class Admission(enum.StrEnum):
     FIFO = "fifo"
     FRONTIER = "frontier"
+    LONGEST = "longest"
 
 
 class InflightAtUpdate(enum.StrEnum):

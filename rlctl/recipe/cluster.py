@@ -262,6 +262,10 @@ class SimConfig(Section):
     """Vocabulary size, for the logits' memory (0 = 128k)."""
     reward_rate: float = 0.5
     """Chance that a simulated sample is right (drives dynamic sampling's drop rate)."""
+    dataset_prompts: int = 0
+    """Distinct prompts the simulated run reads, epoch after epoch, each reshuffled, as a dataset
+    is read (what rollout.sampling.long_tail.prompt_share and pipeline.admission=longest see
+    again); 0: a new prompt for every group, as a built-in task makes them."""
     mfu_train: float = 0.4
     """Share of the GPU's peak bf16 FLOP/s that training reaches, in (0, 10] (a calibration against a
     CPU's guessed peak may pass 1)."""
@@ -280,7 +284,7 @@ class SimConfig(Section):
     backward at ~5 us each; calibration sets it."""
 
     def check(self) -> None:
-        for name in ("params_b", "context_tokens", "layers", "kv_dim", "hidden", "vocab"):
+        for name in ("params_b", "context_tokens", "layers", "kv_dim", "hidden", "vocab", "dataset_prompts"):
             positive(name, getattr(self, name), zero_ok=True)
         for name in ("rollout_gpus", "trainer_gpus", "tp", "train_tp", "train_pp", "prompt_tokens"):
             positive(name, getattr(self, name))

@@ -67,6 +67,10 @@ class LongTailConfig(Section):
     """Share of requests that run to max_new_tokens (the runs that hit the length cap)."""
     min_tokens: int = 1
     """The shortest length drawn, at least 1 (at most MAX_NEW_TOKENS)."""
+    prompt_share: float = 0.0
+    """Share of the lengths' log-variance that belongs to the prompt, in [0, 1): a prompt's samples
+    are alike, and so are the same prompt's in later epochs (hard prompts run long and hit the
+    cap more often). 0: every sample's length independent of its prompt."""
 
     def check(self) -> None:
         """Checked enabled or not: a value that cannot work is a typo either way."""
@@ -74,6 +78,7 @@ class LongTailConfig(Section):
         within("sigma", self.sigma, 0.0, 10.0)  # e^10: a body wider than any cap
         within("truncated_fraction", self.truncated_fraction, 0.0, 1.0, open_high=True)
         within("min_tokens", self.min_tokens, 1, MAX_NEW_TOKENS)
+        within("prompt_share", self.prompt_share, 0.0, 1.0, open_high=True)
 
 
 @dataclass(kw_only=True)

@@ -128,7 +128,9 @@ class PipelineConfig(Section):
     admission: Admission = Admission.FIFO
     """Order and amount of requests sent to the servers. fifo: the whole rollout batch at once,
     in group order (the servers queue what they cannot run). frontier: at most
-    rollout.concurrency per server, groups needed for the next train batch first."""
+    rollout.concurrency per server, groups needed for the next train batch first. longest:
+    frontier, and within a train batch the requests whose prompts ran longest before first
+    (a dataset read for several epochs; a prompt never seen is expected at the run's mean)."""
     stream_train: bool = True
     """rolloutpipe: the trainer runs forward and backward on each complete group as soon as it
     is free (gradient accumulation) and takes the optimizer step when the train batch is full,

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from rlctl.metrics import KeptEvents, Recorder
-from rlctl.data import Prompt
+from rlctl.data import Prompt, PromptStream
 from rlctl.pipelines.build import build_pipeline
 from rlctl.pipelines.evaluation import Evaluator, LoadedSet, read_set, set_sampling
 from rlctl.pipelines.scoring import Score, inline_scorer
 from rlctl.pipelines.servers import ServerSet
 from rlctl.rewards.verifiers import scored_by
 from rlctl.costs.recipe import cost_model
-from rlctl.recipe import DataConfig, EvalSet, Recipe, recipe_to_yaml
+from rlctl.recipe import DataConfig, DataSource, EvalSet, Recipe, recipe_to_yaml
 from rlctl.run.dir import SIMULATION_PREFIX, EventLog, RunDir, RunState, create_run_dir
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
@@ -67,11 +67,18 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
     prompt = [0] * sim.prompt_tokens
     clock, server_set = VirtualClock(), ServerSet(servers)
     score = inline_scorer(lambda ids: "", scored_by(lambda response, answer: float(rng.random() < sim.reward_rate)))
-    # Simulated servers see token counts, not text: the prompts come from a built-in task, so a
-    # recipe whose data lives on a cluster's filesystem simulates anywhere.
+    # Simulated servers see token counts, not text: the prompts come from a built-in task (or
+    # sim.dataset_prompts made-up rows), so a recipe whose data lives on a cluster's filesystem
+    # simulates anywhere.
+    data = DataConfig()
+    prompts = None
+    if sim.dataset_prompts:
+        data = DataConfig(source=DataSource.FILE, path="simulated")
+        rows = [Prompt(-1, f"simulated prompt {i}", "") for i in range(sim.dataset_prompts)]
+        prompts = PromptStream(data, recipe.run.seed, rows=rows)
     pipeline = build_pipeline(
-        replace(recipe, data=DataConfig()), servers, SimTrainer(cost, servers), clock, recorder.emit, lambda step: None,
-        tokenize=lambda _: prompt, score=score, server_set=server_set,
+        replace(recipe, data=data), servers, SimTrainer(cost, servers), clock, recorder.emit, lambda step: None,
+        tokenize=lambda _: prompt, score=score, server_set=server_set, prompts=prompts,
     )
     evals: list[dict[str, Any]] = []
     sets = [simulated_set(recipe, s, prompt, score) for s in recipe.eval.sets]
