@@ -5,11 +5,15 @@ interleaved, and compared in one table with ratios to sync.
     python scripts/bench_pipelines.py [--recipe recipes/bench-longtail.yaml] [--rounds 1] [KEY=VALUE ...]
     python scripts/bench_pipelines.py --sweep [KEY=VALUE ...]
 
---sweep runs 12 settings (group size x rollout batch x length cap) of rolloutpipe (frontier)
-against sync in `rlctl simulate` (recipes/sim-1024gpu.yaml on three cluster splits, 64 rollout + 16
-trainer GPUs, 4 + 2 and 2 + 1; see SPLITS) and prints each setting's train/rollout time ratio and both
-reductions.
---sweep --real runs 12 smaller settings for real on this machine (bench-longtail.yaml, 3 steps each).
+--sweep runs 12 settings (group size x rollout batch x length cap) of rolloutpipe against sync in
+`rlctl simulate` (recipes/sim-1024gpu.yaml on three cluster splits, 64 rollout + 16 trainer GPUs,
+4 + 2 and 2 + 1; see SPLITS), under each admission policy (fifo, frontier, longest), and prints
+each setting's train/rollout time ratio, both reductions per policy, and the most any policy can
+reach while the rollout lasts as long as sync's (bounds). --reread: a dataset of B prompts read
+every step (what length-aware admission learns from); add rollout.sampling.long_tail.prompt_share=R
+for lengths that belong to their prompt.
+--sweep --real runs 12 smaller settings for real on this machine (bench-longtail.yaml, 3 steps
+each); --settings 4x16x256,... runs only those.
 
 Writes results/bench_pipelines.json (real runs), bench_pipelines-sweep.json or
 bench_pipelines-sweep-real.json; with another --recipe its name follows (e.g.
@@ -81,39 +85,63 @@ SWEEP = [(g, b, cap) for g in (8, 16) for b in (128, 512) for cap in (4096, 8192
 
 
 SWEEP_KEYS = ("rollout_to_train_end", "trainer_wait_ratio", "train_time", "rollout_time")
-PAIR = (("sync", MODES[0][1]), ("pipe", MODES[1][1]))  # sync vs rolloutpipe (frontier)
+# sync, then rolloutpipe under each admission policy
+POLICIES = (("sync", MODES[0][1]), ("fifo", MODES[2][1]), ("frontier", MODES[1][1]),
+            ("longest", ["pipeline.mode=rolloutpipe", "pipeline.admission=longest"]))
+PIPED = [name for name, _ in POLICIES[1:]]
+
+
+def bounds(sync: dict[str, float]) -> tuple[float, float]:
+    """The most pipelining can cut rollout-to-train-end and the waiting ratio against sync, if
+    the rollout takes as long as sync's (R) and training as long (T), whatever the admission: the
+    trainer cannot end before the rollout's last group is ready (and trained: its last piece at
+    least), nor before it has trained T, so the window is at least max(R, T) (sync's: R + T), and
+    the trainer waits at least that less T. rho = T / R: r2t falls by at most min(rho, 1) / (1 +
+    rho), the waiting ratio at most to max(1 - rho, 0)."""
+    r, t = sync["rollout_time"], sync["train_time"]
+    window = max(r, t)
+    best_wait = (window - t) / window
+    return window / (r + t) - 1, (best_wait / sync["trainer_wait_ratio"] - 1 if sync["trainer_wait_ratio"]
+                                  else float("nan"))
 
 
 def print_sweep(settings, measure) -> list[dict]:
-    """One row per (G, B, cap): train/rollout time ratio and rolloutpipe's change of
-    rollout-to-train-end and waiting ratio against sync; then the ranges. `measure(g, b, cap,
+    """One row per (G, B, cap): train/rollout time ratio, and rolloutpipe's change of
+    rollout-to-train-end and of the trainer's waiting ratio against sync under each admission
+    policy, beside the most any policy can reach (bounds); then the ranges. `measure(g, b, cap,
     mode_overrides)` returns that mode's per-step metrics. Returns the rows' figures."""
-    print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/rollout':>14} {'r2t sync s':>11} {'r2t pipe s':>11} "
-          f"{'r2t change':>11} {'wait sync':>10} {'wait pipe':>10} {'wait change':>12} {'wall s':>7}", flush=True)
+    heads = " ".join(f"{n[:8]:>8}" for n in [*PIPED, "bound"])
+    print(f"{'G':>3} {'B':>5} {'cap':>6} {'train/roll':>10} {'r2t sync s':>10} | r2t change: {heads} | "
+          f"wait change: {heads} {'wall s':>7}", flush=True)
     rows = []
     for g, b, cap in settings:
         start = time.monotonic()
-        medians = {mode: {k: statistics.median(m[k] for m in measure(g, b, cap, extra)) for k in SWEEP_KEYS}
-                   for mode, extra in PAIR}
-        s, p = medians["sync"], medians["pipe"]
-        r2t = p["rollout_to_train_end"] / s["rollout_to_train_end"] - 1
-        wait = p["trainer_wait_ratio"] / s["trainer_wait_ratio"] - 1 if s["trainer_wait_ratio"] else float("nan")
+        runs = {mode: measure(g, b, cap, extra) for mode, extra in POLICIES}  # one run (or simulation) each
+        medians = {mode: {k: statistics.median(m[k] for m in metrics) for k in SWEEP_KEYS} for mode, metrics in runs.items()}
+        s = medians["sync"]
+        r2t = {n: medians[n]["rollout_to_train_end"] / s["rollout_to_train_end"] - 1 for n in PIPED}
+        wait = {n: medians[n]["trainer_wait_ratio"] / s["trainer_wait_ratio"] - 1 if s["trainer_wait_ratio"]
+                else float("nan") for n in PIPED}
+        r2t["bound"], wait["bound"] = bounds(s)
         rows.append({"group_size": g, "batch_size": b, "max_new_tokens": cap, **medians,
                      "train_over_rollout": s["train_time"] / s["rollout_time"], "r2t_change": r2t, "wait_change": wait,
                      "wall_s": time.monotonic() - start})
-        print(f"{g:3d} {b:5d} {cap:6d} {s['train_time'] / s['rollout_time']:14.2f} {s['rollout_to_train_end']:11.2f} "
-              f"{p['rollout_to_train_end']:11.2f} {r2t:11.1%} {s['trainer_wait_ratio']:10.2f} "
-              f"{p['trainer_wait_ratio']:10.2f} {wait:12.1%} {rows[-1]['wall_s']:7.2f}", flush=True)
+        cells = lambda d: " ".join(f"{d[n]:8.1%}" for n in [*PIPED, "bound"])  # noqa: E731
+        print(f"{g:3d} {b:5d} {cap:6d} {s['train_time'] / s['rollout_time']:10.2f} {s['rollout_to_train_end']:10.2f} | "
+              f"            {cells(r2t)} |              {cells(wait)} {rows[-1]['wall_s']:7.2f}", flush=True)
     print_range(rows)
     return rows
 
 
-def print_range(rows: list[dict], label: str = "range") -> dict[str, list[float]]:
-    """Prints and returns the range of rolloutpipe's changes against sync over the rows."""
-    span = {k: [min(r[k] for r in rows), max(r[k] for r in rows)] for k in ("r2t_change", "wait_change")}
-    print(f"{label}: rollout-to-train-end {span['r2t_change'][0]:.1%} .. {span['r2t_change'][1]:.1%}, "
-          f"trainer waiting ratio {span['wait_change'][0]:.1%} .. {span['wait_change'][1]:.1%} "
-          "(RolloutPipe paper, against Slime: -30.7..-42.3% and -37..-76%)", flush=True)
+def print_range(rows: list[dict], label: str = "range") -> dict[str, dict[str, list[float]]]:
+    """Prints and returns each policy's range of changes against sync over the rows (and the
+    bounds'): rollout-to-train-end, then the trainer's waiting ratio."""
+    span = {n: {k: [min(r[k][n] for r in rows), max(r[k][n] for r in rows)] for k in ("r2t_change", "wait_change")}
+            for n in [*PIPED, "bound"]}
+    print(f"{label} (RolloutPipe paper, against Slime: -30.7..-42.3% and -37..-76%):", flush=True)
+    for n, d in span.items():
+        print(f"  {n:9} rollout-to-train-end {d['r2t_change'][0]:7.1%} .. {d['r2t_change'][1]:7.1%}, "
+              f"trainer waiting ratio {d['wait_change'][0]:7.1%} .. {d['wait_change'][1]:7.1%}", flush=True)
     return span
 
 
@@ -125,49 +153,62 @@ def print_range(rows: list[dict], label: str = "range") -> dict[str, list[float]
 SPLITS = [(64, 16), (4, 2), (2, 1)]
 
 
-def sweep(overrides: list[str]) -> dict:
-    """The simulated sweep on every split; its figures."""
+def sweep(overrides: list[str], reread: bool = False) -> dict:
+    """The simulated sweep on every split; its figures. `reread`: the run reads a dataset of B
+    prompts every step (sim.dataset_prompts), for 3 steps of which the first is left out, so
+    that length-aware admission has each prompt's earlier lengths to go by."""
     sys.path.insert(0, str(REPO))
     from rlctl.sim.run import simulate_run
     from rlctl.recipe import load_recipe
 
     every, splits = [], []
+    steps = 3 if reread else 2
     for rollout_gpus, trainer_gpus in SPLITS:
-        base = ["run.steps=2", f"sim.rollout_gpus={rollout_gpus}", f"sim.trainer_gpus={trainer_gpus}", *overrides]
+        base = [f"run.steps={steps}", f"sim.rollout_gpus={rollout_gpus}", f"sim.trainer_gpus={trainer_gpus}", *overrides]
         print(f"\n{rollout_gpus} rollout + {trainer_gpus} trainer GPUs ({' '.join(base)})", flush=True)
 
         def measure(g, b, cap, mode_overrides, base=base):
             setting = [f"rollout.group_size={g}", f"rollout.batch_size={b}", f"train.groups_per_batch={b // 8}",
-                       f"rollout.sampling.max_new_tokens={cap}"]
+                       f"rollout.sampling.max_new_tokens={cap}", *([f"sim.dataset_prompts={b}"] if reread else [])]
             recipe = load_recipe(REPO / "recipes" / "sim-1024gpu.yaml", [*base, *setting, *mode_overrides],
                                  check_paths=False)
-            return simulate_run(recipe).metrics
+            return simulate_run(recipe).metrics[1 if reread else 0:]
 
         rows = print_sweep(SWEEP, measure)
         splits.append({"rollout_gpus": rollout_gpus, "trainer_gpus": trainer_gpus, "rows": rows})
         every += rows
-    return {"recipe": "recipes/sim-1024gpu.yaml", "overrides": overrides, "steps": 2, "splits": splits,
-            "range": print_range(every, "\nrange over all splits")}
+    return {"recipe": "recipes/sim-1024gpu.yaml", "overrides": overrides, "steps": steps, "reread": reread,
+            "splits": splits, "range": print_range(every, "\nrange over all splits")}
 
 
 REAL_SWEEP = [(g, b, cap) for g in (4, 8) for b in (16, 32) for cap in (64, 128, 256)]
 
 
-def sweep_real(recipe: Path, overrides: list[str]) -> dict:
-    """The sweep for real on CPU: same table, smaller settings (G x B groups x length cap); its figures."""
+def sweep_real(recipe: Path, overrides: list[str], settings: list[tuple[int, int, int]] | None = None) -> dict:
+    """The sweep for real on CPU: same table, smaller settings (G x B groups x length cap; all 12
+    of REAL_SWEEP unless `settings` names some); its figures."""
     with tempfile.TemporaryDirectory() as tmp:
         def measure(g, b, cap, mode_overrides):
             setting = ["run.steps=3", f"rollout.group_size={g}", f"rollout.batch_size={b}",
                        f"train.groups_per_batch={b // 8}", f"rollout.sampling.max_new_tokens={cap}", *overrides]
             return run_mode(recipe, [*setting, *mode_overrides], Path(tmp) / "runs")[1:]  # step 0 has start-up
 
-        rows = print_sweep(REAL_SWEEP, measure)
+        rows = print_sweep(settings or REAL_SWEEP, measure)
     return {"recipe": repo_path(recipe), "overrides": overrides, "steps": 3, "rows": rows, "range": print_range(rows)}
+
+
+def parse_settings(text: str) -> list[tuple[int, int, int]]:
+    """"4x16x256,8x32x64" -> [(4, 16, 256), (8, 32, 64)]: G x B x cap."""
+    try:
+        return [tuple(int(x) for x in part.split("x")) for part in text.split(",")]  # type: ignore[misc]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: settings are GxBxCAP, comma-separated (e.g. 4x16x256)") from None
 
 
 def artifact_name(a: argparse.Namespace) -> str:
     """bench_pipelines[-sweep[-real]], then the recipe's name unless it is the default."""
     name = "bench_pipelines" + ("-sweep" if a.sweep else "") + ("-real" if a.sweep and a.real else "")
+    name += "-reread" if a.sweep and a.reread and not a.real else ""
     if a.recipe.resolve() != DEFAULT_RECIPE and not (a.sweep and not a.real):  # the simulated sweep has its own recipe
         name += "-" + slug(a.recipe.stem)
     return a.artifact or name
@@ -182,11 +223,15 @@ def main() -> None:
     p.add_argument("--runs-dir", type=Path, help="keep the run directories here (for rlctl status/trace/compare)")
     p.add_argument("--sweep", action="store_true", help="12 simulated settings instead of real runs")
     p.add_argument("--real", action="store_true", help="with --sweep: 12 smaller settings run for real")
+    p.add_argument("--settings", type=parse_settings, help="with --sweep --real: only these, GxBxCAP,...")
+    p.add_argument("--reread", action="store_true",
+                   help="with --sweep: a dataset of B prompts read every step, 3 steps (the first left out)")
     p.add_argument("--artifact", help="the name of the results/ file (default: from the mode and the recipe)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     if a.sweep:
-        write_artifact(artifact_name(a), sweep_real(a.recipe, a.overrides) if a.real else sweep(a.overrides))
+        write_artifact(artifact_name(a), sweep_real(a.recipe, a.overrides, a.settings) if a.real
+                       else sweep(a.overrides, a.reread))
         return
     figures = real_runs(a)
     if a.json:
