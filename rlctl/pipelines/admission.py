@@ -146,9 +146,10 @@ class LongestAdmission(FrontierAdmission):
     longest requests first ends it sooner: longest-processing-time-first within the batch. How
     long a request runs is expected from its prompt's earlier samples (rlctl/pipelines/lengths.py);
     a prompt never seen expects the run's mean, and with nothing learned the order is frontier's.
-    Requests never overtake those of an earlier train batch: ordering a long request of a later
-    batch before short ones of this batch shortens the rollout but completes this batch's groups
-    later (docs/pipelines.md measures both)."""
+    Requests never overtake those of an earlier train batch: a long request of a later batch sent
+    before short ones of this batch would shorten the rollout, but complete this batch's groups
+    later, and the trainer would wait for them. docs/pipelines.md ("Admission, measured") says
+    what the policy buys."""
 
     def __init__(self, bound: int, groups_per_batch: int, lengths: LengthModel | None = None) -> None:
         super().__init__(bound)
