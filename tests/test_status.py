@@ -92,6 +92,23 @@ def test_detail_shows_events_whatever_clock_wrote_them(tmp_path):
     assert "{" not in text.split("last events")[1]  # no Python dicts
 
 
+def test_a_colocated_run_says_so_and_what_its_turns_cost(tmp_path):
+    rd = fake_run(tmp_path, "colo-20260101-000000-cccc", "completed", 10, [])
+    info = json.loads(rd.run_json.read_text()) | {"colocated": True}
+    rd.run_json.write_text(json.dumps(info))
+    last = {"step": 4, "reward_mean": 0.5, "step_time": 9.0, "rollout_time": 5.0, "train_time": 3.0, "sync_time": 0.2,
+            "trainer_wait_ratio": 0.4, "turn_time": 1.25}
+    rd.metrics_path.write_text(json.dumps(last) + "\n")
+    console = Console(width=200, record=True, color_system=None)
+    console.print(render_detail(detail(rd)))
+    text = console.export_text()
+    assert "sync / local, colocated" in text
+    assert "took turns for 1.25 s of the step" in text
+    assert render_table([summary(rd)]).plain.splitlines()[1].split()[1:3] == ["sync", "colocated"]
+    plain = fake_run(tmp_path, "plain-20260101-000000-dddd", "completed", 10, [0.1])
+    assert summary(plain)["colocated"] is False and "colocated" not in render_table([summary(plain)]).plain
+
+
 def test_status_says_where_it_looked_when_there_are_no_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     res = rlctl_here("status", cwd=tmp_path)

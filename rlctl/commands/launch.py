@@ -61,6 +61,7 @@ def _run_info(r, recipe: Path, overrides: list[str], plan: dict | None) -> dict:
         "code": code_version(),
         "launcher": r.launcher,
         "mode": r.pipeline.mode,
+        **({"colocated": True} if r.colocate.enabled else {}),
         "steps_total": r.run.steps,
         "recipe_file": str(recipe),
         "overrides": list(overrides),

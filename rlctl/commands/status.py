@@ -43,7 +43,8 @@ def table_text(rows: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int, st
     right = {4, 5, 6}
     cells = [
         (one_line(r["id"], 120), "-", "-", r["state"], "-", "-", "-") if r.get("unreadable") else
-        (one_line(r["id"], 120), r["mode"] or "-", r["launcher"] or "-", r["state"], f"{r['step']}/{r['steps_total']}",
+        (one_line(r["id"], 120), (r["mode"] or "-") + (" colocated" if r.get("colocated") else ""), r["launcher"] or "-",
+         r["state"], f"{r['step']}/{r['steps_total']}",
          "-" if r["reward"] is None else f"{r['reward']:.3f}", _fmt_duration(r["elapsed_s"]))
         for r in rows
     ]
@@ -108,6 +109,8 @@ def _metrics_lines(m: dict[str, Any]) -> list[str]:
                    f"critical-path bound, servers idle {idle:.0%}, {m['tokens_per_s']:.0f} tokens/s")
         out.append(f"samples trained up to {m.get('staleness_max', 0)} optimizer steps and "
                    f"{m.get('sync_lag_max', 0)} weight syncs behind the trainer")
+    if nums("turn_time") and m["turn_time"] > 0:
+        out.append(f"colocated: the servers and the trainer took turns for {m['turn_time']:.2f} s of the step")
     return out
 
 
@@ -154,7 +157,7 @@ def render_detail(d: dict[str, Any]) -> Group:
 
     head = Text()  # built from parts, never markup: ids and paths are the run directory's, not ours
     head.append(one_line(d["id"], 120), style="bold")
-    head.append(f"  {d['mode']} / {d['launcher']}  ")
+    head.append(f"  {d['mode']} / {d['launcher']}{', colocated' if d.get('colocated') else ''}  ")
     head.append(d["state"], style=STATE_STYLE.get(d["state"], ""))
     head.append(f"  step {d['step']}/{d['steps_total']}  elapsed {_fmt_duration(d['elapsed_s'])}\n{d['path']}")
     parts: list[Any] = [head]

@@ -50,6 +50,7 @@ def summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
         "name": info["name"],
         "mode": info.get("mode"),
         "launcher": info.get("launcher"),
+        "colocated": info.get("colocated") is True,
         "state": state.value,
         "step": step + 1 if isinstance(step, int) and not isinstance(step, bool) else 0,
         "steps_total": info.get("steps_total"),
@@ -65,7 +66,8 @@ def summary(rd: RunDir, info: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def unreadable_row(rd: RunDir, why: str) -> dict[str, Any]:
     """The row of a run that cannot be read: the keys of a summary, empty, and why."""
-    return {"id": one_line(rd.id, 120), "name": None, "mode": None, "launcher": None, "state": "unreadable",
+    return {"id": one_line(rd.id, 120), "name": None, "mode": None, "launcher": None, "colocated": None,
+            "state": "unreadable",
             "step": None, "steps_total": None, "reward": None, "elapsed_s": None, "created": None,
             "exit_reason": None, "path": str(rd.path), "slurm": None, "unreadable": why}
 

@@ -26,6 +26,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "processes": ((dict,), False),
     "launcher": ((str,), False),
     "mode": ((str,), False),
+    "colocated": ((bool,), False),
     "steps_total": ((int,), False),
     "slurm": ((dict,), False),
     "tracking": ((dict,), False),
