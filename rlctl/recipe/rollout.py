@@ -227,7 +227,8 @@ class RolloutConfig(Section):
     batch_size: int = 32
     """Groups per rollout batch (B): all generated with one weight version; at most MAX_BATCH."""
     concurrency: int = 32
-    """Requests in flight per server under frontier admission (fifo admission sends everything)."""
+    """Requests in flight per server under frontier or longest admission (fifo admission sends
+    everything); a step with fewer requests than this x servers sends them all at once."""
     max_running_requests: int = 128
     """Largest decode batch a built-in server runs."""
     dynamic_sampling: bool = False

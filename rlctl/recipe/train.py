@@ -130,7 +130,9 @@ class PipelineConfig(Section):
     in group order (the servers queue what they cannot run). frontier: at most
     rollout.concurrency per server, groups needed for the next train batch first. longest:
     frontier, and within a train batch the requests whose prompts ran longest before first
-    (a dataset read for several epochs; a prompt never seen is expected at the run's mean)."""
+    (a dataset read for several epochs; a prompt never seen, as a built-in task's are, is
+    expected at the run's mean, so the order is frontier's). frontier and longest order only
+    what waits: with rollout.concurrency x servers at least a step's requests, all go out at once."""
     stream_train: bool = True
     """rolloutpipe: the trainer runs forward and backward on each complete group as soon as it
     is free (gradient accumulation) and takes the optimizer step when the train batch is full,
