@@ -132,7 +132,9 @@ def test_two_runs_share_the_pool_each_behind_its_own_door(pool, tmp_path):
 
 
 def test_a_killed_server_comes_back_and_a_killed_trainer_fails_only_its_run(pool, tmp_path):
-    a = launch(tmp_path, "a", "run.steps=200")
+    # Long enough to outlive the rejoin however fast its steps go (they took 0.07 s each on an
+    # idle CI, 200 of them ending the run first); the test ends it by killing its trainer.
+    a = launch(tmp_path, "a", "run.steps=100000")
     b = launch(tmp_path, "b", "run.steps=6", "run.seed=3")
     wait_for(lambda: any(e["event"] == "step_end" for e in a.events()), 300, "a's first step")
     victim = a.read()["processes"]["rollout-1"]["pid"]
