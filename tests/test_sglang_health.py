@@ -141,3 +141,25 @@ def test_the_watch_keeps_a_paused_server_and_loses_it_when_it_asks_the_generatin
     assert told == set() and untold == {"rollout-0"}
     (lost,) = [f for kind, f in events if kind == "server_lost"]
     assert lost["reason"].startswith("/health_generate has not answered 200"), lost
+
+
+def test_the_watch_asks_a_lost_or_paused_server_the_route_that_does_not_generate(tmp_path):
+    """A server that should be generating is asked /health_generate; a paused one, and a lost one
+    (started again, it has none of the run's weights; a pool may hold it moved out, where the
+    generating check waits out SGLang's 20 s health timeout), the route that does not generate."""
+    from rlctl.control.failover import ServerWatch
+    from rlctl.engines.rollout.client import RolloutClient
+    from rlctl.pipelines.servers import ServerSet
+    from rlctl.run.dir import RunClock, create_run_dir
+
+    from conftest import QUICKSTART
+    from rlctl.recipe import load_recipe
+
+    recipe = load_recipe(QUICKSTART, [])
+    clients = [RolloutClient(f"http://127.0.0.1:{9 + i}", None, name=f"rollout-{i}") for i in range(3)]
+    server_set = ServerSet(clients)
+    watch = ServerWatch(server_set, clients, recipe, create_run_dir(tmp_path / "runs", "watch", "", {}),
+                        lambda kind, t, **f: None, RunClock())
+    watch.pause(["rollout-1"])
+    server_set.lose("rollout-2", "killed")
+    assert [watch.probe_route(c.name) for c in clients] == ["/health_generate", "/health", "/health"]

@@ -167,13 +167,21 @@ class ServerWatch:
                         self.emit("server_back", now, server=c.name)
                 probe = None
             if probe is None:
-                route = self.probed_route[c.name] = self.route(c.name in self.paused)
+                route = self.probed_route[c.name] = self.probe_route(c.name)
                 self.probes[c.name] = asyncio.create_task(self._probe(c, route))
                 self.probed_key_id[c.name] = key_ids[c.name]
             if c.name not in self.server_set.lost and now - self.last_ok[c.name] > self.stall_s:
-                route = self.route(c.name in self.paused)
+                route = self.probe_route(c.name)
                 self.server_set.lose(c.name, f"{route} has not answered 200 for {now - self.last_ok[c.name]:.0f} s")
                 self._kill(c.name)  # frozen, not dead: it is restarted once it is
+
+    def probe_route(self, name: str) -> str:
+        """The route a probe of `name` asks: the generating one only while the server should be
+        generating. A paused server, and a lost one, ask the one that does not generate: a lost
+        server started again holds none of the run's weights, and what tells it is back is that
+        it answers at all; a generating check of it may wait out SGLang's health timeout (20 s)
+        while it is held, as a pool holds a model it has moved out."""
+        return self.route(name in self.paused or name in self.server_set.lost)
 
     def rejoin(self, name: str, key_id: str, version: int) -> None:
         """A server back from the dead has the run's weights (version): it gets requests again,
