@@ -15,20 +15,27 @@ from rlctl.recipe import Admission
 
 def admitted_order(admission, requests: list[tuple[tuple[int, int], str]]) -> list[tuple[int, int]]:
     """Fill the bound with a held request, queue `requests`, then free one slot at a time: the
-    order the waiting requests are let through."""
+    order the waiting requests are let through. Driven by events, never by waiting: a task calls
+    acquire() in the same step as it says it is queuing (acquire queues before it awaits), and
+    each slot freed lets exactly one waiting request through, which says so."""
     order: list[tuple[int, int]] = []
+    queued, admitted = asyncio.Event(), asyncio.Event()
 
-    async def one(key, prompt):
+    async def one(key, prompt, last):
+        if last:
+            queued.set()  # the tasks run in order: every earlier one has queued already
         await admission.acquire(key, prompt)
         order.append(key)
+        admitted.set()
 
     async def main():
         await admission.acquire((-1, 0))  # the bound is 1: everything else waits
-        tasks = [asyncio.create_task(one(k, p)) for k, p in requests]
-        await asyncio.sleep(0)
+        tasks = [asyncio.create_task(one(k, p, i == len(requests) - 1)) for i, (k, p) in enumerate(requests)]
+        await queued.wait()
         for _ in requests:
+            admitted.clear()
             admission.release()
-            await asyncio.sleep(0)
+            await admitted.wait()
         await asyncio.gather(*tasks)
 
     asyncio.run(main())

@@ -222,12 +222,27 @@ FLATTENED_PATHS = ("sglang/srt/model_executor/model_runner_components/weight_upd
 
 
 def _flattened_handler(src) -> ast.FunctionDef:
-    """SGLang's _update_weights_from_flattened_bucket, wherever the release keeps it."""
+    """SGLang's _update_weights_from_flattened_bucket, wherever the release keeps it, after
+    checking that its update_weights_from_tensor hands it the whole unpickled payload when
+    load_format is "flattened_bucket" (what our client sends)."""
     for rel in FLATTENED_PATHS:
-        if src.has(rel):
-            for node in ast.walk(src.module(rel)):
-                if isinstance(node, ast.FunctionDef) and node.name == "_update_weights_from_flattened_bucket":
-                    return node
+        if not src.has(rel):
+            continue
+        defs = {n.name: n for n in ast.walk(src.module(rel)) if isinstance(n, ast.FunctionDef)}
+        if "_update_weights_from_flattened_bucket" not in defs:
+            continue
+        entry = defs["update_weights_from_tensor"]
+        payload = entry.args.args[1].arg  # after self: the deserialized payload of this rank
+        dispatch = [
+            call for node in ast.walk(entry) if isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and any(isinstance(c, ast.Constant) and c.value == ipc.FLATTENED_BUCKET for c in node.test.comparators)
+            for call in ast.walk(node) if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "_update_weights_from_flattened_bucket"
+        ]
+        assert len(dispatch) == 1, f"{rel}: update_weights_from_tensor does not dispatch {ipc.FLATTENED_BUCKET!r}"
+        (given,) = [*dispatch[0].args, *(k.value for k in dispatch[0].keywords)]
+        assert isinstance(given, ast.Name) and given.id == payload, ast.unparse(dispatch[0])
+        return defs["_update_weights_from_flattened_bucket"]
     raise LookupError(f"no _update_weights_from_flattened_bucket in {FLATTENED_PATHS}")
 
 

@@ -97,7 +97,7 @@ class FrontierAdmission(_Gate):
     def __init__(self, bound: int) -> None:
         super().__init__()
         self.bound = bound
-        self._waiting: list[tuple[tuple, int, asyncio.Future[None], Key, str]] = []
+        self._waiting: list[tuple[tuple, int, asyncio.Future[None]]] = []
         self._tie = itertools.count()
 
     def priority(self, key: Key, prompt: str) -> tuple:
@@ -109,7 +109,7 @@ class FrontierAdmission(_Gate):
             self._took()
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (self.priority(key, prompt), next(self._tie), fut, key, prompt))
+        heapq.heappush(self._waiting, (self.priority(key, prompt), next(self._tie), fut))
         try:
             await fut
         except asyncio.CancelledError:
@@ -122,7 +122,7 @@ class FrontierAdmission(_Gate):
 
     def _admit_waiting(self) -> None:
         while self.is_open and self.in_flight < self.bound and self._waiting:
-            fut = heapq.heappop(self._waiting)[2]
+            _, _, fut = heapq.heappop(self._waiting)
             if fut.done():
                 continue
             self._took()

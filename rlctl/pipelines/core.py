@@ -143,14 +143,15 @@ class GroupRunner:
             del self.rids_of[group.id]
         return group
 
-    def _request(self, prompt: Prompt) -> SamplingRequest:
+    def _request(self, prompt: str) -> SamplingRequest:
         if self.lengths is None:
             return self.sampling
         s = self.sampling  # built directly: dataclasses.replace costs 3x as much, per sample
-        return SamplingRequest(self.lengths(prompt.text), s.temperature, s.top_p, s.top_k, s.stop_token_ids, True)
+        return SamplingRequest(self.lengths(prompt), s.temperature, s.top_p, s.top_k, s.stop_token_ids, True)
 
     async def _sample(self, group: Group, index: int) -> Sample:
-        request = self._request(group.prompt)
+        text = group.prompt.text  # made anew on every read for chat messages: once per sample
+        request = self._request(text)
         output: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -158,7 +159,7 @@ class GroupRunner:
         t0: float | None = None
         segment = 0
         while True:
-            await self.admission.acquire((group.id, index), group.prompt.text)
+            await self.admission.acquire((group.id, index), text)
             if t0 is None:
                 t0 = self.clock.now()
                 if not group.admitted:
@@ -188,7 +189,7 @@ class GroupRunner:
             segment += 1
         t_end = self.clock.now()  # the server's part ends here; waiting for a scoring slot is not its busy time
         if reason != "abort":
-            self.admission.finished(group.prompt.text, n_tokens)
+            self.admission.finished(text, n_tokens)
         try:
             text, scored = await self.score(output, group.prompt)
             reward, scores = scored.reward, scored.scores

@@ -70,14 +70,12 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
     # Simulated servers see token counts, not text: the prompts come from a built-in task (or
     # sim.dataset_prompts made-up rows), so a recipe whose data lives on a cluster's filesystem
     # simulates anywhere.
-    data = DataConfig()
     prompts = None
     if sim.dataset_prompts:
-        data = DataConfig(source=DataSource.FILE, path="simulated")
         rows = [Prompt(-1, f"simulated prompt {i}", "") for i in range(sim.dataset_prompts)]
-        prompts = PromptStream(data, recipe.run.seed, rows=rows)
+        prompts = PromptStream(DataConfig(source=DataSource.FILE), recipe.run.seed, rows=rows)
     pipeline = build_pipeline(
-        replace(recipe, data=data), servers, SimTrainer(cost, servers), clock, recorder.emit, lambda step: None,
+        replace(recipe, data=DataConfig()), servers, SimTrainer(cost, servers), clock, recorder.emit, lambda step: None,
         tokenize=lambda _: prompt, score=score, server_set=server_set, prompts=prompts,
     )
     evals: list[dict[str, Any]] = []
