@@ -42,7 +42,24 @@ if [ "$(id -u)" = 0 ]; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null
   fi
   trap 'scripts/slurm-test-cluster.sh stop' EXIT
-  eval "$(scripts/slurm-test-cluster.sh start)"   # exports SLURM_CONF
+  # start prints `export SLURM_CONF=...`. Taken into a variable first: `eval "$(start)"` would run
+  # the tests with no SLURM_CONF when start fails, and every Slurm test would fail on sbatch's
+  # "Could not establish a configuration source" with the reason scrolled away. A start that
+  # fails is stopped and tried once more; a second failure ends here, naming the daemons' logs.
+  start_cluster() {
+    local exports
+    exports=$(scripts/slurm-test-cluster.sh start) || {
+      echo "[run-tests] the Slurm test cluster did not start; the end of its logs:" >&2
+      tail -n 15 "${RLCTL_SLURM_DIR:-/tmp/rlctl-slurm}"/log/*.log >&2 2>/dev/null || true
+      return 1
+    }
+    eval "$exports"
+  }
+  if ! start_cluster; then
+    scripts/slurm-test-cluster.sh stop || true
+    start_cluster || { echo "error: the Slurm test cluster did not start twice; see above" >&2; exit 1; }
+  fi
+  [ -r "${SLURM_CONF:-}" ] || { echo "error: the Slurm test cluster gave no readable SLURM_CONF" >&2; exit 1; }
   export RLCTL_SLURM_TESTS=1
 fi
 python3 -m pytest -q --durations=30 "$@"
