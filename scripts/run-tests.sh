@@ -38,8 +38,14 @@ if ! compgen -G "$wheels/megatron_core-0.19.2-*.whl" >/dev/null; then
 fi
 
 if [ "$(id -u)" = 0 ]; then
-  if ! command -v shellcheck >/dev/null 2>&1; then
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null
+  # The scripts' linter (shellcheck); bubblewrap and a system Python for the python tool's sandbox
+  # (tests/test_sandbox.py; rlctl/agents/sandbox.py runs the system's Python, which `nobody` can read)
+  missing=()
+  command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)
+  command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+  [ -x /usr/bin/python3 ] || missing+=(python3-minimal)
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
   trap 'scripts/slurm-test-cluster.sh stop' EXIT
   # start prints `export SLURM_CONF=...`. Taken into a variable first: `eval "$(start)"` would run

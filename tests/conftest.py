@@ -310,3 +310,20 @@ def sglang():
         ensure_wheel(version)
         return sglang_source.source(version)
     return get
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_factory():
+    """chat_tokenizer_factory(template): a byte-level BPE tokenizer with ChatML's special tokens
+    and that chat template, built here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["What is 2+3? The answer is 5.", "system user assistant Be brief."] * 20, trainer)
+    return lambda template: PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                    pad_token="<|endoftext|>", chat_template=template)

@@ -12,7 +12,7 @@ from rlctl.data import Prompt
 from rlctl.engines.train.base import TrainSample, with_group_advantages
 from rlctl.errors import RecipeError
 from rlctl.pipelines.build import shaping
-from rlctl.pipelines.core import Group, Sample
+from rlctl.pipelines.groups import Group, Sample
 from rlctl.recipe import load_recipe
 
 

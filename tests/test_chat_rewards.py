@@ -21,19 +21,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer():
+def chat_tokenizer(chat_tokenizer_factory):
     """A byte-level BPE tokenizer with ChatML special tokens and a chat template, built here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["What is 2+3? The answer is 5.", "system user assistant Be brief."] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHATML)
+    return chat_tokenizer_factory(CHATML)
 
 
 def reference_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:

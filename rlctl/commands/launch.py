@@ -25,6 +25,7 @@ def launch(
     r = load_recipe(recipe, overrides or [])
     _check_trainer_fits(r, recipe)
     _check_data(r)
+    _check_environment(r, recipe)
     if resume and not dry_run:
         from rlctl.commands.resume import resume_recipe
 
@@ -87,6 +88,21 @@ def _check_data(r) -> None:
     from rlctl.data.check import check_data
 
     check_data(r)
+
+
+def _check_environment(r, recipe: Path) -> None:
+    """rollout.multi_turn's environment, made ready here (the python tool: a sandbox that runs),
+    so that one that cannot work stops the launch before anything starts."""
+    if not r.rollout.multi_turn.enabled:
+        return
+    from rlctl.agents.builtin import environment_factory
+    from rlctl.errors import RecipeError
+    from rlctl.recipe import FieldError
+
+    try:
+        environment_factory(r.rollout.multi_turn)
+    except FieldError as e:
+        raise RecipeError(str(recipe), f"rollout.multi_turn.{e.key}", e.message) from None
 
 
 def _check_engines_importable(r) -> None:

@@ -36,6 +36,7 @@ from rlctl.control.failover import FailoverTrainer, ServerWatch
 from rlctl.metrics import Recorder
 from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.build import build_pipeline
+from rlctl.control.multi_turn import make_multi_turn
 from rlctl.pipelines.evaluation import Evaluator
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
@@ -97,9 +98,11 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
             state = await load_checkpoint(trainer, resume_from, recorder.emit, clock) if resume_from else None
             await send_initial_weights(trainer, recorder.emit, clock, version=int(state["version"]) if state else 0)
             recorder.events.flush()
+            multi_turn = make_multi_turn(recipe.rollout.multi_turn, renderer)  # its tool workers are daemons
             pipeline = build_pipeline(recipe, servers, trainer, clock, recorder.emit,
                                       on_step_end=lambda step: _log_step(recorder.last),
-                                      tokenize=renderer.ids, score=scorer, server_set=server_set)
+                                      tokenize=renderer.ids, score=scorer, server_set=server_set,
+                                      multi_turn=multi_turn)
             if state:
                 restore_pipeline(pipeline, state, recorder.emit, clock)
             pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock, preempt)

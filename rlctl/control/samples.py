@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from rlctl.run.dir import RunDir, append_jsonl
 
 if TYPE_CHECKING:
-    from rlctl.pipelines.core import Group
+    from rlctl.pipelines.groups import Group
 
 
 class SampleWriter:
@@ -34,4 +34,12 @@ def sample_lines(group: Group) -> list[dict[str, Any]]:
     return [{"step": group.step, "group": group.id, "sample": s.index, "source": p.source, "prompt": p.prompt,
              "answer": p.answer, "response": s.text, "reward": s.reward, "scores": s.scores,
              "version": s.weight_version, "finish_reason": s.finish_reason, "prompt_tokens": len(group.prompt_ids),
-             "response_tokens": s.n_tokens} for s in group.samples]
+             "response_tokens": s.n_tokens, **trajectory(s)} for s in group.samples]
+
+
+def trajectory(s: Any) -> dict[str, Any]:
+    """A trajectory's whole text, its model turns and its tool calls (nothing for a single response)."""
+    if not s.turns:
+        return {}
+    return {"trajectory": s.trajectory, "turns": len(s.turns), "tool_calls": len(s.tool_calls),
+            "tool_calls_ok": sum(1 for c in s.tool_calls if c["ok"])}

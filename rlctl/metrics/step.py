@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.metrics.spans import SpanKind, SpanPairer, union_length
+from rlctl.metrics.tools import tool_metrics
 
 TRAIN_STATS = ("loss", "clip_frac", "kl", "grad_norm", "logprob_diff", "approx_kl", "entropy", "dual_clip_frac",
                "mismatch_kl", "is_weight_mean", "is_capped_frac", "value_loss", "value_clip_frac", "explained_var",
@@ -72,6 +73,10 @@ class _Step:
     train_stats: dict[str, list[float]] = field(default_factory=dict)
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     """Each server's request intervals, from the step's start on."""
+    model_turns: list[int] = field(default_factory=list)
+    """rollout.multi_turn: the model turns of each sample."""
+    tool_calls: list[tuple[float, float, bool]] = field(default_factory=list)
+    """rollout.multi_turn: (start, end, ok) of each tool call (tool_call events)."""
 
 
 @dataclass
@@ -194,7 +199,11 @@ class StepMetrics:
         s = self._open
         if s is None:
             return
-        for server, a, b in zip(servers, e.get("starts", []), e.get("ends", [])):
+        if isinstance(e.get("turns"), list):  # trajectories: a server is busy with their model turns only
+            spans = [(t[0], t[1], t[2]) for turns in e["turns"] for t in turns]
+        else:
+            spans = list(zip(servers, e.get("starts", []), e.get("ends", [])))
+        for server, a, b in spans:
             if b > s.t_start:
                 s.busy.setdefault(server, []).append((max(a, s.t_start), b))
 
@@ -214,6 +223,10 @@ def _take(s: _Step, e: dict[str, Any], kind: str) -> None:
             s.scores.setdefault(str(name), []).extend(v for v in values if isinstance(v, int | float))
         s.lengths += e["lengths"]
         s.versions += e["versions"]
+        if isinstance(e.get("turns"), list):
+            s.model_turns += [len(turns) for turns in e["turns"]]
+    elif kind == "tool_call":
+        s.tool_calls.append((t, t + float(e.get("seconds") or 0.0), bool(e.get("ok"))))
     elif kind == "group_dropped":
         s.groups_dropped += 1
     elif kind == "reward_error":
@@ -293,14 +306,16 @@ def _record(s: _Step, servers: list[str]) -> dict[str, Any]:
     for key in TRAIN_STATS:
         if key in s.train_stats:
             m[key] = statistics.fmean(s.train_stats[key])
-    return m | _where_given(s)
+    return m | _where_given(s, servers, t_end)
 
 
-def _where_given(s: _Step) -> dict[str, float]:
+def _where_given(s: _Step, servers: list[str], t_end: float) -> dict[str, float]:
     """reward_mean/<source> per data source and score_<name> per named score, where the data or
     the reward function gives them; turn_time in a colocated run (what taking turns cost the
-    step: releasing and resuming memory)."""
+    step: releasing and resuming memory); a multi-turn run's tool figures (rlctl/metrics/tools.py)."""
     m = {f"reward_mean/{source}": statistics.fmean(rewards) for source, rewards in sorted(s.source_rewards.items())}
+    if s.model_turns or s.tool_calls:
+        m |= tool_metrics(s.model_turns, s.tool_calls, s.busy, servers, (s.t_start, t_end))
     m |= {"turn_time": sum(s.turns)} if s.turns else {}
     return m | {f"score_{name}": statistics.fmean(values) for name, values in sorted(s.scores.items()) if values}
 

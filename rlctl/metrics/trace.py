@@ -38,6 +38,15 @@ def _servers(e: dict[str, Any]) -> list[str]:
     return [s for s in servers if isinstance(s, str)] if isinstance(servers, list) else []
 
 
+def _turn_servers(e: dict[str, Any]) -> list[str]:
+    """The servers of a group of trajectories' turns (a sample's turns may go to several)."""
+    turns = e.get("turns")
+    if not isinstance(turns, list):
+        return []
+    return [t[0] for sample in turns if isinstance(sample, list) for t in sample if isinstance(t, list) and t
+            and isinstance(t[0], str)]
+
+
 def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[str, Any]:
     """One track per rollout server (each sample's request), one per trainer rank (train batches,
     weight syncs), and one for the controller (steps; and its held-out evaluations, when there are
@@ -47,7 +56,7 @@ def chrome_trace(events: list[dict[str, Any]], trainer_ranks: int = 1) -> dict[s
     placed = [e for e in events if usable(e)]
     skipped = len(events) - len(placed)
     t0 = run_start_time(placed)
-    servers = sorted({s for e in placed if e["event"] == "group_completed" for s in _servers(e)})
+    servers = sorted({s for e in placed if e["event"] == "group_completed" for s in _servers(e) + _turn_servers(e)})
     tid_of = {s: i for i, s in enumerate(servers)}
     out = _track_names(tid_of, trainer_ranks)
     if any(e["event"] == "eval_end" for e in placed):
@@ -82,7 +91,8 @@ def in_lanes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the next begins, or enclose it; a rollout server runs many requests at once, whose spans
     overlap every which way. Each track's slices are dealt, in order of start, onto the first of
     its lanes that is free by then (lane 0 is the track itself): as many lanes as requests ever
-    ran at once. Each extra lane is named after its track ("rollout-0 #2") and sorted under it."""
+    ran at once. Each extra lane is named after its track ("rollout-0 #2") and sorted under it.
+    A slice's `children` (a trajectory's turns and tool calls, each within it) go on its lane."""
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in entries if e.get("name") == "thread_name"}
     lanes: dict[tuple[int, int], list[float]] = {}  # (pid, tid) -> when each lane is free again
     out: list[dict[str, Any]] = []
@@ -90,7 +100,9 @@ def in_lanes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         free = lanes.setdefault((e["pid"], e["tid"]), [])
         k = next((i for i, until in enumerate(free) if until <= e["ts"]), len(free))
         free[k:k + 1] = [e["ts"] + e["dur"]]
+        children = e.pop("children", [])
         out.append({**e, "tid": e["tid"] + k * LANE_STRIDE} if k else e)
+        out += [{**c, "tid": e["tid"] + k * LANE_STRIDE} for c in children]  # nested in it, on its lane
     meta = [e for e in entries if e.get("ph") != "X"]
     for (pid, tid), free in sorted(lanes.items()):
         meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid * 1000}})
@@ -107,6 +119,8 @@ def _entries(e: dict[str, Any], closed: Span | None, t0: float, tid_of: dict[str
              trainer_ranks: int) -> list[dict[str, Any]]:
     """The trace entries of one event (none for most)."""
     kind = e["event"]
+    if kind == "group_completed" and isinstance(e.get("turns"), list):
+        return [trajectory_span(e, i, t0, tid_of) for i in range(len(e["turns"]))]
     if kind == "group_completed":
         return [_span(f"g{e['group']}", 1, tid_of[server], t0, float(a), float(b), group=e["group"], sample=i,
                       step=e["step"], tokens=e["lengths"][i], reward=e["rewards"][i], version=e["versions"][i])
@@ -131,6 +145,24 @@ def _entries(e: dict[str, Any], closed: Span | None, t0: float, tid_of: dict[str
                  "tid": tid_of.get(e.get("role"), 0), "ts": round((e["t"] - t0) * 1e6, 1),
                  "args": {k: v for k, v in e.items() if k not in ("t", "event")}}]
     return []
+
+
+def trajectory_span(e: dict[str, Any], i: int, t0: float, tid_of: dict[str, int]) -> dict[str, Any]:
+    """Sample i of a group of trajectories: one slice on its first turn's server, from its first
+    request to its last turn's end, holding a slice per model turn (its server and tokens) and
+    one per tool call (the tool's name, seconds, whether it failed)."""
+    turns, tools = e["turns"][i], (e.get("tools") or [[]] * len(e["turns"]))[i]
+    tid = tid_of[turns[0][0]]
+    end = max([float(turns[-1][2]), *(float(a) + float(seconds) for _, a, seconds, _ in tools)])
+    parent = _span(f"g{e['group']}", 1, tid, t0, float(turns[0][1]), end, group=e["group"], sample=i,
+                   step=e["step"], tokens=e["lengths"][i], reward=e["rewards"][i], version=e["versions"][i],
+                   turns=len(turns), tool_calls=len(tools))
+    children = [_span(f"turn {k}", 1, tid, t0, float(a), float(b), server=server, tokens=tokens, versions=versions)
+                for k, (server, a, b, tokens, versions) in enumerate(turns)]
+    children += [_span(str(name), 1, tid, t0, float(a), float(a) + float(seconds), tool=name, seconds=seconds, ok=ok)
+                 for name, a, seconds, ok in tools]
+    parent["children"] = children
+    return parent
 
 
 def _track_names(tid_of: dict[str, int], trainer_ranks: int) -> list[dict[str, Any]]:

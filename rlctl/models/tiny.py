@@ -115,22 +115,30 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, init: ModelInit, task_name: 
 
 
 def warmup_batch(task: Task, tokenizer: Any, init: ModelInit, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt + target ids and their labels; the loss falls on the target only."""
+    """Right-padded prompt + target ids and their labels; the loss falls on the target only (on a
+    multi-turn task's trajectory, on the model's turns only)."""
     import torch
 
-    rows = []
+    rows: list[tuple[list[int], list[int]]] = []  # (ids, labels)
     for _ in range(init.warmup_batch_size):
-        prompt, answer = task.sample(rng)
-        target = answer if rng.random() < init.warmup_correct_prob else task.random_answer(rng)
-        p_ids = tokenizer(prompt)["input_ids"]
-        t_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((p_ids, t_ids))
-    length = max(len(p) + len(t) for p, t in rows)
+        if task.demonstrate is not None:  # a trajectory: the model's turns are learned, the tools' are read
+            prompt, turns = task.demonstrate(rng, rng.random() < init.warmup_correct_prob)
+        else:
+            prompt, answer = task.sample(rng)
+            turns = [(answer if rng.random() < init.warmup_correct_prob else task.random_answer(rng), True)]
+        ids = list(tokenizer(prompt)["input_ids"])
+        labels = [-100] * len(ids)
+        for text, by_model in turns:
+            t_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + ([tokenizer.eos_token_id] if by_model else [])
+            ids += t_ids
+            labels += t_ids if by_model else [-100] * len(t_ids)
+        rows.append((ids, labels))
+    length = max(len(i) for i, _ in rows)
     ids = torch.full((len(rows), length), tokenizer.pad_token_id)
     labels = torch.full((len(rows), length), -100)
-    for i, (p, t) in enumerate(rows):
-        ids[i, : len(p) + len(t)] = torch.tensor(p + t)
-        labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)
+    for i, (row_ids, row_labels) in enumerate(rows):
+        ids[i, : len(row_ids)] = torch.tensor(row_ids)
+        labels[i, : len(row_labels)] = torch.tensor(row_labels)
     return ids, labels
 
 

@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlctl.data import rng_from_json, rng_to_json
-from rlctl.pipelines.core import Group, GroupProducer, Shaping
+from rlctl.pipelines.core import GroupProducer
+from rlctl.pipelines.groups import Group, Shaping
 from rlctl.pipelines.interfaces import Clock, Evaluate, EventSink, Trainer
 
 

@@ -10,7 +10,9 @@ from rlctl.engines.rollout.protocol import SamplingRequest
 from rlctl.pipelines.admission import make_admission
 from rlctl.pipelines.async_ import AsyncPipeline
 from rlctl.pipelines.base import Pipeline
-from rlctl.pipelines.core import GroupProducer, GroupRunner, Shaping
+from rlctl.pipelines.core import GroupProducer, GroupRunner
+from rlctl.pipelines.episode import MultiTurn
+from rlctl.pipelines.groups import Shaping
 from rlctl.pipelines.interfaces import Clock, EventSink, Rollout, Trainer
 from rlctl.pipelines.servers import ServerSet
 from rlctl.pipelines.rolloutpipe import RolloutPipePipeline
@@ -24,10 +26,11 @@ from rlctl.workloads import LengthDistribution
 def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clock: Clock, emit: EventSink,
                    on_step_end: Callable[[int], None], *, tokenize: Callable[[Prompt], list[int]],
                    score: Score, server_set: ServerSet | None = None,
-                   prompts: PromptStream | MixedStream | None = None) -> Pipeline:
+                   prompts: PromptStream | MixedStream | None = None, multi_turn: MultiTurn | None = None) -> Pipeline:
     """The scheduler for the recipe's pipeline mode over any servers and trainer (real or simulated).
     `server_set`: the servers' ServerSet when the caller watches it (failover); one is made otherwise.
-    `prompts`: the stream of prompts (by default the recipe's data)."""
+    `prompts`: the stream of prompts (by default the recipe's data). `multi_turn`: each sample a
+    trajectory of turns (rollout.multi_turn; rlctl/control/multi_turn.py makes it for a run)."""
     s = recipe.rollout.sampling
     sampling = SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                top_k=s.top_k, stop_token_ids=list(s.stop_token_ids))
@@ -45,7 +48,7 @@ def build_pipeline(recipe: Recipe, servers: list[Rollout], trainer: Trainer, clo
         server_set or ServerSet(servers), admission, sampling, recipe.rollout.group_size, tokenize=tokenize, score=score,
         clock=clock, emit=emit, lengths=lengths,
         resume_aborted=p.mode is PipelineMode.ASYNC and p.inflight_at_update is InflightAtUpdate.ABORT_RESUME,
-        reward_errors=RewardErrors.of(recipe.reward),
+        reward_errors=RewardErrors.of(recipe.reward), multi_turn=multi_turn,
     )
     if prompts is None:
         prompts = prompt_stream(recipe.data, recipe.run.seed, prompt_tokens=lambda prompt: len(tokenize(prompt)))

@@ -14,101 +14,20 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlctl.algos.losses import group_advantages, overlong_penalty
 from rlctl.data import Prompt
 from rlctl.engines.rollout.protocol import GenerateOutput, SamplingRequest, weight_version_number
 from rlctl.errors import RunError
 from rlctl.pipelines.admission import Admission
+from rlctl.pipelines.groups import Generated, Group, Sample, trajectory_fields
 from rlctl.pipelines.interfaces import Clock, EventSink
 from rlctl.pipelines.servers import ServerSet
 from rlctl.pipelines.scoring import Score
 from rlctl.rewards.failures import RewardErrors, VerifierFailed
 
-
-@dataclass
-class Sample:
-    group: int
-    index: int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    text: str
-    reward: float
-    versions: list[int]
-    """Weight version of each generated segment (more than one after an abort-and-resume)."""
-    n_tokens: int
-    """Generated tokens (a simulated server generates counts, not token ids)."""
-    server: str
-    t_start: float
-    t_end: float
-    finish_reason: str
-    scores: dict[str, float] = field(default_factory=dict)
-    """The named scores the reward function returned (empty when it returned a number)."""
-
-    @property
-    def weight_version(self) -> int:
-        """The oldest weights that produced any of its tokens: what staleness is measured from."""
-        return min(self.versions)
-
-
-@dataclass(frozen=True)
-class Shaping:
-    """How a group's samples become the trainer's rows: the algo section's controller-side knobs."""
-
-    norm_by_std: bool = True
-    """GRPO advantages divided by the group's standard deviation (false: Dr. GRPO)."""
-    max_new_tokens: int = 0
-    overlong_buffer: int = 0
-    """> 0: DAPO's soft overlong penalty over this many tokens before max_new_tokens."""
-    overlong_penalty: float = 0.0
-    filter_truncated: bool = False
-    """Samples cut at the length cap are left out of the rows (after the advantages)."""
-
-    def reward(self, s: Sample) -> float:
-        if not self.overlong_buffer:
-            return s.reward
-        return s.reward + overlong_penalty(s.n_tokens, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty)
-
-
-@dataclass
-class Group:
-    """The G samples of one prompt; complete when all are generated and scored."""
-
-    id: int
-    step: int
-    prompt: Prompt
-    prompt_ids: list[int]
-    samples: list[Sample] = field(default_factory=list)
-    cancelled: bool = False
-    admitted: bool = False
-    """A request of it has gone to a server (group_admitted): from then on it ends in an event."""
-
-    @property
-    def rewards(self) -> list[float]:
-        return [s.reward for s in self.samples]
-
-    @property
-    def all_equal(self) -> bool:
-        return len(set(self.rewards)) <= 1
-
-    @property
-    def weight_version(self) -> int:
-        return min(s.weight_version for s in self.samples)
-
-    def train_samples(self, shaping: Shaping = Shaping()) -> list[dict[str, Any]]:
-        """JSON rows for the trainer: each sample with its (shaped) reward and its group-relative
-        advantage; truncated samples left out when shaping.filter_truncated."""
-        rewards = [shaping.reward(s) for s in self.samples]
-        advantages = group_advantages(rewards, shaping.norm_by_std)
-        return [
-            {"prompt_ids": s.prompt_ids, "response_ids": s.output_ids, "response_tokens": s.n_tokens,
-             "advantage": a, "reward": r, "group": self.id, "logprobs": s.logprobs, "weight_version": s.weight_version}
-            for s, a, r in zip(self.samples, advantages, rewards)
-            if not (shaping.filter_truncated and s.finish_reason == "length")
-        ]
+if TYPE_CHECKING:
+    from rlctl.pipelines.episode import MultiTurn
 
 
 class GroupRunner:
@@ -118,7 +37,7 @@ class GroupRunner:
     def __init__(self, servers: ServerSet, admission: Admission, sampling: SamplingRequest, group_size: int,
                  tokenize: Callable[[Prompt], list[int]], score: Score, clock: Clock, emit: EventSink,
                  lengths: Callable[[str], int] | None = None, resume_aborted: bool = False,
-                 reward_errors: RewardErrors | None = None) -> None:
+                 reward_errors: RewardErrors | None = None, multi_turn: MultiTurn | None = None) -> None:
         self.servers = servers
         self.admission = admission
         self.sampling = sampling
@@ -131,6 +50,8 @@ class GroupRunner:
         self.resume_aborted = resume_aborted
         self.reward_errors = reward_errors or RewardErrors()
         self.rids_of: dict[int, set[str]] = {}
+        self.multi_turn = multi_turn
+        """rollout.multi_turn: each sample a trajectory of turns (rlctl/pipelines/episode.py)."""
 
     def new_group(self, group_id: int, step: int, prompt: Prompt) -> Group:
         return Group(group_id, step, prompt, self.tokenize(prompt))
@@ -151,7 +72,21 @@ class GroupRunner:
 
     async def _sample(self, group: Group, index: int) -> Sample:
         text = group.prompt.text  # made anew on every read for chat messages: once per sample
+        if self.multi_turn is not None:
+            return await self.multi_turn.sample(self, group, index, text)
         request = self._request(text)
+        turn = await self.generate(group, index, text, group.prompt_ids, request, f"g{group.id}-s{index}")
+        if turn.finish_reason != "abort":
+            self.admission.finished(text, turn.n_tokens)
+        return await self.scored(group, index, turn.output_ids, Sample(
+            group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=turn.output_ids,
+            logprobs=turn.logprobs, text="", reward=0.0, versions=turn.versions, n_tokens=turn.n_tokens,
+            server=turn.server, t_start=turn.t_start, t_end=turn.t_end, finish_reason=turn.finish_reason))
+
+    async def generate(self, group: Group, index: int, text: str, input_ids: list[int], request: SamplingRequest,
+                       rid: str) -> Generated:
+        """One response (one model turn) to input_ids: admitted, sent to a server, and, where an
+        abort stopped it and resume_aborted is set, resumed from the tokens it has."""
         output: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -165,17 +100,17 @@ class GroupRunner:
                 if not group.admitted:
                     group.admitted = True
                     self.emit("group_admitted", t0, step=group.step, group=group.id, prompt=group.prompt.index)
-            rid = f"g{group.id}-s{index}-{segment}"
-            self.rids_of[group.id].add(rid)
+            segment_rid = f"{rid}-{segment}"
+            self.rids_of[group.id].add(segment_rid)
             if n_tokens:  # resuming a partial rollout: continue from the tokens it has
                 remaining = dataclasses.replace(request, max_new_tokens=request.max_new_tokens - n_tokens)
-                input_ids = group.prompt_ids + output
+                context = input_ids + output
             else:
-                remaining, input_ids = request, group.prompt_ids
+                remaining, context = request, input_ids
             try:
-                server, out = await self.servers.generate(input_ids, remaining, rid)
+                server, out = await self.servers.generate(context, remaining, segment_rid)
             finally:
-                self.rids_of[group.id].discard(rid)
+                self.rids_of[group.id].discard(segment_rid)
                 self.admission.release()
             output += out.output_ids
             logprobs += out.logprobs
@@ -187,21 +122,21 @@ class GroupRunner:
             if reason != "abort" or not self.resume_aborted or group.cancelled or n_tokens >= request.max_new_tokens:
                 break
             segment += 1
-        t_end = self.clock.now()  # the server's part ends here; waiting for a scoring slot is not its busy time
-        if reason != "abort":
-            self.admission.finished(text, n_tokens)
+        # the server's part ends here; waiting for a scoring slot is not its busy time
+        return Generated(server.name, output, logprobs, versions, n_tokens, reason, t0, self.clock.now())
+
+    async def scored(self, group: Group, index: int, scored_ids: list[int], sample: Sample) -> Sample:
+        """The sample with its reward: scored_ids (its response, or a trajectory's last model
+        turn) verified against the prompt's answer."""
         try:
-            text, scored = await self.score(output, group.prompt)
-            reward, scores = scored.reward, scored.scores
+            sample.text, scored = await self.score(scored_ids, group.prompt)
+            sample.reward, sample.scores = scored.reward, scored.scores
         except VerifierFailed as failure:
-            text, scores = failure.response, {}
-            reward = self.reward_errors.failed(failure, self.emit, self.clock.now(), prompt=group.prompt.text,
-                                               answer=group.prompt.answer, step=group.step, group=group.id,
-                                               sample=index)
-        return Sample(group=group.id, index=index, prompt_ids=group.prompt_ids, output_ids=output,
-                      logprobs=logprobs, text=text, reward=reward, scores=scores,
-                      versions=versions, n_tokens=n_tokens, server=server.name, t_start=t0, t_end=t_end,
-                      finish_reason=reason)
+            sample.text, sample.scores = failure.response, {}
+            sample.reward = self.reward_errors.failed(
+                failure, self.emit, self.clock.now(), prompt=group.prompt.text, answer=group.prompt.answer,
+                step=group.step, group=group.id, sample=index)
+        return sample
 
 
 def version_of(out: GenerateOutput, server: Any) -> int:
@@ -311,6 +246,7 @@ class GroupProducer:
             servers=[x.server for x in s], starts=[x.t_start for x in s], ends=[x.t_end for x in s],
             **({"scores": named_scores(s)} if any(x.scores for x in s) else {}),
             **({"source": group.prompt.source} if group.prompt.source else {}),
+            **trajectory_fields(s),
         )
         if self.on_completed is not None:
             self.on_completed(group)

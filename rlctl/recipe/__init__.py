@@ -54,6 +54,7 @@ from rlctl.recipe.cluster import SimConfig, SlurmConfig, SlurmRolloutConfig, Slu
 from rlctl.recipe.data import DataConfig, MixedSource
 from rlctl.recipe.eval import EvalConfig, EvalSet
 from rlctl.recipe.inputs import ModelConfig, ModelInit, RewardConfig, RunConfig
+from rlctl.recipe.multi_turn import MultiTurnConfig
 from rlctl.recipe.load import check_recipe, load_recipe, recipe_from_yaml, recipe_to_dict, recipe_to_yaml
 from rlctl.recipe.rollout import (
     SGLANG_MANAGED_FLAGS,
@@ -77,7 +78,7 @@ from rlctl.recipe.train import MegatronConfig, PipelineConfig, TrainConfig
 __all__ = [
     "SGLANG_MANAGED_FLAGS", "SGLANG_NEWEST", "SGLANG_OLDEST", "VLLM_MANAGED_FLAGS", "VLLM_NEWEST", "VLLM_OLDEST",
     "Admission", "AlgoConfig", "AlgoName", "BuiltinConfig", "ColocateConfig", "DataConfig", "DataSource", "EvalConfig", "EvalSet", "Device", "FieldError", "GpuKind",
-    "InflightAtUpdate", "KlEstimator", "KlIn", "Launcher", "LossAgg", "LongTailConfig", "MegatronAttention", "MixedSource", "MegatronConfig", "MegatronDtype", "ModelConfig", "ModelInit", "Overlong",
+    "InflightAtUpdate", "KlEstimator", "KlIn", "Launcher", "LossAgg", "LongTailConfig", "MegatronAttention", "MixedSource", "MegatronConfig", "MegatronDtype", "ModelConfig", "MultiTurnConfig", "ModelInit", "Overlong",
     "PipelineConfig", "PipelineMode", "Recipe", "Recompute", "RecomputeMethod", "RewardConfig", "RolloutConfig", "RolloutEngine", "ServerProtocol", "RunConfig",
     "SGLangConfig", "SGLangDtype", "SamplingConfig", "Section", "SimConfig", "SlurmConfig", "SlurmRolloutConfig",
     "SlurmTrainerConfig", "SyncBackend", "TaskName", "TrackingConfig", "TrainConfig", "TrainEngine", "Verifier",

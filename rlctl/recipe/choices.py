@@ -118,6 +118,12 @@ class TaskName(enum.StrEnum):
 
     MAX_DIGIT = "max-digit"
     ADD = "add"
+    CALC = "calc"
+    """Multi-turn: the model calls the calculator (rollout.multi_turn)."""
+
+
+TASK_ENVIRONMENTS = {TaskName.CALC: "calculator"}
+"""The built-in multi-turn tasks and the rollout.multi_turn.environment each is answered with."""
 
 
 class Verifier(enum.StrEnum):

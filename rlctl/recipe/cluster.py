@@ -227,6 +227,29 @@ class SlurmConfig(Section):
 
 
 @dataclass(kw_only=True)
+class SimToolsConfig(Section):
+    """Simulated tool calls, for a recipe with rollout.multi_turn.enabled (the simulation has no
+    text to parse): each model turn but the last calls a tool with chance `call_prob`; each
+    call takes a lognormal number of seconds (median latency_median_s, log-sd latency_sigma),
+    capped at rollout.multi_turn.tool_timeout_s, and its result adds result_tokens tokens."""
+
+    call_prob: float = 0.5
+    """Chance that a model turn calls a tool, in [0, 1]."""
+    latency_median_s: float = 1.0
+    """Median seconds of a tool call (a sandboxed code run: about a second; a search: a few)."""
+    latency_sigma: float = 1.0
+    """Log-standard-deviation of a call's seconds, in [0, 5]: 1 puts the p90 at 3.6x the median."""
+    result_tokens: int = 64
+    """Tokens of a tool's result, appended to the trajectory (prefilled by the next turn)."""
+
+    def check(self) -> None:
+        within("call_prob", self.call_prob, 0.0, 1.0)
+        within("latency_median_s", self.latency_median_s, 0.0, 3600.0)
+        within("latency_sigma", self.latency_sigma, 0.0, 5.0)
+        within("result_tokens", self.result_tokens, 0, 1 << 20)
+
+
+@dataclass(kw_only=True)
 class SimConfig(Section):
     """`rlctl simulate`: the cluster and model the cost model prices (rlctl/costs/model.py)."""
 
@@ -282,6 +305,8 @@ class SimConfig(Section):
     layer_launch_s: float = 2e-4
     """Fixed seconds per layer and training micro-batch: some 40 kernel launches forward and
     backward at ~5 us each; calibration sets it."""
+    tools: SimToolsConfig = field(default_factory=SimToolsConfig)
+    """rollout.multi_turn: how often the simulated model calls a tool and how long tools take."""
 
     def check(self) -> None:
         for name in ("params_b", "context_tokens", "layers", "kv_dim", "hidden", "vocab", "dataset_prompts"):

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +12,7 @@ from typing import Any
 
 from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
 from rlctl.recipe.choices import RewardOnError, Verifier
+from rlctl.recipe.imports import check_spec, import_object
 from rlctl.recipe.reward_call import RewardCall
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,99}$")
@@ -197,10 +196,7 @@ class RewardConfig(Section):
                 if getattr(self, key) is not None:
                     raise FieldError(key, "only used with reward.verifier=function; remove it or set the verifier")
             return
-        module, _, attr = (self.function or "").partition(":")
-        if not module or not attr:
-            raise FieldError("function", f"'{self.function or ''}' is not of the form module:callable "
-                                         "(e.g. my_reward:score, with my_reward.py beside the recipe)")
+        check_spec("function", self.function, "my_reward:score, with my_reward.py beside the recipe", "callable")
 
     def check_files(self) -> None:
         if self.verifier is Verifier.FUNCTION:
@@ -215,27 +211,7 @@ class RewardConfig(Section):
         """Import `function` (module_dir after the Python path) and check that it can be called as
         rlctl calls it (rlctl/recipe/reward_call.py): the callable, or a FieldError naming the fix.
         The recipe's check, the controller and every scoring process load it through here."""
-        module_name, _, attr = (self.function or "").partition(":")
-        where = f"in {self.module_dir} or on the Python path" if self.module_dir else "on the Python path"
-        file = module_name.replace(".", "/") + ".py"
-        if self.module_dir and self.module_dir not in sys.path:
-            sys.path.append(self.module_dir)  # last: a file beside the recipe never shadows a library
-        importlib.invalidate_caches()
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and (module_name + ".").startswith(e.name + "."):
-                raise FieldError("function", f"no module '{module_name}' {where}; fix the name, or put {file} "
-                                             f"{'in ' + self.module_dir if self.module_dir else 'on the Python path'}"
-                                             ) from None
-            raise FieldError("function", f"importing '{module_name}' failed ({e}); install what it imports") from None
-        except Exception as e:  # noqa: BLE001 - the user's module may raise anything at import
-            raise FieldError("function", f"importing '{module_name}' raised {type(e).__name__}: {e}; "
-                                         "fix the module") from None
-        fn = getattr(module, attr, None)
-        if fn is None:
-            raise FieldError("function", f"module '{module_name}' ({getattr(module, '__file__', '?')}) has no "
-                                         f"'{attr}'; name a function defined in it")
+        fn = import_object("function", self.function or "", self.module_dir, "function")
         if not callable(fn):
             raise FieldError("function", f"'{self.function}' is not callable (its type is {type(fn).__name__}); "
                                          "name a function")

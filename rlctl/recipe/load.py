@@ -320,6 +320,7 @@ def _resolve_relative_paths(recipe: Recipe, base: Path) -> None:
         model.path = str(base / model.path)
     recipe.data.resolve(base)
     recipe.reward.resolve(base)
+    recipe.rollout.multi_turn.resolve(base)
     for eval_set in recipe.eval.sets:
         eval_set.resolve(base)
 

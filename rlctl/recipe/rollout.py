@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from rlctl.recipe.checks import FieldError, Section, at_most, positive, within
 from rlctl.recipe.choices import Device, RolloutEngine, ServerProtocol, SGLangDtype
+from rlctl.recipe.multi_turn import MultiTurnConfig
 
 # Flags the sglang engine sets itself (rlctl/engines/rollout/sglang/launch.py).
 # --config carries the run's token as the api key (rlctl/process/auth.py); SGLang takes one --config only,
@@ -259,6 +260,7 @@ class RolloutConfig(Section):
     builtin: BuiltinConfig = field(default_factory=BuiltinConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     @property
     def server_tp(self) -> int:

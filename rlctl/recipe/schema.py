@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from rlctl.recipe.algo import AlgoConfig
 from rlctl.recipe.checks import FieldError, Section, divides
 from rlctl.recipe.choices import (
+    TASK_ENVIRONMENTS,
     DataSource,
     Device,
     InflightAtUpdate,
@@ -56,6 +57,7 @@ class Recipe(Section):
         if init is not None and init.warmup_steps > 0 and self.data.source is not DataSource.TASK:
             raise FieldError("model.init.warmup_steps",
                              "the warm-up trains on a built-in task; set data.source=task or warmup_steps=0")
+        self._check_multi_turn()
         if self.run.steps == 0 and not (self.eval.sets and self.eval.before):
             raise FieldError("run.steps", "0 trains nothing and only evaluates eval.sets before training (eval.before); "
                                           "give eval sets, or steps > 0")
@@ -73,6 +75,16 @@ class Recipe(Section):
         self._check_ipc()
         self._check_colocate()
         self._check_vllm()
+
+    def _check_multi_turn(self) -> None:
+        """A multi-turn task needs its environment, and trajectories go through rlctl's own
+        generation loop, which a simulation has no tokens for."""
+        mt = self.rollout.multi_turn
+        needs = TASK_ENVIRONMENTS.get(self.data.task) if self.data.source is DataSource.TASK else None
+        if needs and not (mt.enabled and mt.environment == needs):
+            raise FieldError("rollout.multi_turn.enabled",
+                             f"data.task={self.data.task} is answered with tools: set rollout.multi_turn.enabled=true "
+                             f"and rollout.multi_turn.environment={needs}")
         self._check_algo()
         if self.sim.colocated and self.pipeline.mode is not PipelineMode.SYNC:
             raise FieldError("sim.colocated", "colocated rollout and training take turns on their GPUs: "

@@ -51,8 +51,11 @@ def render(sample: dict[str, Any], width: int = 100, max_lines: int = 12) -> str
               f"reward {sample['reward']:g}{named} · {sample.get('response_tokens', '?')} tokens · "
               f"{sample.get('finish_reason') or '?'} · weights v{sample.get('version', '?')}")
     parts = [header]
-    for label, text in (("prompt", prompt_text(sample.get("prompt"))), ("response", sample["response"]),
-                        ("answer", sample["answer"])):
+    shown = [("prompt", prompt_text(sample.get("prompt")))]
+    if isinstance(sample.get("trajectory"), str):  # a trajectory of turns: all of it, then its scored last turn
+        shown.append((f"trajectory ({sample.get('turns', '?')} turns, {sample.get('tool_calls', '?')} tool calls, "
+                      f"{sample.get('tool_calls_ok', '?')} ok)", sample["trajectory"]))
+    for label, text in [*shown, ("response", sample["response"]), ("answer", sample["answer"])]:
         parts.append(f"  {label}:")
         lines = [w for line in text.splitlines() or [""] for w in textwrap.wrap(line, width - 4) or [""]]
         if len(lines) > max_lines:

@@ -29,6 +29,7 @@ from rlctl.recipe import DataConfig, DataSource, EvalSet, Recipe, recipe_to_yaml
 from rlctl.run.dir import SIMULATION_PREFIX, EventLog, RunDir, RunState, create_run_dir
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
+from rlctl.sim.tools import sim_multi_turn
 
 
 @dataclass
@@ -77,6 +78,7 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
     pipeline = build_pipeline(
         replace(recipe, data=DataConfig()), servers, SimTrainer(cost, servers), clock, recorder.emit, lambda step: None,
         tokenize=lambda _: prompt, score=score, server_set=server_set, prompts=prompts,
+        multi_turn=sim_multi_turn(recipe, random.Random(recipe.run.seed + 1)),
     )
     evals: list[dict[str, Any]] = []
     sets = [simulated_set(recipe, s, prompt, score) for s in recipe.eval.sets]

@@ -26,6 +26,9 @@ class TrainSample:
     """The sample's (shaped) reward: PPO's outcome reward, and GRPO's when the KL is in the reward."""
     group: int = -1
     """Its group: the trainer recomputes GRPO advantages per group when the KL is in the reward."""
+    loss_mask: list[int] | None = None
+    """Per response token, 1 where the loss counts it: a trajectory's tool results are 0 (the
+    model did not write them). None: every response token counts."""
 
     @property
     def length(self) -> int:
@@ -34,9 +37,15 @@ class TrainSample:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainSample:
+        mask = d.get("loss_mask")
         return cls(list(d["prompt_ids"]), list(d["response_ids"]), float(d["advantage"]),
                    [float(x) for x in d["logprobs"]], int(d["weight_version"]), float(d.get("reward", 0.0)),
-                   int(d.get("group", -1)))
+                   int(d.get("group", -1)), None if mask is None else [1 if x else 0 for x in mask])
+
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens the loss counts."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def split_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
@@ -85,7 +94,10 @@ def padded_batch(samples: list[TrainSample], pad_id: int):
     for i, s in enumerate(samples):
         ids[i, : lengths[i]] = torch.tensor(s.prompt_ids + s.response_ids)
         start = len(s.prompt_ids) - 1  # logits at position p predict token p+1
-        mask[i, start : start + len(s.response_ids)] = 1
+        if s.loss_mask is None:
+            mask[i, start : start + len(s.response_ids)] = 1
+        else:
+            mask[i, start : start + len(s.response_ids)] = torch.tensor(s.loss_mask[: len(s.response_ids)], dtype=mask.dtype)
         old[i, start : start + len(s.response_ids)] = torch.tensor(s.logprobs[: len(s.response_ids)])
     adv = torch.tensor([s.advantage for s in samples])
     rewards = torch.tensor([s.reward for s in samples])
@@ -177,7 +189,7 @@ class PieceTraining:
         """Count one accumulate() call (all ranks' samples, this rank's micro-batches) in self._acc."""
         seconds = time.monotonic() - start
         acc = self._acc
-        acc["batch_tokens"] += sum(len(s.response_ids) for s in samples)
+        acc["batch_tokens"] += sum(s.trained_tokens for s in samples)
         acc["samples"] += len(samples)
         acc["micro_batches"] += len(micro)
         acc["seconds"] += seconds
