@@ -50,6 +50,9 @@ FILES = (
     "sglang/srt/weight_sync/tensor_bucket.py",
     "sglang/srt/model_executor/model_runner.py",
     "sglang/srt/model_executor/model_runner_components/weight_updater.py",
+    "sglang/srt/function_call/hermes_detector.py",
+    "sglang/srt/function_call/qwen25_detector.py",
+    "sglang/srt/function_call/base_format_detector.py",
 )
 HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 IO_STRUCT = "sglang/srt/managers/io_struct.py"

@@ -204,3 +204,35 @@ def test_ppo_over_two_ranks_takes_one_ranks_step(tiny_model_dir, tmp_path):
         torch.testing.assert_close(two["grads"][n], g, rtol=1e-4, atol=1e-6, msg=n)
     for key in ("loss", "value_loss", "explained_var", "kl", "entropy", "critic_grad_norm"):
         assert two["stats"][key] == pytest.approx(s1[key], rel=1e-4), key
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_trajectorys_tool_tokens_carry_no_gradient(tiny_model_dir, agg):
+    """rollout.multi_turn: a response of model turns and tool results, the results masked out.
+    The step cannot depend on anything at the masked positions (their behaviour log-probs here),
+    it differs from training on every token, and only the model's tokens are counted."""
+    from rlctl.engines.train.base import padded_batch
+
+    rng = random.Random(3)
+    samples = make_samples(groups=1, size=4)
+    masked = []
+    for s in samples:
+        tool = [rng.randint(3, 90) for _ in range(5)]
+        response = s.response_ids + tool + s.response_ids
+        mask = [1] * len(s.response_ids) + [0] * len(tool) + [1] * len(s.response_ids)
+        masked.append(dataclasses.replace(s, response_ids=response, loss_mask=mask,
+                                          logprobs=s.logprobs + [-3.0] * len(tool) + s.logprobs))
+    _, mask, *_ = padded_batch(masked, 0)
+    first = masked[0]
+    start = len(first.prompt_ids) - 1
+    assert mask[0, start:start + len(first.response_ids)].tolist() == first.loss_mask
+    other = [dataclasses.replace(s, logprobs=[x if m else -20.0 for x, m in zip(s.logprobs, s.loss_mask)]) for s in masked]
+    runs = {}
+    for name, batch in (("masked", masked), ("other", other), ("all", [dataclasses.replace(s, loss_mask=None) for s in masked])):
+        e = engine(tiny_model_dir, AlgoConfig(loss_agg=agg))
+        stats = e.train_batch(batch)
+        runs[name] = (grads(e), stats)
+    for n, g in runs["masked"][0].items():
+        torch.testing.assert_close(runs["other"][0][n], g, msg=n)
+    assert any(not torch.allclose(runs["all"][0][n], g) for n, g in runs["masked"][0].items())
+    assert runs["masked"][1]["tokens"] == sum(sum(s.loss_mask) for s in masked) < runs["all"][1]["tokens"]

@@ -97,3 +97,13 @@ def test_tool_metrics_and_trace_lanes():
         assert any(p["tid"] == tool["tid"] and p["ts"] <= tool["ts"] and tool["ts"] + tool["dur"] <= p["ts"] + p["dur"] + 0.2
                    for p in parents), tool
     assert max(e["tid"] for e in slices) >= LANE_STRIDE  # samples side by side on lanes
+
+
+def test_status_says_what_tools_took_in_the_last_step():
+    from rlctl.commands.status import _metrics_lines
+    from rlctl.metrics.step import step_metrics
+
+    m = step_metrics(simulated(*MULTI_TURN, "run.steps=1"), 0)
+    (line,) = [x for x in _metrics_lines(m) if x.startswith("tools: ")]
+    assert f"{m['tool_calls']} calls (100% ok" in line and "model turns a sample" in line
+    assert not any(x.startswith("tools: ") for x in _metrics_lines(step_metrics(simulated("run.steps=1"), 0)))

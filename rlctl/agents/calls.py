@@ -3,8 +3,8 @@
 The first format is Hermes / Qwen3's: each call is a JSON object {"name": ..., "arguments": {...}}
 between `<tool_call>` and `</tool_call>`, several calls one after another. SGLang reads it with
 its `hermes` and `qwen25` function-call detectors (sglang/srt/function_call/); this parser reads
-what they read: the text between the tags, stripped, as JSON, `arguments` or `parameters` for the
-arguments, a JSON list for several calls in one block. Where SGLang's detectors skip a block that
+what they read: the text between the tags, stripped, as JSON, `parameters` or else `arguments`
+for the arguments, a JSON list for several calls in one block. Where SGLang's detectors skip a block that
 is not JSON or names no known tool, a trajectory cannot: the model said something, so the block
 is a call that failed (`ToolCall.error`), answered with that error, counted, and trained against
 like any wrong answer. An opening tag never closed is a failed call too.
@@ -56,7 +56,7 @@ def _calls_of(block: str) -> list[ToolCall]:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
             out.append(ToolCall("", error='the call has no "name"'))
             continue
-        args = item.get("arguments", item.get("parameters", {}))
+        args = item.get("parameters") or item.get("arguments", {})  # in SGLang's order
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)

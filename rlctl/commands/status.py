@@ -109,6 +109,10 @@ def _metrics_lines(m: dict[str, Any]) -> list[str]:
                    f"critical-path bound, servers idle {idle:.0%}, {m['tokens_per_s']:.0f} tokens/s")
         out.append(f"samples trained up to {m.get('staleness_max', 0)} optimizer steps and "
                    f"{m.get('sync_lag_max', 0)} weight syncs behind the trainer")
+    if nums("turns_per_sample", "tool_calls", "tool_call_ok_ratio", "tool_seconds", "rollout_idle_tool_ratio"):
+        out.append(f"tools: {m['turns_per_sample']:.2f} model turns a sample, {m['tool_calls']} calls "
+                   f"({m['tool_call_ok_ratio']:.0%} ok, {m['tool_seconds']:.2f} s in all), servers idle while tools ran "
+                   f"{m['rollout_idle_tool_ratio']:.0%}")
     if nums("turn_time") and m["turn_time"] > 0:
         out.append(f"colocated: the servers and the trainer took turns for {m['turn_time']:.2f} s of the step")
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from rlctl.costs.lengths import Lengths
 from rlctl.planner.placement import Estimate, Placement
+from rlctl.planner.tools import ToolTime
 from rlctl.recipe import Admission, InflightAtUpdate, PipelineMode, Recipe
 from rlctl.costs.model import CostModel
 
@@ -130,7 +131,11 @@ def schedule(recipe: Recipe, cost: CostModel, p: Placement, lengths: Lengths, ou
     # Frontier admission keeps rollout.concurrency requests in flight per server, in every mode.
     b = min(out.running, ro.concurrency) if pipe.admission in (Admission.FRONTIER, Admission.LONGEST) else out.running
     train = Training(recipe, cost, p, lengths)
-    rollout = Rollout(cost, lengths, out.samples / p.servers, b, prompt, out.samples, p.servers)
+    tools = ToolTime.of(recipe)
+    turns = tools.turns if tools else 1.0  # every model turn is a request (rlctl/planner/tools.py)
+    if tools is not None:  # a later turn prefills only the tools' results (the rest is in the prefix cache)
+        prompt = round((prompt + tools.calls * tools.result_tokens) / turns)
+    rollout = Rollout(cost, lengths, out.samples * turns / p.servers, b, prompt, out.samples * turns, p.servers)
     tail = rollout.tail
     if p.mode is PipelineMode.SYNC:
         out.stages = {"rollout": rollout.work, "rollout tail": tail, "train": train.total}
@@ -147,6 +152,8 @@ def schedule(recipe: Recipe, cost: CostModel, p: Placement, lengths: Lengths, ou
         trained = train.batch * pipe.sync_every
         out.stages = {"rollout": rollout.work, "rollout tail": tail,
                       "train": max(0.0, trained - rollout.work - tail)}
+    if tools is not None and p.mode is not PipelineMode.ASYNC:  # async's rollout goes on while tools run
+        out.stages["tools"] = ToolTime.slowest(recipe, out.samples)
     out.stages["sync"] = cost.broadcast_seconds()
     out.step_s = sum(out.stages.values())
     out.bound = max(out.stages, key=lambda k: out.stages[k])

@@ -91,7 +91,8 @@ class DataConfig(Section):
     """`task` (a built-in verifiable task generator) or `file` (rows of a dataset file: `path`).
     `jsonl` is the older name of `file`."""
     task: TaskName = TaskName.MAX_DIGIT
-    """Built-in task: `max-digit` or `add` (rlctl/rewards/tasks.py)."""
+    """Built-in task: `max-digit`, `add`, or `calc` (multi-turn: the model calls a calculator; needs
+    rollout.multi_turn with the calculator environment) (rlctl/rewards/tasks.py)."""
     path: str | None = None
     """source=file: a JSONL file (.jsonl), a Parquet file (.parquet, e.g. verl's layout) or a
     directory written by Hugging Face datasets' `save_to_disk` (one split)."""

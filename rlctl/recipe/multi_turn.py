@@ -24,6 +24,7 @@ class MultiTurnConfig(Section):
     reward section scores the model's last turn."""
 
     enabled: bool = False
+    """Generate trajectories of turns with tool calls instead of single responses."""
     environment: str = "calculator"
     """What answers the calls: `calculator`, `python` (code run in a bubblewrap sandbox, refused
     where the machine has none), or `module:Class` for your own (rlctl/agents/environments.py

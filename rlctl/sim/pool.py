@@ -36,6 +36,7 @@ from rlctl.recipe.pool import PoolFile, PoolSimConfig
 from rlctl.costs.model import HARDWARE, CostModel
 from rlctl.sim.engines import SimRollout, SimTrainer
 from rlctl.sim.loop import VirtualClock, run_virtual
+from rlctl.sim.tools import sim_multi_turn
 from rlctl.costs.recipe import cost_model
 
 GB = 1e9
@@ -140,7 +141,8 @@ async def _run_job(recipe: Recipe, cost: CostModel, sched: SliceScheduler, job: 
     recorder = Recorder(_Dropped(), lambda record: None)
     pipeline = build_pipeline(
         recipe, servers, trainer, VirtualClock(), recorder.emit, lambda step: None, tokenize=lambda _: prompt,
-        score=inline_scorer(lambda ids: "", scored_by(lambda r, a: float(rng.random() < recipe.sim.reward_rate))))
+        score=inline_scorer(lambda ids: "", scored_by(lambda r, a: float(rng.random() < recipe.sim.reward_rate))),
+        multi_turn=sim_multi_turn(recipe, random.Random(recipe.run.seed + 1)))
     await pipeline.run(recipe.run.steps)
     done[job] = asyncio.get_running_loop().time()
 

@@ -1,0 +1,64 @@
+"""What tool calls add to a step (rollout.multi_turn), priced from the same tool model `rlctl
+simulate` draws from (sim.tools): each model turn but the last calls a tool with chance p, a call
+takes a lognormal number of seconds (capped at the tool timeout) and adds result tokens.
+
+- More requests: a trajectory makes E[turns] = 1 + p + ... + p^(T-1) model turns, each a request
+  of the rollout's length distribution. The first prefills the prompt, a later one only the tools'
+  results: the engine's prefix cache holds what came before.
+- More depth: a step ends with its last trajectory, which waits on its tools between its turns.
+  The exposed wait is the tool time of the slowest of the step's N trajectories: the 1 - 1/N
+  quantile of a trajectory's total tool seconds, read off TRAJECTORIES trajectories drawn with a
+  fixed seed (deterministic, like the rest of the plan).
+Known to be wrong: the slowest trajectory's turns are not the longest ones, and tool calls that
+queue for a tool worker (rollout.multi_turn.tool_workers) wait longer than this counts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from rlctl.recipe import Recipe
+
+TRAJECTORIES = 4096
+
+
+@dataclass(frozen=True)
+class ToolTime:
+    turns: float
+    """Expected model turns per trajectory."""
+    calls: float
+    """Expected tool calls per trajectory."""
+    call_s: float
+    """Expected seconds of one call."""
+    result_tokens: int
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> ToolTime | None:
+        mt, tools = recipe.rollout.multi_turn, recipe.sim.tools
+        if not mt.enabled:
+            return None
+        p, turns = tools.call_prob, mt.max_turns
+        calls = sum(p**k for k in range(1, turns))
+        mean = tools.latency_median_s * math.exp(tools.latency_sigma**2 / 2) if tools.latency_median_s > 0 else 0.0
+        return cls(1.0 + calls, calls, min(mean, mt.tool_timeout_s), tools.result_tokens)
+
+    @staticmethod
+    def slowest(recipe: Recipe, trajectories: float) -> float:
+        """Seconds the slowest of `trajectories` trajectories waits on its tools."""
+        mt, tools = recipe.rollout.multi_turn, recipe.sim.tools
+        if tools.latency_median_s <= 0 or tools.call_prob <= 0:
+            return 0.0
+        rng = random.Random(0)
+        mu = math.log(tools.latency_median_s)
+        totals = []
+        for _ in range(TRAJECTORIES):
+            total, turn = 0.0, 1
+            while turn < mt.max_turns and rng.random() < tools.call_prob:
+                total += min(rng.lognormvariate(mu, tools.latency_sigma), mt.tool_timeout_s)
+                turn += 1
+            totals.append(total)
+        totals.sort()
+        q = 1.0 - 1.0 / max(trajectories, 1.0)
+        return totals[min(len(totals) - 1, int(q * len(totals)))]
