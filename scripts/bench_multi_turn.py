@@ -68,8 +68,9 @@ def measure(path: Path, mode: str, window: int, max_staleness: int) -> dict:
     steps = [m["step"] for m in metrics]
     first, last = set(steps[:window]), set(steps[-window:])
 
-    def mean(key: str, chosen: set[int]) -> float:
-        return statistics.fmean(m[key] for m in metrics if m["step"] in chosen)
+    def mean(key: str, chosen: set[int] | None = None) -> float:
+        """Over the chosen steps that have the key (an async step may complete no trajectory)."""
+        return statistics.fmean(m[key] for m in metrics if key in m and (chosen is None or m["step"] in chosen))
 
     def calls(chosen: set[int]) -> float:
         picked = [s for s in samples if s["step"] in chosen]
@@ -80,8 +81,7 @@ def measure(path: Path, mode: str, window: int, max_staleness: int) -> dict:
         "reward_first": mean("reward_mean", first), "reward_last": mean("reward_mean", last),
         "right_calls_first": calls(first), "right_calls_last": calls(last),
         "calls_ok_first": mean("tool_call_ok_ratio", first), "calls_ok_last": mean("tool_call_ok_ratio", last),
-        "turns_per_sample": statistics.fmean(m["turns_per_sample"] for m in metrics),
-        "tool_seconds_per_step": statistics.fmean(m["tool_seconds"] for m in metrics),
+        "turns_per_sample": mean("turns_per_sample"), "tool_seconds_per_step": mean("tool_seconds"),
         "turns_on_policy": turns_on_policy(events, mode),
         "staleness_max": max(lags, default=0), "staleness_ok": max(lags, default=0) <= max_staleness,
         "step_s": statistics.median(m["step_time"] for m in metrics[1:]),

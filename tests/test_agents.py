@@ -139,3 +139,21 @@ def test_an_environment_of_your_own_is_found_beside_the_recipe(tmp_path):
     r = load_recipe(recipe, ["rollout.multi_turn.enabled=true", "rollout.multi_turn.environment=my_env:Lookup"])
     assert r.rollout.multi_turn.module_dir == str(tmp_path)
     assert r.rollout.multi_turn.load_environment()().step("any", {}) == "x"
+
+
+def test_an_environment_that_cannot_be_made_or_reset_ends_the_run_saying_so():
+    from rlctl.data import Prompt
+    from rlctl.errors import RunError
+    from rlctl.pipelines.episode import MultiTurn
+    from rlctl.pipelines.groups import Group
+
+    class Broken:
+        tools: list = []
+
+        def reset(self, row):
+            raise KeyError("extra_info")
+
+    multi = MultiTurn(Broken, lambda g: [], None, None, lambda ids: "", max_turns=2, max_tokens=10)
+    with pytest.raises(RunError, match=r"rollout.multi_turn.environment: making or resetting one for prompt 7 raised "
+                                       r"KeyError: 'extra_info'; fix the environment"):
+        multi.environment(Group(0, 0, Prompt(7, "q", "a"), [1]))

@@ -39,12 +39,19 @@ def _idle(events: list[dict[str, Any]], t_step: float, t_end: float) -> list[flo
     return [1.0 - union_length(busy.get(sv, [])) / step_time for sv in servers] if step_time > 0 else []
 
 
+def completed_in(events: list[dict[str, Any]], start: dict[str, Any], end: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The groups completed between a step's start and end: a group counts in the step it
+    completes in (in async, a later one than the step that opened it)."""
+    last = events.index(end) if end is not None else len(events)
+    return [e for e in events[events.index(start):last + 1] if e["event"] == "group_completed"]
+
+
 def whole_log_metrics(events: list[dict[str, Any]], step: int) -> dict[str, Any]:
     ev = [e for e in events if e.get("step") == step]
-    by = {kind: [e for e in ev if e["event"] == kind] for kind in
-          ("step_start", "step_end", "group_admitted", "group_completed", "group_dropped",
-           "train_start", "train_end", "accumulate_start", "accumulate_end", "sync_start", "sync_end",
-           "reward_error")}
+    by = {kind: [e for e in ev if e["event"] == kind] for kind in ("step_start", "step_end", "group_admitted",
+          "group_dropped", "train_start", "train_end", "accumulate_start", "accumulate_end", "sync_start", "sync_end",
+          "reward_error")}
+    by["group_completed"] = completed_in(events, by["step_start"][0], (by["step_end"] or [None])[0])
     ready_at = {e["group"]: e["t"] for e in events if e["event"] == "group_completed"}
     t_step = by["step_start"][0]["t"]
     starts = sorted(by["train_start"], key=lambda e: e["t"])
@@ -71,7 +78,7 @@ def whole_log_metrics(events: list[dict[str, Any]], step: int) -> dict[str, Any]
     versions = [v for e in by["group_completed"] for v in e["versions"]]
     staleness = [lag for e in starts for lag in e.get("staleness", [])]
     rollout_time = (completed_here[-1] - t_first_request) if completed_here else 0.0
-    t_end = by["step_end"][0]["t"] if by["step_end"] else max(e["t"] for e in ev)
+    t_end = by["step_end"][0]["t"] if by["step_end"] else max(e["t"] for e in ev + by["group_completed"])
     step_time = t_end - t_step
     idle = _idle(events, t_step, t_end)
     m: dict[str, Any] = {
@@ -123,7 +130,7 @@ def progress(events: list[dict[str, Any]], step: int, t_end: float) -> dict[str,
         j = events[i]["step"]
         prefix = events[: i + 1]
         start = next(k for k, e in enumerate(prefix) if e["event"] == "step_start" and e["step"] == j)
-        own = [e for e in prefix[start:] if e["event"] == "group_completed" and e.get("step") == j]
+        own = [e for e in prefix[start:] if e["event"] == "group_completed"]  # completed within step j
         samples += sum(len(e["rewards"]) for e in own)
         tokens += sum(sum(e["lengths"]) for e in own)
     dropped: dict[str, int] = {}

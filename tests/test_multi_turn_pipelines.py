@@ -107,3 +107,15 @@ def test_status_says_what_tools_took_in_the_last_step():
     (line,) = [x for x in _metrics_lines(m) if x.startswith("tools: ")]
     assert f"{m['tool_calls']} calls (100% ok" in line and "model turns a sample" in line
     assert not any(x.startswith("tools: ") for x in _metrics_lines(step_metrics(simulated("run.steps=1"), 0)))
+
+
+def test_simulate_prints_the_tool_columns_for_a_multi_turn_recipe():
+    from rlctl.commands.simulate import render_metrics
+    from rlctl.recipe import load_recipe
+    from rlctl.sim.run import simulate_run
+    from test_pipelines import FAST, QUICKSTART
+
+    metrics = simulate_run(load_recipe(QUICKSTART, [*FAST, *MULTI_TURN], check_paths=False)).metrics
+    head, *rows = render_metrics(metrics).splitlines()
+    assert head.split()[-7:] == ["turns", "calls", "tool", "max", "s", "idle", "tools"] and len(rows) == 3
+    assert "calls" not in render_metrics(simulate_run(load_recipe(QUICKSTART, FAST, check_paths=False)).metrics)

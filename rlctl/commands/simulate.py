@@ -28,11 +28,21 @@ TABLE = [
 ]
 
 
+TOOLS = [
+    ("turns_per_sample", "turns", "{:.2f}"),
+    ("tool_calls", "calls", "{:d}"),
+    ("tool_seconds_max", "tool max s", "{:.1f}"),
+    ("rollout_idle_tool_ratio", "idle tools", "{:.2f}"),
+]
+"""A multi-turn recipe's columns besides (rollout.multi_turn with sim.tools)."""
+
+
 def render_metrics(metrics: list[dict[str, Any]]) -> str:
-    widths = [max(len(label), 9) for _, label, _ in TABLE]
-    lines = [" ".join(label.rjust(w) for (_, label, _), w in zip(TABLE, widths))]
+    table = TABLE + (TOOLS if metrics and "tool_calls" in metrics[0] else [])
+    widths = [max(len(label), 9) for _, label, _ in table]
+    lines = [" ".join(label.rjust(w) for (_, label, _), w in zip(table, widths))]
     for m in metrics:
-        lines.append(" ".join(fmt.format(m[key]).rjust(w) for (key, _, fmt), w in zip(TABLE, widths)))
+        lines.append(" ".join(fmt.format(m[key]).rjust(w) for (key, _, fmt), w in zip(table, widths)))
     return "\n".join(lines)
 
 

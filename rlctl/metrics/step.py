@@ -100,8 +100,11 @@ class Progress:
     """The trainer's weight version after its last optimizer step."""
 
 
-OPEN_STEP_EVENTS = ("colocate_turn",)
-"""Events that name no step and belong to the step open when they happen (a colocated run's turns)."""
+OPEN_STEP_EVENTS = ("colocate_turn", "group_completed", "tool_call")
+"""Events that belong to the step open when they happen, whatever step they name: a colocated
+run's turns name none; a group (and its tool calls) names the step that opened it, which in
+async may be an earlier one than the step it completes in, and the step's figures count what
+completed in it."""
 
 
 class StepMetrics:
@@ -150,7 +153,7 @@ class StepMetrics:
         if kind == "step_start":
             self._open = _Step(event["step"], event["t"], event["t"])
             return None
-        if s is None or event.get("step", s.step if kind in OPEN_STEP_EVENTS else None) != s.step:
+        if s is None or (s.step if kind in OPEN_STEP_EVENTS else event.get("step")) != s.step:
             return None
         s.t_last = max(s.t_last, event["t"])
         s.trained_ready += ready

@@ -32,7 +32,7 @@ def tool_metrics(model_turns: list[int], calls: list[tuple[float, float, bool]],
     seconds = [b - a for a, b, _ in calls]
     n = len(model_turns)
     return {
-        "turns_per_sample": statistics.fmean(model_turns) if model_turns else 0.0,
+        **({"turns_per_sample": statistics.fmean(model_turns)} if model_turns else {}),
         "tool_calls": len(calls),
         "tool_calls_per_sample": len(calls) / n if n else 0.0,
         "tool_call_ok_ratio": sum(ok for *_, ok in calls) / len(calls) if calls else 0.0,

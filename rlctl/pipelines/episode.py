@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rlctl.agents.calls import Parser, ToolCall
 from rlctl.agents.tools import ToolResult
+from rlctl.errors import RunError
 from rlctl.pipelines.groups import Generated, Group, Sample
 
 if TYPE_CHECKING:
@@ -78,11 +79,17 @@ class MultiTurn:
         self.max_tokens = max_tokens
 
     def environment(self, group: Group) -> Any:
-        env = self.make_env()
-        reset = getattr(env, "reset", None)
-        if callable(reset):
-            p = group.prompt
-            reset({**p.fields, "prompt": p.prompt, "answer": p.answer})
+        """A new environment for one trajectory, reset to its data row (on the event loop: an
+        environment's reset is expected to be quick; its steps run in the tool workers)."""
+        p = group.prompt
+        try:
+            env = self.make_env()
+            reset = getattr(env, "reset", None)
+            if callable(reset):
+                reset({**p.fields, "prompt": p.prompt, "answer": p.answer})
+        except Exception as e:  # noqa: BLE001 - the user's environment may raise anything
+            raise RunError(f"rollout.multi_turn.environment: making or resetting one for prompt {p.index} raised "
+                           f"{type(e).__name__}: {e}; fix the environment") from None
         return env
 
     async def sample(self, runner: TurnRunner, group: Group, index: int, text: str) -> Sample:
