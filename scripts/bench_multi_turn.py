@@ -128,10 +128,9 @@ def main() -> None:
               f"{s['right_calls_first']:>12.2f} {s['right_calls_last']:>6.2f} {s['calls_ok_first']:>9.2f} "
               f"{s['calls_ok_last']:>6.2f} {s['turns_per_sample']:>6.2f} {str(s['all_on_policy']):>10} {s['step_s']:>7.2f}")
     print(f"(means over {a.seeds} seeds; first and last {a.window} steps of {a.steps})")
-    path = write_artifact("bench_multi_turn", {"recipe": str(a.recipe.relative_to(REPO)) if a.recipe.is_relative_to(REPO)
+    write_artifact("bench_multi_turn", {"recipe": str(a.recipe.relative_to(REPO)) if a.recipe.is_relative_to(REPO)
                                                else str(a.recipe), "steps": a.steps, "window": a.window,
                                                "overrides": a.overrides, "runs": rows, "modes": summary})
-    print(f"figures written to {path.relative_to(REPO)}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Scheduling pieces every pipeline mode shares: samples, groups, the group runner, the producer.
+"""Scheduling pieces every pipeline mode shares: the group runner and the producer (a run's samples
+and groups are in rlctl/pipelines/groups.py, a trajectory's turns in rlctl/pipelines/episode.py).
 
 Everything here is asyncio over two small interfaces (rlctl/pipelines/interfaces.py), `Rollout`
 (one server: generate, abort; rlctl/pipelines/servers.py spreads requests over them) and `Trainer`
