@@ -263,3 +263,33 @@ def test_the_plans_colocated_first_on_64_gpus_launches_as_one_slurm_job_and_dry_
     assert not (tmp_path / "runs").exists()
     written = load_recipe(QWEN, best["launch"], check_paths=False)
     assert written.colocate.enabled and written.train.ranks == written.rollout.servers * p["rollout_tp"] == 64
+
+
+def test_tool_calls_are_priced_as_more_turns_and_the_slowest_trajectorys_wait():
+    """rollout.multi_turn priced from sim.tools (rlctl/planner/tools.py): E[turns] requests a
+    trajectory, and in sync and rolloutpipe the slowest trajectory's tool seconds as a stage
+    that async overlaps; the top placements against the simulated steps of the same tools."""
+    from rlctl.planner.tools import ToolTime
+
+    tools = REPO / "recipes" / "pool" / "sim-job-tools.yaml"
+    r = recipe(tools, "sim.params_b=1.7")
+    t = ToolTime.of(r)
+    assert t is not None and t.turns == pytest.approx(1.875) and t.calls == pytest.approx(0.875)
+    assert ToolTime.of(recipe(tools, "rollout.multi_turn.enabled=false")) is None
+    base = cost_model(r)
+    sync = estimate(r, base, Placement(PipelineMode.SYNC, 8, 1, 8))
+    plain = estimate(recipe(tools, "sim.params_b=1.7", "rollout.multi_turn.enabled=false"), base,
+                     Placement(PipelineMode.SYNC, 8, 1, 8))
+    slow = estimate(recipe(tools, "sim.params_b=1.7", "sim.tools.latency_median_s=8"), base,
+                    Placement(PipelineMode.SYNC, 8, 1, 8))
+    assert "tools" not in plain.stages and 0 < sync.stages["tools"] < slow.stages["tools"]
+    assert sync.stages["rollout"] > plain.stages["rollout"]  # 1.875 requests a trajectory
+    assert "tools" not in estimate(r, base, Placement(PipelineMode.ASYNC, 8, 1, 8)).stages
+    ranked = plan(r, base, 16).ranked
+    assert ranked[0].placement.mode is PipelineMode.ASYNC  # tools overlap the rollout there
+    for mode in (PipelineMode.SYNC, PipelineMode.ROLLOUTPIPE):  # async's known gap: rlctl/planner/tools.py
+        e = next(e for e in ranked if e.placement.mode is mode)
+        simulated = simulate_run(recipe(tools, "sim.params_b=1.7", *e.placement.overrides(e.running),
+                                        "run.steps=6")).metrics
+        step = statistics.fmean(m["step_time"] for m in simulated[1:])
+        assert e.step_s == pytest.approx(step, rel=0.2), e.placement.label()

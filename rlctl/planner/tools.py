@@ -10,7 +10,11 @@ takes a lognormal number of seconds (capped at the tool timeout) and adds result
   quantile of a trajectory's total tool seconds, read off TRAJECTORIES trajectories drawn with a
   fixed seed (deterministic, like the rest of the plan).
 Known to be wrong: the slowest trajectory's turns are not the longest ones, and tool calls that
-queue for a tool worker (rollout.multi_turn.tool_workers) wait longer than this counts.
+queue for a tool worker (rollout.multi_turn.tool_workers) wait longer than this counts. In async
+the tools cost more than nothing: a step trains what at most groups_per_batch x sync_every x
+(max_staleness + 1) open groups finish, so it lasts at least a share of a group's latency, turns
+and tools together, which this does not count (on recipes/pool/sim-job-tools.yaml at 1.7B, async
+placements come out well under their simulated steps; the order against sync holds).
 """
 
 from __future__ import annotations
