@@ -16,6 +16,7 @@ Without bubblewrap, or where it cannot make its namespaces, the tool is refused 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,6 @@ import selectors
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rlctl.agents.environments import Environment, ToolError
 
@@ -94,15 +94,17 @@ def _ro_binds(python: str) -> list[str]:
     return args
 
 
-def command(limits: Limits, own_uid: int, processes_now: int = 0) -> list[str]:
-    """The command line that runs Python from stdin in the sandbox (no secret is on it)."""
+def command(limits: Limits, own_uid: int, processes_now: int = 0, info_fd: int | None = None) -> list[str]:
+    """The command line that runs Python from stdin in the sandbox (no secret is on it);
+    `info_fd`: where bwrap writes the pid of the sandbox's first process."""
     nproc = limits.processes + (processes_now if own_uid != 0 else 0)
     rlimits = ["prlimit", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}", f"--as={limits.memory_mb << 20}", f"--nproc={nproc}",
                f"--fsize={limits.disk_mb << 20}", f"--nofile={limits.open_files}", "--core=0", "--"]
     drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if own_uid == 0 else []
     size = str(limits.disk_mb << 20)
     python = interpreter()
-    bwrap = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns", *_ro_binds(python),
+    info = ["--info-fd", str(info_fd)] if info_fd is not None else []
+    bwrap = ["bwrap", *info, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns", *_ro_binds(python),
              "--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/work",
              "--remount-ro", "/", "--chdir", "/work", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work",
              "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--"]
@@ -126,23 +128,63 @@ def run_python(code: str, limits: Limits = Limits()) -> str:
     if not isinstance(code, str):
         raise ToolError(f"code must be a string, got {type(code).__name__}")
     uid = os.getuid()
-    argv = command(limits, uid, _processes_of(uid) if uid != 0 else 0)
+    info_r, info_w = os.pipe()
+    argv = command(limits, uid, _processes_of(uid) if uid != 0 else 0, info_fd=info_w)
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True, pass_fds=(info_w,))
     except OSError as e:
+        os.close(info_r)
         raise ToolError(f"the sandbox did not start: {e}") from None
+    finally:
+        os.close(info_w)
+    sandbox = _Sandbox(proc, info_r)
     try:
-        out, ended = _collect(proc, code.encode("utf-8", "replace"), limits)
+        out, ended = _collect(sandbox, code.encode("utf-8", "replace"), limits)
     finally:
         if proc.poll() is None:
-            _kill(proc)
+            sandbox.kill()
+        os.close(info_r)
     return _result(out.decode("utf-8", "replace"), proc.returncode, ended, limits)
 
 
-def _collect(proc: subprocess.Popen[bytes], stdin: bytes, limits: Limits) -> tuple[bytes, str]:
+class _Sandbox:
+    """A running bwrap and what it said of itself on its info fd: the pid of the sandbox's first
+    process, in this host's pid namespace."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], info_fd: int) -> None:
+        self.proc, self.info_fd = proc, info_fd
+        self.info = bytearray()
+
+    def read_info(self) -> bool:
+        """Read what the info fd has; False at its end."""
+        chunk = os.read(self.info_fd, 4096)
+        self.info += chunk
+        return bool(chunk)
+
+    def kill(self) -> None:
+        """Kill the sandbox's first process, which ends every process of its pid namespace, and
+        let bwrap, its parent, see it end: nothing is left an orphan for this host's pid 1 to
+        reap (in a container, one that may never). bwrap and its session are killed after, if
+        they are still there."""
+        try:
+            pid = int(json.loads(bytes(self.info))["child-pid"])
+            os.kill(pid, signal.SIGKILL)
+            self.proc.wait(5)
+            return
+        except (ValueError, KeyError, TypeError, OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def _collect(sandbox: _Sandbox, stdin: bytes, limits: Limits) -> tuple[bytes, str]:
     """The sandbox's output until it exits (""), runs past its seconds ("time") or writes past
     output_bytes ("output"); either of the last two kills it."""
+    proc = sandbox.proc
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(stdin)
@@ -153,34 +195,30 @@ def _collect(proc: subprocess.Popen[bytes], stdin: bytes, limits: Limits) -> tup
     out = bytearray()
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(sandbox.info_fd, selectors.EVENT_READ)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                _kill(proc)
+                sandbox.kill()
                 return bytes(out), "time"
-            if not sel.select(left):
+            ready = [key.fileobj for key, _ in sel.select(left)]
+            if sandbox.info_fd in ready and not sandbox.read_info():
+                sel.unregister(sandbox.info_fd)
+            if proc.stdout not in ready:
                 continue
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
                 break
             out += chunk
             if len(out) > limits.output_bytes:
-                _kill(proc)
+                sandbox.kill()
                 return bytes(out[: limits.output_bytes]), "output"
     try:
         proc.wait(max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        sandbox.kill()
         return bytes(out), "time"
     return bytes(out), ""
-
-
-def _kill(proc: subprocess.Popen[Any]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # bwrap and its helpers; the sandbox dies with bwrap
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _result(text: str, code: int | None, ended: str, limits: Limits) -> str:
