@@ -198,14 +198,15 @@ class StepMetrics:
     def _completed(self, e: dict[str, Any]) -> None:
         self._ready_at[e["group"]] = e["t"]
         servers = e.get("servers", [])
-        self._servers.update(servers)
-        s = self._open
-        if s is None:
-            return
         if isinstance(e.get("turns"), list):  # trajectories: a server is busy with their model turns only
             spans = [(t[0], t[1], t[2]) for turns in e["turns"] for t in turns]
         else:
             spans = list(zip(servers, e.get("starts", []), e.get("ends", [])))
+        self._servers.update(servers)
+        self._servers.update(server for server, _, _ in spans)  # a trajectory's later turns may go elsewhere
+        s = self._open
+        if s is None:
+            return
         for server, a, b in spans:
             if b > s.t_start:
                 s.busy.setdefault(server, []).append((max(a, s.t_start), b))
