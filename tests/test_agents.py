@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from rlctl.agents.calculator import MAX_MAGNITUDE, calculate
+from rlctl.agents.calculator import calculate
 from rlctl.agents.calls import parse_hermes
 from rlctl.agents.calculator import CalculatorEnv
 from rlctl.agents.environments import Environment, ToolError
@@ -61,7 +61,6 @@ def test_the_calculator_computes_arithmetic(expr, value):
 def test_the_calculator_refuses_what_is_not_bounded_arithmetic(expr, error):
     with pytest.raises(ToolError, match=error):
         calculate(expr)
-    assert MAX_MAGNITUDE == 10**18
 
 
 def test_an_environment_answers_unknown_tools_and_wrong_arguments_with_a_tool_error():
@@ -91,7 +90,8 @@ def test_plain_turns_are_the_format_the_tiny_model_is_warmed_up_on():
             result = f"error: {call.error}" if call.error else CalculatorEnv().step(call.name, call.arguments)
             assert demo[1][0] == turns.text([result])
         if right:
-            assert demo[2][0] == TASKS["calc"].sample(random.Random(0))[1] or demo[2][0] == str(eval(prompt[:-1]))
+            a, b = prompt[:-1].split("*")
+            assert demo[2][0] == str(int(a) * int(b))  # the right trajectory answers the product
 
 
 QWEN3_TOOLS = (
@@ -107,7 +107,7 @@ QWEN3_TOOLS = (
 
 def test_a_chat_templates_tool_turn_is_what_it_renders_between_the_models_turns(chat_tokenizer_factory):
     tok = chat_tokenizer_factory(QWEN3_TOOLS)
-    turns = TemplateTurns(tok, QWEN3_TOOLS, {}, tools=[])
+    turns = TemplateTurns(tok, QWEN3_TOOLS, {})
     assert turns.model_wrote == "<|im_end|>"
     expected = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert turns.text(["42", "ok"]) == expected
@@ -157,3 +157,14 @@ def test_an_environment_that_cannot_be_made_or_reset_ends_the_run_saying_so():
     with pytest.raises(RunError, match=r"rollout.multi_turn.environment: making or resetting one for prompt 7 raised "
                                        r"KeyError: 'extra_info'; fix the environment"):
         multi.environment(Group(0, 0, Prompt(7, "q", "a"), [1]))
+
+
+def test_the_recipes_choices_are_the_agents_own():
+    """The recipe layer names parsers and built-ins without importing them: the names agree."""
+    from rlctl.agents.builtin import BUILTIN, environment_factory
+    from rlctl.agents.calls import PARSERS
+    from rlctl.recipe import MultiTurnConfig
+    from rlctl.recipe.multi_turn import BUILTIN_ENVIRONMENTS, TOOL_PARSERS
+
+    assert set(TOOL_PARSERS) == set(PARSERS) and set(BUILTIN_ENVIRONMENTS) == set(BUILTIN)
+    assert environment_factory(MultiTurnConfig(enabled=True))().step("calc", {"expr": "2*21"}) == "42"

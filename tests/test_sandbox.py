@@ -78,7 +78,7 @@ def test_memory_cpu_time_and_output_are_limited():
 
 def test_a_sandbox_killed_at_its_time_leaves_no_process():
     before = _sandbox_processes()
-    run_python("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(1)'])\n"
+    run_python("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'])\n"
                "while True: pass", Limits(seconds=1.0))
     # the kernel kills the sandbox's processes when its first one dies with bwrap: moments later
     wait_for(lambda: _sandbox_processes() <= before, 10, "the sandbox's processes to be gone")
@@ -124,3 +124,11 @@ def _sandbox_processes() -> int:
         except (OSError, IndexError):
             pass
     return n
+
+
+def test_the_python_tools_sandbox_is_killed_at_the_recipes_tool_timeout():
+    from rlctl.agents.builtin import environment_factory
+    from rlctl.recipe import MultiTurnConfig
+
+    env = environment_factory(MultiTurnConfig(enabled=True, environment="python", tool_timeout_s=1.5))()
+    assert env.step("python", {"code": "while True: pass"}).endswith("[killed: ran past 1.5 s]")

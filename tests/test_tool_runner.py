@@ -21,6 +21,8 @@ class Held:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.started = threading.Semaphore(0)
+        """Released once by every step that starts."""
         self.lock = threading.Lock()
         self.running = self.most = 0
         self.threads: set[int] = set()
@@ -30,6 +32,7 @@ class Held:
             self.running += 1
             self.most = max(self.most, self.running)
             self.threads.add(threading.get_ident())
+        self.started.release()
         try:
             if not self.release.wait(30):
                 raise TimeoutError("never released")
@@ -46,16 +49,13 @@ def test_calls_run_on_worker_threads_at_most_workers_at_once():
 
     async def main():
         calls = [asyncio.ensure_future(runner(env, ToolCall("t", {"n": 3}))) for _ in range(5)]
-        for _ in range(2000):  # the loop stays free while the steps wait: it polls their count
-            if env.running == 2:
-                break
-            await asyncio.sleep(0.005)
-        assert env.running == 2
+        for _ in range(2):  # the loop stays free while the steps wait: it waits here for two to start
+            assert await asyncio.to_thread(env.started.acquire, timeout=30), "a step never started"
+        assert env.running == 2 and not env.started.acquire(blocking=False)  # and no third one
         env.release.set()
         return await asyncio.gather(*calls), threading.get_ident()
 
     results, loop_thread = asyncio.run(main())
-    runner.close()
     assert [r.text for r in results] == ["xxx"] * 5 and all(r.ok for r in results)
     assert env.most == 2 and loop_thread not in env.threads
     assert max(r.queued for r in results) > 0  # three of them waited for a worker
@@ -70,7 +70,6 @@ def test_a_failing_step_and_long_output_are_the_calls_answer():
     assert long.ok and long.text == "x" * 60 + "... [cut at 60 characters]"
     unread = asyncio.run(runner(env, ToolCall("", error="the call is not JSON")))
     assert (unread.ok, unread.text) == (False, "error: the call is not JSON")
-    runner.close()
 
 
 def test_a_step_past_its_timeout_is_answered_and_a_runner_whose_workers_are_all_stuck_fails():
@@ -86,4 +85,3 @@ def test_a_step_past_its_timeout_is_answered_and_a_runner_whose_workers_are_all_
         asyncio.run(main())
     finally:
         env.release.set()
-        runner.close()

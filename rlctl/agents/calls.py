@@ -31,9 +31,6 @@ class ToolCall:
     error: str | None = None
     """Set when the block could not be read as a call (bad JSON, no name); name is then ''."""
 
-    def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "arguments": self.arguments, **({"error": self.error} if self.error else {})}
-
 
 def parse_hermes(text: str) -> list[ToolCall]:
     """Every call in a turn's text, in order (empty: the turn called no tool)."""

@@ -43,13 +43,3 @@ class Environment:
             return str(getattr(self, f"tool_{name}")(**arguments))
         except TypeError as e:
             raise ToolError(f"{name}: {e}") from None
-
-
-def tool_names(env: Any) -> list[str]:
-    """The names in an environment's tool schemas (OpenAI's {"type": "function", "function": {...}}
-    or the bare {"name": ...})."""
-    names = []
-    for tool in getattr(env, "tools", None) or []:
-        spec = tool.get("function", tool) if isinstance(tool, Mapping) else {}
-        names.append(str(spec.get("name", "?")))
-    return names

@@ -95,9 +95,11 @@ def _ro_binds(python: str) -> list[str]:
 
 
 def command(limits: Limits, own_uid: int, processes_now: int = 0, info_fd: int | None = None) -> list[str]:
-    """The command line that runs Python from stdin in the sandbox (no secret is on it);
-    `info_fd`: where bwrap writes the pid of the sandbox's first process."""
-    nproc = limits.processes + (processes_now if own_uid != 0 else 0)
+    """The command line that runs Python from stdin in the sandbox (no secret is on it).
+    `processes_now`: the processes own_uid has already, which RLIMIT_NPROC counts too (0 for
+    root, whose sandbox runs as `nobody`); `info_fd`: where bwrap writes the pid of the
+    sandbox's first process."""
+    nproc = limits.processes + processes_now
     rlimits = ["prlimit", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}", f"--as={limits.memory_mb << 20}", f"--nproc={nproc}",
                f"--fsize={limits.disk_mb << 20}", f"--nofile={limits.open_files}", "--core=0", "--"]
     drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if own_uid == 0 else []

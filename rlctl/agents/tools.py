@@ -45,7 +45,7 @@ class ToolRunner:
         self.workers = workers
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._running: dict[int, float] = {}
@@ -115,13 +115,9 @@ class ToolRunner:
         return future
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
+        while True:
+            self._jobs.get()()
 
-    def close(self) -> None:
-        """Workers end after their step (one stuck in a step stays, a daemon, until the process ends)."""
-        for _ in self._threads:
-            self._jobs.put(None)
 
 
 def one_line(e: BaseException) -> str:

@@ -34,10 +34,11 @@ class PlainTurns:
 class TemplateTurns:
     """A chat template's own tool messages, between the model's turn and its next one."""
 
-    def __init__(self, tokenizer: Any, template: str, kwargs: dict[str, Any], tools: list[dict[str, Any]]) -> None:
+    def __init__(self, tokenizer: Any, template: str, kwargs: dict[str, Any]) -> None:
+        """kwargs: the template's own, as the prompts are rendered with (the tools among them)."""
         self.tokenizer = tokenizer
         self.render: Callable[..., str] = lambda messages, **kw: tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, tools=tools or None, **kwargs, **kw)
+            messages, chat_template=template, tokenize=False, **kwargs, **kw)
         eos = tokenizer.eos_token or ""
         base = self.render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}])
         after = base[base.index(_MARK) + len(_MARK):]

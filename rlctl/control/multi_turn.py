@@ -11,7 +11,7 @@ from rlctl.agents.tools import ToolRunner
 from rlctl.agents.turns import PlainTurns, TemplateTurns
 from rlctl.data.chat import PromptRenderer
 from rlctl.errors import RunError
-from rlctl.pipelines.episode import MultiTurn, parsed_calls
+from rlctl.pipelines.episode import MultiTurn, TurnFormat, parsed_calls
 from rlctl.recipe import FieldError, MultiTurnConfig
 
 
@@ -26,12 +26,13 @@ def make_multi_turn(cfg: MultiTurnConfig, renderer: PromptRenderer) -> MultiTurn
         raise RunError(f"rollout.multi_turn.{e.key}: {e.message}") from None
     tools = list(getattr(make_env_once(factory), "tools", None) or [])
     tokenizer = renderer.tokenizer
+    turns: TurnFormat
     if renderer.template is None:
-        turns: Any = PlainTurns(tokenizer)
+        turns = PlainTurns(tokenizer)
     else:
-        renderer.kwargs["tools"] = tools
-        turns = TemplateTurns(tokenizer, renderer.template, {k: v for k, v in renderer.kwargs.items() if k != "tools"},
-                              tools)
+        if tools:
+            renderer.kwargs["tools"] = tools
+        turns = TemplateTurns(tokenizer, renderer.template, renderer.kwargs)
     runner = ToolRunner(cfg.tool_workers, cfg.tool_timeout_s, cfg.max_tool_output_chars)
     detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731 - tags may be special tokens
     return MultiTurn(factory, parsed_calls(PARSERS[cfg.tool_parser], detokenize), turns, runner, detokenize,

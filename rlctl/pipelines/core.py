@@ -65,7 +65,8 @@ class GroupRunner:
             del self.rids_of[group.id]
         return group
 
-    def _request(self, prompt: str) -> SamplingRequest:
+    def request(self, prompt: str) -> SamplingRequest:
+        """The sampling of one request for `prompt` (its own length under the long-tail workload)."""
         if self.lengths is None:
             return self.sampling
         s = self.sampling  # built directly: dataclasses.replace costs 3x as much, per sample
@@ -75,7 +76,7 @@ class GroupRunner:
         text = group.prompt.text  # made anew on every read for chat messages: once per sample
         if self.multi_turn is not None:
             return await self.multi_turn.sample(self, group, index, text)
-        request = self._request(text)
+        request = self.request(text)
         turn = await self.generate(group, index, text, group.prompt_ids, request, f"g{group.id}-s{index}")
         if turn.finish_reason != "abort":
             self.admission.finished(text, turn.n_tokens)

@@ -46,7 +46,7 @@ class TurnRunner(Protocol):
     clock: Clock
     emit: EventSink
 
-    def _request(self, prompt: str) -> SamplingRequest: ...
+    def request(self, prompt: str) -> SamplingRequest: ...
 
     async def generate(self, group: Group, index: int, text: str, input_ids: list[int], request: SamplingRequest,
                        rid: str) -> Generated: ...
@@ -103,7 +103,7 @@ class MultiTurn:
         last: list[int] = []
         generated = 0
         reason = "stop"
-        base = runner._request(text)
+        base = runner.request(text)
         for turn in range(self.max_turns):
             budget = self.max_tokens - len(output)
             if budget <= 0:
@@ -119,11 +119,9 @@ class MultiTurn:
             generated += g.n_tokens
             last = g.output_ids
             reason = g.finish_reason
-            record = {"server": g.server, "versions": g.versions, "t_start": g.t_start, "t_end": g.t_end,
-                      "tokens": g.n_tokens, "calls": 0}
-            turns.append(record)
+            turns.append({"server": g.server, "versions": g.versions, "t_start": g.t_start, "t_end": g.t_end,
+                          "tokens": g.n_tokens})
             found = self.calls(g) if reason != "abort" else []
-            record["calls"] = len(found)
             if not found:
                 break
             if turn == self.max_turns - 1:
@@ -152,7 +150,7 @@ class MultiTurn:
         results = await asyncio.gather(*(self.tools(env, c) for c in found))
         for c, r in zip(found, results):
             start = t0 + r.queued
-            call = {"turn": turn, "name": c.name or "unparsed", "ok": r.ok, "seconds": round(r.seconds, 6), "t_start": start}
+            call = {"name": c.name or "unparsed", "ok": r.ok, "seconds": round(r.seconds, 6), "t_start": start}
             calls.append(call)
             runner.emit("tool_call", start, step=group.step, group=group.id, sample=index, turn=turn,
                         name=call["name"], ok=r.ok, seconds=call["seconds"], queued=round(r.queued, 6),

@@ -35,9 +35,9 @@ class Sample:
     """A trajectory (rollout.multi_turn): per token of output_ids, 1 for the model's, 0 for the
     environment's (tool results), which the trainer leaves out of the loss. None: all trained."""
     turns: list[dict[str, Any]] = field(default_factory=list)
-    """A trajectory's model turns, in order: server, version, t_start, t_end, tokens, calls."""
+    """A trajectory's model turns, in order: server, versions, t_start, t_end, tokens."""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    """A trajectory's tool calls, in order: turn, name, ok, seconds, t_start."""
+    """A trajectory's tool calls, in order: name, ok, seconds, t_start."""
     trajectory: str = ""
     """A trajectory's whole text after the prompt, the model's turns and the tools' (`text` is
     its last model turn, which the reward scores)."""

@@ -19,6 +19,7 @@ placements come out well under their simulated steps; the order against sync hol
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -52,17 +53,25 @@ class ToolTime:
     def slowest(recipe: Recipe, trajectories: float) -> float:
         """Seconds the slowest of `trajectories` trajectories waits on its tools."""
         mt, tools = recipe.rollout.multi_turn, recipe.sim.tools
-        if tools.latency_median_s <= 0 or tools.call_prob <= 0:
-            return 0.0
-        rng = random.Random(0)
-        mu = math.log(tools.latency_median_s)
-        totals = []
-        for _ in range(TRAJECTORIES):
-            total, turn = 0.0, 1
-            while turn < mt.max_turns and rng.random() < tools.call_prob:
-                total += min(rng.lognormvariate(mu, tools.latency_sigma), mt.tool_timeout_s)
-                turn += 1
-            totals.append(total)
-        totals.sort()
-        q = 1.0 - 1.0 / max(trajectories, 1.0)
-        return totals[min(len(totals) - 1, int(q * len(totals)))]
+        return _slowest(mt.max_turns, tools.call_prob, tools.latency_median_s, tools.latency_sigma, mt.tool_timeout_s,
+                        trajectories)
+
+
+@functools.cache
+def _slowest(max_turns: int, call_prob: float, median_s: float, sigma: float, timeout_s: float,
+             trajectories: float) -> float:
+    """ToolTime.slowest, drawn once per tool model: every placement of a plan asks the same."""
+    if median_s <= 0 or call_prob <= 0:
+        return 0.0
+    rng = random.Random(0)
+    mu = math.log(median_s)
+    totals = []
+    for _ in range(TRAJECTORIES):
+        total, turn = 0.0, 1
+        while turn < max_turns and rng.random() < call_prob:
+            total += min(rng.lognormvariate(mu, sigma), timeout_s)
+            turn += 1
+        totals.append(total)
+    totals.sort()
+    q = 1.0 - 1.0 / max(trajectories, 1.0)
+    return totals[min(len(totals) - 1, int(q * len(totals)))]

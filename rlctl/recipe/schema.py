@@ -75,20 +75,19 @@ class Recipe(Section):
         self._check_ipc()
         self._check_colocate()
         self._check_vllm()
+        self._check_algo()
+        if self.sim.colocated and self.pipeline.mode is not PipelineMode.SYNC:
+            raise FieldError("sim.colocated", "colocated rollout and training take turns on their GPUs: "
+                             "set pipeline.mode=sync, or colocated=false")
 
     def _check_multi_turn(self) -> None:
-        """A multi-turn task needs its environment, and trajectories go through rlctl's own
-        generation loop, which a simulation has no tokens for."""
+        """A multi-turn task needs its environment."""
         mt = self.rollout.multi_turn
         needs = TASK_ENVIRONMENTS.get(self.data.task) if self.data.source is DataSource.TASK else None
         if needs and not (mt.enabled and mt.environment == needs):
             raise FieldError("rollout.multi_turn.enabled",
                              f"data.task={self.data.task} is answered with tools: set rollout.multi_turn.enabled=true "
                              f"and rollout.multi_turn.environment={needs}")
-        self._check_algo()
-        if self.sim.colocated and self.pipeline.mode is not PipelineMode.SYNC:
-            raise FieldError("sim.colocated", "colocated rollout and training take turns on their GPUs: "
-                             "set pipeline.mode=sync, or colocated=false")
 
     def _check_pool(self) -> None:
         if not self.pool.name:
