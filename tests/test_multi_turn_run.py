@@ -16,7 +16,8 @@ pytestmark = pytest.mark.e2e
 
 SMALL = ["run.steps=3", "model.init.hidden_size=32", "model.init.head_dim=8", "model.init.intermediate_size=64",
          "model.init.warmup_steps=40", "rollout.batch_size=8", "rollout.group_size=4", "train.groups_per_batch=4",
-         "pipeline.mode=rolloutpipe", "pipeline.admission=frontier", "rollout.concurrency=4"]
+         "pipeline.mode=rolloutpipe", "pipeline.admission=frontier", "rollout.concurrency=4",
+         "run.sample_groups=1000"]  # every group's samples in samples.jsonl, so they match the events
 
 
 def test_a_tool_calling_run_trains_on_trajectories_with_every_turn_on_policy(tmp_path):
@@ -39,7 +40,8 @@ def test_a_tool_calling_run_trains_on_trajectories_with_every_turn_on_policy(tmp
     assert two_turns  # a call, then the answer after the tool's result
     samples = [json.loads(line) for line in rd.samples_path.read_text().splitlines()]
     answered = [s for s in samples if s.get("turns") == 2]  # a second turn reads the first one's tool results
-    assert answered and all("<tool_call>" in s["trajectory"] and "<tool_response>" in s["trajectory"] for s in answered)
+    assert len(samples) == sum(len(e["turns"]) for e in completed) and len(answered) == len(two_turns)
+    assert all("<tool_call>" in s["trajectory"] and "<tool_response>" in s["trajectory"] for s in answered)
     metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     assert all(m["tool_calls"] > 0 and 1.0 <= m["turns_per_sample"] <= 2.0 for m in metrics)
     res = rlctl("samples", str(path), "--limit", "1", cwd=tmp_path)
