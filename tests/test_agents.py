@@ -124,6 +124,8 @@ def test_a_chat_templates_tool_turn_is_what_it_renders_between_the_models_turns(
 def test_a_multi_turn_task_needs_its_environment_and_a_bad_environment_is_one_line():
     with pytest.raises(RecipeError, match="data.task=calc is answered with tools: set rollout.multi_turn.enabled=true"):
         load_recipe(QUICKSTART, ["data.task=calc"])
+    with pytest.raises(RecipeError, match="environment: data.task=calc is answered with the calculator's tools"):
+        load_recipe(QUICKSTART, ["data.task=calc", "rollout.multi_turn.enabled=true", "rollout.multi_turn.environment=python"])
     with pytest.raises(RecipeError, match=r"rollout.multi_turn.environment: 'nope' is not of the form module:Class"):
         load_recipe(QUICKSTART, ["rollout.multi_turn.enabled=true", "rollout.multi_turn.environment=nope"])
     with pytest.raises(RecipeError, match=r"rollout.multi_turn.environment: no module 'no_such_env'"):

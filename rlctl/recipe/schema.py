@@ -84,10 +84,13 @@ class Recipe(Section):
         """A multi-turn task needs its environment."""
         mt = self.rollout.multi_turn
         needs = TASK_ENVIRONMENTS.get(self.data.task) if self.data.source is DataSource.TASK else None
-        if needs and not (mt.enabled and mt.environment == needs):
+        if needs and not mt.enabled:
             raise FieldError("rollout.multi_turn.enabled",
                              f"data.task={self.data.task} is answered with tools: set rollout.multi_turn.enabled=true "
                              f"and rollout.multi_turn.environment={needs}")
+        if needs and mt.environment != needs:
+            raise FieldError("rollout.multi_turn.environment",
+                             f"data.task={self.data.task} is answered with the {needs}'s tools: set it to {needs}")
 
     def _check_pool(self) -> None:
         if not self.pool.name:
