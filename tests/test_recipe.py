@@ -69,7 +69,7 @@ def _launch_bad(case: str, tmp_path, run) -> tuple[object, object, object]:
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
-    src = "<overrides>" if case == "unknown-override" else str(recipe)
+    src = "<overrides>" if any(o.startswith(key + "=") for o in overrides) else str(recipe)
     assert lines[0].startswith(f"error: {src}: "), lines[0]
     assert key in lines[0]
     assert not out_dir.exists()
@@ -128,7 +128,9 @@ def test_relative_paths_resolve_against_the_recipe(tmp_path):
 def test_value_errors_name_the_dotted_key_and_the_fix(overrides, key, message):
     with pytest.raises(RecipeError) as info:
         load_recipe(QUICKSTART, overrides)
-    assert (info.value.file, info.value.key, info.value.message) == (str(QUICKSTART), key, message)
+    # each value comes from the command line; "model" (path and init both set) is the file's section
+    where = str(QUICKSTART) if key == "model" else "<overrides>"
+    assert (info.value.file, info.value.key, info.value.message) == (where, key, message)
 
 
 CLUSTER = REPO / "recipes" / "slurm-qwen3-1.7b.yaml"
@@ -145,7 +147,7 @@ CLUSTER = REPO / "recipes" / "slurm-qwen3-1.7b.yaml"
 def test_cluster_placement_errors(overrides, key, message):
     with pytest.raises(RecipeError) as info:
         load_recipe(CLUSTER, overrides)
-    assert (info.value.file, info.value.key, info.value.message) == (str(CLUSTER), key, message)
+    assert (info.value.file, info.value.key, info.value.message) == ("<overrides>", key, message)
 
 
 def test_choices_load_as_enum_members():
@@ -264,6 +266,20 @@ def test_a_model_path_on_the_command_line_replaces_the_recipes_init():
     assert (r.model.path, r.model.init) == ("/models/Qwen3-0.6B", None)
     with pytest.raises(RecipeError, match="set exactly one of model.path"):
         load_recipe(QUICKSTART, ["model.path=/models/Qwen3-0.6B", "model.init.hidden_size=32"], check_paths=False)
+
+
+def test_a_bad_value_names_where_it_was_set(tmp_path):
+    """A value set on the command line is blamed on "<overrides>" (the recipe file does not hold
+    it); one set in the file, on the file, even when an override made it wrong."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  init: {}\ntrain:\n  lr: -0.1\n")
+    for overrides, where, key in ((["train.lr=0.1", "rollout.servers=0"], "<overrides>", "rollout.servers"),
+                                  ([], str(recipe), "train.lr"),
+                                  (["train.lr=0.1", "rollout.batch_size=10"], str(recipe), "train.groups_per_batch"),
+                                  (["train.lr=0.1", "pipeline={mode: turbo}"], "<overrides>", "pipeline.mode")):
+        with pytest.raises(RecipeError) as e:
+            load_recipe(recipe, overrides, check_paths=False)
+        assert (e.value.file, e.value.key) == (where, key), (overrides, str(e.value))
 
 
 def test_a_section_given_a_plain_value_names_its_keys():

@@ -74,7 +74,7 @@ def test_a_newline_in_the_output_dir_never_reaches_the_batch_script(tmp_path):
     )
     assert res.returncode == 2 and res.stdout == "", res.stdout
     assert res.stderr.strip().splitlines() == [
-        f"error: {QUICKSTART}: run.output_dir: holds a control character (\\n); write it on one line, without one"
+        "error: <overrides>: run.output_dir: holds a control character (\\n); write it on one line, without one"
     ]
     assert list(tmp_path.iterdir()) == []
 

@@ -92,7 +92,7 @@ def test_a_reward_function_that_cannot_be_called_is_refused_with_the_recipe(tmp_
     n = reward_module(tmp_path, body)
     with pytest.raises(RecipeError) as e:
         load_recipe(recipe, ["reward.verifier=function", f"reward.function={function.format(n=n)}"])
-    assert (e.value.file, e.value.key) == (str(recipe), "reward.function")
+    assert (e.value.file, e.value.key) == ("<overrides>", "reward.function")
     assert said.format(n=n) in e.value.message and "\n" not in str(e.value)
 
 
@@ -103,7 +103,7 @@ def test_launch_refuses_a_misspelled_callable_in_one_line_and_creates_nothing(tm
                      f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
-        f"error: {recipe}: reward.function: module '{name}' ({tmp_path / 'exp' / name}.py) has no 'scroe'; "
+        f"error: <overrides>: reward.function: module '{name}' ({tmp_path / 'exp' / name}.py) has no 'scroe'; "
         "name a function defined in it"]
     assert not (tmp_path / "runs").exists()
 

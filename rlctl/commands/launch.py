@@ -22,10 +22,16 @@ def launch(
     """Start a run from a recipe."""
     from rlctl.recipe import Launcher, load_recipe
 
+    from rlctl.errors import RecipeError
+    from rlctl.recipe.load import blame_overrides
+
     r = load_recipe(recipe, overrides or [])
-    _check_trainer_fits(r, recipe)
-    _check_data(r)
-    _check_environment(r, recipe)
+    try:
+        _check_trainer_fits(r, recipe)
+        _check_data(r)
+        _check_environment(r, recipe)
+    except RecipeError as e:  # the key the command line set is blamed on it, as load_recipe does
+        raise blame_overrides(e, str(recipe), overrides or []) from None
     if resume and not dry_run:
         from rlctl.commands.resume import resume_recipe
 

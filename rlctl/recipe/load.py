@@ -3,8 +3,9 @@
 YAML (safe loader) -> OmegaConf merge onto the structured schema (unknown keys, wrong types and
 choices outside their enum fail here) -> dataclass instance -> every section's `check()`
 (values that are well-typed but impossible). Every failure raises `RecipeError(file, key,
-message)`, which the CLI prints as one line and exits 2: the key and every long value in the
-message are cut to 80 characters (checks.clip_message), control characters escaped.
+message)`, `file` being the recipe or, for a key set on the command line, "<overrides>". The
+CLI prints it as one line and exits 2: the key and every long value in the message are cut to
+80 characters (checks.clip_message), control characters escaped.
 
 The YAML of the recipe and of each override's value is parsed within bounds first
 (rlctl/recipe/bounded_yaml.py: size, nesting depth, values with aliases expanded), so that no
@@ -16,7 +17,6 @@ from __future__ import annotations
 import enum
 import functools
 import os
-import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields, is_dataclass
@@ -29,6 +29,7 @@ from rlctl.recipe.checks import FieldError, Section, check_numbers, check_text, 
 from rlctl.recipe.choices import Launcher
 from rlctl.recipe.pool import PoolFile
 from rlctl.recipe.schema import Recipe
+from rlctl.recipe.schema_errors import field_type, translate_omegaconf_error, unwrap_optional, yaml_where
 
 
 def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -64,10 +65,22 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = (), che
         raise RecipeError(file, "<file>", "no such file; check the path") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(file, "<file>", f"cannot read it ({e.__class__.__name__}: {e})") from None
-    recipe = recipe_from_yaml(text, file, model_on_the_command_line(overrides))
-    _resolve_relative_paths(recipe, Path(path).resolve().parent)
-    check_recipe(recipe, file, check_paths and recipe.launcher is Launcher.LOCAL)
+    try:
+        recipe = recipe_from_yaml(text, file, model_on_the_command_line(overrides))
+        _resolve_relative_paths(recipe, Path(path).resolve().parent)
+        check_recipe(recipe, file, check_paths and recipe.launcher is Launcher.LOCAL)
+    except RecipeError as e:
+        raise blame_overrides(e, file, overrides) from None
     return recipe
+
+
+def blame_overrides(error: RecipeError, file: str, overrides: Sequence[str]) -> RecipeError:
+    """A value check names where the value came from: a key set on the command line (or inside a
+    section set there, `eval={...}`) is "<overrides>", not the recipe file, which may not hold it."""
+    keys = [item.partition("=")[0].strip() for item in overrides if "=" in item]
+    if error.file == file and any(error.key == k or error.key.startswith((k + ".", k + "[")) for k in keys):
+        return RecipeError("<overrides>", error.key, error.message)
+    return error
 
 
 def model_on_the_command_line(overrides: Sequence[str]) -> list[str]:
@@ -129,12 +142,12 @@ def _parse(text: str, file: str) -> dict:
     try:
         data = parse_bounded(text, SAFE_LOADER, MAX_RECIPE_BYTES)
     except YamlLimit as e:
-        raise RecipeError(file, _yaml_where(e) if e.problem_mark else "<file>", e.message) from None
+        raise RecipeError(file, yaml_where(e) if e.problem_mark else "<file>", e.message) from None
     except yaml.constructor.ConstructorError as e:
-        raise RecipeError(file, _yaml_where(e), f"unsafe or unknown YAML tag ({e.problem}); recipes are plain YAML") from None
+        raise RecipeError(file, yaml_where(e), f"unsafe or unknown YAML tag ({e.problem}); recipes are plain YAML") from None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RecipeError(file, _yaml_where(e), f"malformed YAML: {problem}") from None
+        raise RecipeError(file, yaml_where(e), f"malformed YAML: {problem}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -176,14 +189,14 @@ def structured_from_data(schema: type, data: dict, file: str, overrides: Sequenc
             cfg = OmegaConf.merge(cfg, override)
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
-        raise _translate_omegaconf_error(e, file, current_file, schema) from None
+        raise translate_omegaconf_error(e, current_file, schema) from None
 
 
 def _check_not_a_section(schema: type, key: str, value: str, file: str) -> None:
     """`colocate=true`: a section given a plain value (OmegaConf's own error names neither the
     key nor the fix). A mapping (`colocate={enabled: true}`) is a section's value, and null
     that of an optional one (OmegaConf checks that it is optional)."""
-    section = _unwrap_optional(_field_type(key, schema))
+    section = unwrap_optional(field_type(key, schema))
     if is_dataclass(section) and not value.startswith("{") and value not in ("null", "~"):
         keys = ", ".join(f"{key}.{f.name}" for f in fields(section))
         raise RecipeError(file, key, f"is a section, not a value; set one of its keys ({keys}), "
@@ -201,7 +214,7 @@ def _check_list_items(schema: type, data: Any, file: str, prefix: str) -> None:
         return
     hints = typing.get_type_hints(schema)
     for name, value in data.items():
-        ftype = _unwrap_optional(hints.get(name)) if isinstance(name, str) else None
+        ftype = unwrap_optional(hints.get(name)) if isinstance(name, str) else None
         key = f"{prefix}{name}"
         if typing.get_origin(ftype) is list and isinstance(value, list):
             (item_type,) = typing.get_args(ftype) or (None,)
@@ -211,7 +224,7 @@ def _check_list_items(schema: type, data: Any, file: str, prefix: str) -> None:
                 try:
                     OmegaConf.to_object(OmegaConf.merge(_schema_config(item_type), OmegaConf.create(item)))
                 except OmegaConfBaseException as e:
-                    error = _translate_omegaconf_error(e, file, file, item_type)
+                    error = translate_omegaconf_error(e, file, item_type)
                     raise RecipeError(error.file, f"{key}[{i}].{error.key}", error.message) from None
         elif is_dataclass(ftype):
             _check_list_items(ftype, value, file, f"{key}.")
@@ -230,14 +243,17 @@ def load_pool_file(path: str | os.PathLike[str], overrides: Sequence[str] = ()) 
         raise RecipeError(file, "<file>", f"cannot read it ({e.__class__.__name__}: {e})") from None
     if len(text) > MAX_RECIPE_BYTES:
         raise RecipeError(file, "<file>", f"larger than {MAX_RECIPE_BYTES >> 20} MiB; a pool file is a few KiB")
-    spec = structured_from_data(PoolFile, _parse(text, file), file, overrides)
-    for key, section in _sections(spec, ""):  # the jobs too, as jobs[i]
-        try:
-            check_numbers(section)
-            section.check()
-            check_text(section)
-        except FieldError as e:
-            raise RecipeError(file, ".".join(k for k in (key, e.key) if k), e.message) from None
+    try:
+        spec = structured_from_data(PoolFile, _parse(text, file), file, overrides)
+        for key, section in _sections(spec, ""):  # the jobs too, as jobs[i]
+            try:
+                check_numbers(section)
+                section.check()
+                check_text(section)
+            except FieldError as e:
+                raise RecipeError(file, ".".join(k for k in (key, e.key) if k), e.message) from None
+    except RecipeError as e:
+        raise blame_overrides(e, file, overrides) from None
     base = Path(path).resolve().parent
     for job in spec.jobs:
         if not os.path.isabs(os.path.expanduser(job.recipe)):
@@ -323,68 +339,3 @@ def _resolve_relative_paths(recipe: Recipe, base: Path) -> None:
     recipe.rollout.multi_turn.resolve(base)
     for eval_set in recipe.eval.sets:
         eval_set.resolve(base)
-
-
-def _yaml_where(e: Exception) -> str:
-    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-    if mark is None:
-        return "<yaml>"
-    return f"line {mark.line + 1}, column {mark.column + 1}"
-
-
-MOVED = {
-    "train.clip_eps": "the clip moved to algo.clip_eps_low and algo.clip_eps_high",
-    "train.kl_coef": "the KL penalty moved to algo.kl_coef (with algo.kl_estimator and algo.kl_in)",
-}
-"""Keys that an older recipe may hold, and where they went."""
-
-
-def _translate_omegaconf_error(e: Exception, recipe_file: str, file: str, schema: type) -> RecipeError:
-    """`file` is where the failing text came from (the recipe or "<overrides>"). A choice outside
-    its enum is a value error, and names the recipe like every other value check does."""
-    from omegaconf.errors import ConfigKeyError, ValidationError
-
-    key = getattr(e, "full_key", None) or "<unknown>"
-    msg = getattr(e, "msg", None) or str(e)
-    if (isinstance(e, ConfigKeyError) or "not in" in msg) and key in MOVED:
-        return RecipeError(file, key, f"unknown key; {MOVED[key]}")
-    if isinstance(e, ConfigKeyError) or "not in" in msg:
-        parent = key.rpartition(".")[0]
-        valid = _valid_keys(parent, schema)
-        hint = f"valid keys{' under ' + parent if parent else ''}: {', '.join(valid)}" if valid else "remove it"
-        return RecipeError(file, key, f"unknown key; {hint}")
-    if isinstance(e, ValidationError):
-        ftype = _field_type(key, schema)
-        if isinstance(ftype, type) and issubclass(ftype, enum.Enum):
-            choices = ", ".join(m.value for m in ftype)
-            return RecipeError(recipe_file, key, f"'{getattr(e, 'value', '?')}' is not one of {choices}")
-        expected = (getattr(ftype, "__name__", None) or str(ftype).replace("typing.", "")) if ftype else None
-        first = msg.splitlines()[0]
-        return RecipeError(file, key, f"{first}; expected {expected}" if expected else first)
-    return RecipeError(file, key, msg.splitlines()[0])
-
-
-def _unwrap_optional(ftype: Any) -> Any:
-    """`X | None` -> X; anything else unchanged."""
-    args = [a for a in typing.get_args(ftype) if a is not type(None)]
-    return args[0] if typing.get_origin(ftype) in (typing.Union, types.UnionType) and args else ftype
-
-
-def _field_type(key: str, schema: type = Recipe) -> Any:
-    """The declared type of the field at a dotted key, or None."""
-    cls: Any = schema
-    ftype: Any = None
-    for part in key.split("."):
-        if not is_dataclass(cls):
-            return None
-        hints = typing.get_type_hints(cls)
-        if part not in hints:
-            return None
-        ftype = hints[part]
-        cls = _unwrap_optional(ftype)
-    return ftype
-
-
-def _valid_keys(parent: str, schema: type = Recipe) -> list[str]:
-    cls = _unwrap_optional(schema if not parent else _field_type(parent, schema))
-    return [f.name for f in fields(cls)] if is_dataclass(cls) else []
