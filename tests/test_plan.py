@@ -267,8 +267,9 @@ def test_the_plans_colocated_first_on_64_gpus_launches_as_one_slurm_job_and_dry_
 
 def test_tool_calls_are_priced_as_more_turns_and_the_slowest_trajectorys_wait():
     """rollout.multi_turn priced from sim.tools (rlctl/planner/tools.py): E[turns] requests a
-    trajectory, and in sync and rolloutpipe the slowest trajectory's tool seconds as a stage
-    that async overlaps; the top placements against the simulated steps of the same tools."""
+    trajectory, and in sync and rolloutpipe the slowest trajectory's tool seconds as a stage; in
+    async, a group's latency over the staleness bound's open groups, where that is more than the
+    rollout; each mode's first placement against the simulated steps of the same tools."""
     from rlctl.planner.tools import ToolTime
 
     tools = REPO / "recipes" / "pool" / "sim-job-tools.yaml"
@@ -284,10 +285,13 @@ def test_tool_calls_are_priced_as_more_turns_and_the_slowest_trajectorys_wait():
                     Placement(PipelineMode.SYNC, 8, 1, 8))
     assert "tools" not in plain.stages and 0 < sync.stages["tools"] < slow.stages["tools"]
     assert sync.stages["rollout"] > plain.stages["rollout"]  # 1.875 requests a trajectory
-    assert "tools" not in estimate(r, base, Placement(PipelineMode.ASYNC, 8, 1, 8)).stages
+    async_ = [estimate(recipe(tools, "sim.params_b=1.7", *keys), base, Placement(PipelineMode.ASYNC, 8, 1, 8))
+              for keys in ([], ["sim.tools.latency_median_s=8"], ["pipeline.max_staleness=3"])]
+    assert 0 < async_[0].stages["tools"] < async_[1].stages["tools"]  # slower tools, a longer floor
+    assert async_[2].step_s < async_[0].step_s  # more open groups, a lower one
     ranked = plan(r, base, 16).ranked
     assert ranked[0].placement.mode is PipelineMode.ASYNC  # tools overlap the rollout there
-    for mode in (PipelineMode.SYNC, PipelineMode.ROLLOUTPIPE):  # async's known gap: rlctl/planner/tools.py
+    for mode in (PipelineMode.SYNC, PipelineMode.ROLLOUTPIPE, PipelineMode.ASYNC):
         e = next(e for e in ranked if e.placement.mode is mode)
         simulated = simulate_run(recipe(tools, "sim.params_b=1.7", *e.placement.overrides(e.running),
                                         "run.steps=6")).metrics

@@ -154,6 +154,11 @@ def schedule(recipe: Recipe, cost: CostModel, p: Placement, lengths: Lengths, ou
                       "train": max(0.0, trained - rollout.work - tail)}
     if tools is not None and p.mode is not PipelineMode.ASYNC:  # async's rollout goes on while tools run
         out.stages["tools"] = ToolTime.slowest(recipe, out.samples)
+    elif tools is not None:  # ... but its open groups bound it (rlctl/planner/tools.py)
+        open_samples = out.samples * (pipe.max_staleness + 1)  # a server runs no more than these
+        pace = cost.decode_step_seconds(max(1.0, min(b, open_samples / p.servers)))
+        floor = tools.group_latency(recipe, lengths, pace) / (pipe.max_staleness + 1)
+        out.stages["tools"] = max(0.0, floor - sum(out.stages.values()))
     out.stages["sync"] = cost.broadcast_seconds()
     out.step_s = sum(out.stages.values())
     out.bound = max(out.stages, key=lambda k: out.stages[k])

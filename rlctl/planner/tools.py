@@ -9,12 +9,13 @@ takes a lognormal number of seconds (capped at the tool timeout) and adds result
   The exposed wait is the tool time of the slowest of the step's N trajectories: the 1 - 1/N
   quantile of a trajectory's total tool seconds, read off TRAJECTORIES trajectories drawn with a
   fixed seed (deterministic, like the rest of the plan).
+- In async: tools overlap the rollout, but a step finishes k = groups_per_batch x sync_every
+  groups while at most k x (max_staleness + 1) are open, so (Little's law) it lasts at least a
+  group's latency over max_staleness + 1 (group_latency; rlctl/planner/schedule.py adds the
+  difference where the rollout is shorter).
 Known to be wrong: the slowest trajectory's turns are not the longest ones, and tool calls that
-queue for a tool worker (rollout.multi_turn.tool_workers) wait longer than this counts. In async
-the tools cost more than nothing: a step trains what at most groups_per_batch x sync_every x
-(max_staleness + 1) open groups finish, so it lasts at least a share of a group's latency, turns
-and tools together, which this does not count (on recipes/pool/sim-job-tools.yaml at 1.7B, async
-placements come out well under their simulated steps; the order against sync holds).
+queue for a tool worker (rollout.multi_turn.tool_workers) wait longer than this counts; the
+async floor counts no queueing either, so slow tools come out low in async.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from rlctl.costs.lengths import Lengths
 from rlctl.recipe import Recipe
 
 TRAJECTORIES = 4096
@@ -48,6 +50,15 @@ class ToolTime:
         calls = sum(p**k for k in range(1, turns))
         mean = tools.latency_median_s * math.exp(tools.latency_sigma**2 / 2) if tools.latency_median_s > 0 else 0.0
         return cls(1.0 + calls, calls, min(mean, mt.tool_timeout_s), tools.result_tokens)
+
+    def group_latency(self, recipe: Recipe, lengths: Lengths, pace: float) -> float:
+        """Seconds from a group's admission to its last trajectory's end: the group's longest
+        trajectory in turns, each turn a request of mean length but its last the group's longest,
+        at `pace` seconds a decode step, and the group's slowest tool wait."""
+        mt, g, p = recipe.rollout.multi_turn, recipe.rollout.group_size, recipe.sim.tools.call_prob
+        max_turns = 1.0 + sum(1.0 - (1.0 - p**k) ** g for k in range(1, mt.max_turns))
+        steps = (max_turns - 1.0) * lengths.mean + lengths.expected_max(g)
+        return steps * pace + self.slowest(recipe, g)
 
     @staticmethod
     def slowest(recipe: Recipe, trajectories: float) -> float:
