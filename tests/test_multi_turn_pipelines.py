@@ -119,3 +119,24 @@ def test_simulate_prints_the_tool_columns_for_a_multi_turn_recipe():
     head, *rows = render_metrics(metrics).splitlines()
     assert head.split()[-7:] == ["turns", "calls", "tool", "max", "s", "idle", "tools"] and len(rows) == 3
     assert "calls" not in render_metrics(simulate_run(load_recipe(QUICKSTART, FAST, check_paths=False)).metrics)
+
+
+def test_an_evaluation_runs_trajectories_with_the_runs_tools(tmp_path):
+    """eval.sets with rollout.multi_turn: each response is a trajectory of the same loop (turns,
+    tool calls), summed up in the eval record; its tool calls are not training's events."""
+    from rlctl.recipe import load_recipe
+    from rlctl.sim.run import simulate_run
+    from test_eval import eval_set
+    from test_pipelines import FAST, QUICKSTART
+
+    keys = [*FAST, *MULTI_TURN, "run.steps=2", "eval.every=1", f"eval.sets=[{{path: {eval_set(tmp_path, 6)}, samples: 4}}]"]
+    result = simulate_run(load_recipe(QUICKSTART, keys, check_paths=False))
+    assert [e["steps"] for e in result.evals] == [0, 1, 2]
+    for e in result.evals:
+        assert (e["prompts"], e["k"]) == (6, 4) and e["versions"] == [e["version"]]
+        assert 1.0 < e["turns_mean"] <= 3.0 and e["tool_calls_per_response"] > 0 and 0 < e["tool_call_ok_ratio"] <= 1
+    calls = [e for e in result.events if e["event"] == "tool_call"]
+    assert len(calls) == sum(len(tools) for e, i in trajectories(result.events) for tools in [e["tools"][i]])
+    single = simulate_run(load_recipe(QUICKSTART, [k for k in keys if not k.startswith("rollout.multi_turn")],
+                                      check_paths=False))
+    assert single.evals and not any("turns_mean" in e for e in single.evals)

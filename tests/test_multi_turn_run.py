@@ -21,8 +21,11 @@ SMALL = ["run.steps=3", "model.init.hidden_size=32", "model.init.head_dim=8", "m
 
 
 def test_a_tool_calling_run_trains_on_trajectories_with_every_turn_on_policy(tmp_path):
+    heldout = tmp_path / "heldout.jsonl"  # the task's own prompts: 2-digit products
+    heldout.write_text("".join(json.dumps({"prompt": f"{a}*{b}=", "answer": str(a * b)}) + "\n"
+                               for a, b in ((23, 47), (81, 19), (55, 64), (12, 99))))
     res = rlctl("launch", str(REPO / "recipes" / "tool-calc.yaml"), *SMALL, f"run.output_dir={tmp_path / 'runs'}",
-                cwd=tmp_path)
+                f"eval.sets=[{{path: {heldout}, samples: 8}}]", "eval.before=false", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     (path,) = (tmp_path / "runs").iterdir()
     rd = RunDir(path)
@@ -44,5 +47,8 @@ def test_a_tool_calling_run_trains_on_trajectories_with_every_turn_on_policy(tmp
     assert all("<tool_call>" in s["trajectory"] and "<tool_response>" in s["trajectory"] for s in answered)
     metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     assert all(m["tool_calls"] > 0 and 1.0 <= m["turns_per_sample"] <= 2.0 for m in metrics)
+    (evaluation,) = rd.evals()  # at the end, in trajectories (a model this small calls in few of them)
+    assert evaluation["k"] == 8 and {"turns_mean", "tool_calls_per_response"} <= set(evaluation), evaluation
+    assert all(e["step"] >= 0 for e in calls)  # the evaluation's calls are no training events
     res = rlctl("samples", str(path), "--limit", "1", cwd=tmp_path)
     assert res.returncode == 0 and "trajectory (" in res.stdout, res.stdout + res.stderr

@@ -37,6 +37,7 @@ from rlctl.metrics import Recorder
 from rlctl.pipelines.base import Pipeline
 from rlctl.pipelines.build import build_pipeline
 from rlctl.control.multi_turn import make_multi_turn
+from rlctl.pipelines.episode import MultiTurn
 from rlctl.pipelines.evaluation import Evaluator
 from rlctl.pipelines.core import Clock, EventSink
 from rlctl.pipelines.interfaces import RunTrainer, TrainerLayer
@@ -107,7 +108,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
                 restore_pipeline(pipeline, state, recorder.emit, clock)
             pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock, preempt)
             evaluator = await samples_and_evaluations(pipeline, rd, recipe, renderer, server_set, scorer, model_path,
-                                                      recorder, clock)
+                                                      recorder, clock, multi_turn)
             watching = asyncio.create_task(watch.run())
             try:
                 await pipeline.run(recipe.run.steps, start)
@@ -124,14 +125,14 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
 
 async def samples_and_evaluations(pipeline: Pipeline, rd: RunDir, recipe: Recipe, renderer: PromptRenderer,
                                   server_set: ServerSet, scorer: Score, model_path: str, recorder: Recorder,
-                                  clock: Clock) -> Evaluator | None:
+                                  clock: Clock, multi_turn: MultiTurn | None = None) -> Evaluator | None:
     """What the run writes besides its events and metrics: the samples of run.sample_groups groups
     a step (samples.jsonl), and the held-out evaluations of the eval section (eval.jsonl; the
     evaluator returned, to be closed at the end: it may hold scoring processes of its own)."""
     if recipe.run.sample_groups:
         pipeline.producer.on_completed = SampleWriter(rd, recipe.run.sample_groups)
     evaluator = make_evaluator(recipe, renderer.ids, server_set, scorer, model_path, recorder.emit, clock,
-                               recorder.evaluated(rd.append_eval), time.time, len(server_set.servers))
+                               recorder.evaluated(rd.append_eval), time.time, len(server_set.servers), multi_turn)
     if evaluator is not None:
         await evaluator.ready()
         pipeline.evaluate = evaluator

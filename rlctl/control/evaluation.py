@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlctl.data import Prompt
+from rlctl.pipelines.episode import MultiTurn
 from rlctl.pipelines.evaluation import Evaluator, LoadedSet, read_set, set_sampling
 from rlctl.pipelines.interfaces import Clock, EventSink
 from rlctl.pipelines.scoring import PooledScorer, Score
@@ -22,9 +23,11 @@ from rlctl.recipe import Recipe
 
 def make_evaluator(recipe: Recipe, tokenize: Callable[[Prompt], list[int]], servers: ServerSet, run_score: Score,
                    model_path: str, emit: EventSink, clock: Clock, record: Callable[[dict[str, Any]], None],
-                   wall_clock: Callable[[], float], n_servers: int) -> Evaluator | None:
+                   wall_clock: Callable[[], float], n_servers: int, multi_turn: MultiTurn | None = None
+                   ) -> Evaluator | None:
     """The recipe's evaluations (None without eval sets). A set without a reward section of its
-    own is scored by the run's scorer; one with it, by a scoring process of its own."""
+    own is scored by the run's scorer; one with it, by a scoring process of its own. With the
+    run's `multi_turn`, every response is a trajectory, as in training."""
     cfg = recipe.eval
     if not cfg.sets:
         return None
@@ -39,4 +42,4 @@ def make_evaluator(recipe: Recipe, tokenize: Callable[[Prompt], list[int]], serv
             score = scorer
         loaded.append(LoadedSet(s.label, prompts, ids, set_sampling(recipe, s), s.samples, score))
     return Evaluator(cfg, loaded, servers, recipe.rollout.concurrency * max(1, n_servers), emit, clock,
-                     record, wall_clock, own)
+                     record, wall_clock, own, multi_turn)

@@ -75,10 +75,11 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
     if sim.dataset_prompts:
         rows = [Prompt(-1, f"simulated prompt {i}", "") for i in range(sim.dataset_prompts)]
         prompts = PromptStream(DataConfig(source=DataSource.FILE), recipe.run.seed, rows=rows)
+    multi_turn = sim_multi_turn(recipe, random.Random(recipe.run.seed + 1))
     pipeline = build_pipeline(
         replace(recipe, data=DataConfig()), servers, SimTrainer(cost, servers), clock, recorder.emit, lambda step: None,
         tokenize=lambda _: prompt, score=score, server_set=server_set, prompts=prompts,
-        multi_turn=sim_multi_turn(recipe, random.Random(recipe.run.seed + 1)),
+        multi_turn=multi_turn,
     )
     evals: list[dict[str, Any]] = []
     sets = [simulated_set(recipe, s, prompt, score) for s in recipe.eval.sets]
@@ -91,7 +92,7 @@ def simulate_run(recipe: Recipe, rd: RunDir | None = None,
 
         pipeline.evaluate = Evaluator(recipe.eval, [s for s in sets if s], server_set,
                                       recipe.rollout.concurrency * len(servers), recorder.emit, clock,
-                                      recorder.evaluated(on_eval), clock.now)
+                                      recorder.evaluated(on_eval), clock.now, multi_turn=multi_turn)
     start = time.perf_counter()
     # Small, acyclic objects (samples, groups) come and go by the hundred thousand each step: the
     # cyclic collector would only rescan them. Reference counting frees them; collect at the end.
