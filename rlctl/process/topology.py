@@ -6,8 +6,10 @@ run.json, and every worker reads its part from there.
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from rlctl.recipe import Recipe
@@ -66,18 +68,46 @@ class Topology:
         )
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000
+"""Ports below are left to services that name theirs."""
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports that are free right now (held open together so none repeats)."""
-    socks = []
+    """n distinct ports that are free right now (held open together so none repeats), drawn from
+    below the kernel's ephemeral range. A port is chosen at launch and bound seconds later, when
+    its process has started; one from the ephemeral range (what bind to port 0 gives) may be
+    taken meanwhile as the local end of any outgoing connection, which a run makes by the
+    hundred. Where the range leaves too little room below it, the kernel picks."""
+    socks: list[socket.socket] = []
+    rng = random.SystemRandom()
+    lo, _ = ephemeral_range()
     try:
-        for _ in range(n):
+        tries = 0
+        while len(socks) < n:
+            tries += 1
+            port = rng.randrange(LOWEST_PORT, lo) if lo - LOWEST_PORT >= 1000 and tries <= 64 * n else 0
             s = socket.socket()
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default where it
+    cannot be read)."""
+    try:
+        lo, hi = (int(x) for x in EPHEMERAL_RANGE.read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def local_topology(recipe: Recipe, host: str = "127.0.0.1") -> Topology:
