@@ -20,9 +20,8 @@ def launch(
                                 "newest checkpoint if it stopped early; start a new run if there is none."),
 ) -> None:
     """Start a run from a recipe."""
-    from rlctl.recipe import Launcher, load_recipe
-
     from rlctl.errors import RecipeError
+    from rlctl.recipe import Launcher, load_recipe
     from rlctl.recipe.load import blame_overrides
 
     r = load_recipe(recipe, overrides or [])

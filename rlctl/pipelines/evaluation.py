@@ -3,11 +3,11 @@ the servers hold, each scored by the set's verifier, summed up as mean@k and pas
 
 Like the rest of the scheduler this is asyncio over a ServerSet and an injected Score, so the same
 code evaluates on real servers and on simulated ones. With rollout.multi_turn each response is a
-trajectory, run by the same MultiTurn loop as training's (tools, turns, limits), scored on its
-last model turn. When an evaluation runs, and that the
-servers hold one weight version while it does, is the pipeline's part (rlctl/pipelines/base.py);
-the Evaluator below runs each set when due and records it; the controller makes it for a run
-(rlctl/control/evaluation.py), the simulation for a simulated one (rlctl/sim/run.py).
+trajectory, run by the same MultiTurn loop as training's (tools, turns, limits) and scored on its
+last model turn. When an evaluation runs, and that the servers hold one weight version while it
+does, is the pipeline's part (rlctl/pipelines/base.py); the Evaluator below runs each set when due
+and records it; the controller makes it for a run (rlctl/control/evaluation.py), the simulation
+for a simulated one (rlctl/sim/run.py).
 """
 
 from __future__ import annotations
