@@ -13,6 +13,7 @@ import yaml
 
 from conftest import QUICKSTART, REPO, rlctl_here
 from rlctl.errors import RecipeError
+from rlctl.recipe.checks import clip_message
 from rlctl.recipe import load_recipe, recipe_from_yaml
 from rlctl.recipe.load import load_pool_file
 from rlctl.recipe.sbatch_flags import sbatch_words
@@ -302,3 +303,14 @@ def test_every_shipped_recipe_and_pool_file_still_loads(path):
             load_recipe(job.recipe, job.overrides, check_paths=False)
     else:
         load_recipe(path, check_paths=False)
+
+
+def test_a_long_value_in_an_error_is_cut_and_a_long_path_keeps_its_file_name():
+    path = "/tmp/" + "deep/" * 60 + "reward_ab12.py"
+    said = clip_message(f"module 'reward_ab12' ({path}) has no 'scroe'; name a function defined in it, "
+                        f"not '{'x' * 500}'")
+    kept = said.split(" ")[2]  # the path's run of characters without a space, cut in its middle
+    assert len(kept) == 80 and kept.startswith("(/tmp/deep/") and kept.endswith("/reward_ab12.py)") and "..." in kept
+    assert "name a function defined in it" in said
+    assert f"'{'x' * 77}...'" in said and len(said) <= 400
+    assert clip_message("short /a/b.py stays whole") == "short /a/b.py stays whole"

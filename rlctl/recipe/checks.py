@@ -130,11 +130,20 @@ def clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def clip_middle(text: str, limit: int = 80) -> str:
+    """`text` at most `limit` characters, its middle cut with "...": a long path keeps both its
+    root and its file name."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return text[:head] + "..." + text[len(text) - (limit - 3 - head):]
+
+
 def clip_message(message: str, limit: int = 400) -> str:
     """An error message on one line, every long value in it (quoted, or a run of 100 characters
-    without a space) cut to 80 characters, and the whole at most `limit`."""
+    without a space, such as a path) cut to 80 characters, and the whole at most `limit`."""
     message = _LONG_QUOTED.sub(lambda m: m[0][0] + clip(m[0][1:-1]) + m[0][0], message)
-    message = _LONG_WORD.sub(lambda m: clip(m[0]), message)
+    message = _LONG_WORD.sub(lambda m: clip_middle(clip(m[0], 400)), message)
     return clip(message, limit)
 
 
