@@ -68,4 +68,5 @@ if [ "$(id -u)" = 0 ]; then
   [ -r "${SLURM_CONF:-}" ] || { echo "error: the Slurm test cluster gave no readable SLURM_CONF" >&2; exit 1; }
   export RLCTL_SLURM_TESTS=1
 fi
-python3 -m pytest -q --durations=30 "$@"
+# Two workers (RLCTL_TEST_WORKERS), a module or the Slurm group at a time (tests/conftest.py).
+python3 -m pytest -q --durations=30 -n "${RLCTL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"

@@ -45,10 +45,24 @@ TIERS = ("process", "e2e", "slurm", "gpu")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """A test with no tier marker is in the fast tier."""
+    """A test with no tier marker is in the fast tier. Under pytest-xdist's `--dist loadgroup`
+    (scripts/run-tests.sh), tests are handed to workers a group at a time: a module's tests stay
+    together (its module-scoped servers and runs start once), and every Slurm test is in one group,
+    since they share the test cluster's three nodes. The groups go out longest first: the Slurm
+    group, then modules with whole runs, then those with processes, then the fast ones."""
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.fast)
+    if not getattr(config.option, "loadgroup", False):
+        return
+    group_of, rank = {}, {}
+    for item in items:
+        group = group_of[item.nodeid] = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+        weight = next((i for i, tier in enumerate(("slurm", "e2e", "process")) if item.get_closest_marker(tier)), 3)
+        rank[group] = min(rank.get(group, 3), weight)
+    order = {group: i for i, group in enumerate(rank)}
+    items.sort(key=lambda item: (rank[group_of[item.nodeid]], order[group_of[item.nodeid]]))
 
 
 class NotFast(AssertionError):
