@@ -13,6 +13,19 @@ from rlctl.process.auth import bearer
 from rlctl.engines.rollout.client import wait_healthy
 from rlctl.errors import RunError
 from rlctl.process.watchdog import CallTimer
+from rlctl.recipe.checks import clip_message
+
+
+def refusal(text: str) -> str:
+    """What a refusing trainer said, on one line: its own errors are JSON with a `message`
+    (aiohttp's 500 page is not). A long path in it is cut in its middle and the whole kept to 400
+    characters, so the end of the message, which says what to do, is not what is lost."""
+    try:
+        said = json.loads(text)
+        message = said["message"] if isinstance(said, dict) and isinstance(said.get("message"), str) else text
+    except ValueError:
+        message = text
+    return clip_message(" ".join(message.split()))
 
 
 class TrainerClient:
@@ -40,8 +53,8 @@ class TrainerClient:
             async with self.session.request(method, self.url + path, json=body, headers=self.headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 text = await resp.text()
-                if resp.status != 200:  # the trainer's own errors are JSON, aiohttp's 500 page is not
-                    raise RunError(f"trainer {path}: HTTP {resp.status}: {text.strip()[:300]}; see the trainer's log")
+                if resp.status != 200:
+                    raise RunError(f"trainer {path}: HTTP {resp.status}: {refusal(text)}; see the trainer's log")
         except aiohttp.ClientError as e:
             raise RunError(f"trainer {self.url}{path}: unreachable ({e})") from None
         except TimeoutError:
