@@ -44,6 +44,7 @@ FAST = [
 TIERS = ("process", "e2e", "slurm", "gpu")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items) -> None:
     """A test with no tier marker is in the fast tier. Under pytest-xdist's `--dist loadgroup`
     (scripts/run-tests.sh), tests are handed to workers a group at a time: a module's tests stay
