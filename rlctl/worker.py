@@ -52,10 +52,11 @@ def _threads(recipe: Recipe, cpus: list[int] | None = None) -> None:
 
 
 def run_prepare(rd: RunDir, recipe: Recipe) -> None:
-    from rlctl.models.tiny import ensure_tiny_model
+    from rlctl.models.tiny import cached_tiny_model, ensure_tiny_model
 
-    _threads(recipe)
     assert recipe.model.init is not None
+    if cached_tiny_model(recipe.model.init, recipe.data.task) is None:
+        _threads(recipe)  # torch only to build it: a cached one costs this process no torch import
     path = ensure_tiny_model(recipe.model.init, recipe.data.task, log=log.info)
     rd.update(lambda d: d.update(model_path=str(path)))
 

@@ -157,10 +157,16 @@ def save_atomically(model: torch.nn.Module, tokenizer: Any, out_dir: Path, descr
     return out_dir
 
 
+def cached_tiny_model(init: ModelInit, task_name: str) -> Path | None:
+    """The model directory of this init block if it is built already (no torch needed to say so)."""
+    out = cache_root() / model_key(init, task_name)
+    return out if (out / "config.json").is_file() else None
+
+
 def ensure_tiny_model(init: ModelInit, task_name: str, log: Callable[[str], Any] = print) -> Path:
     """The cached model directory for this init block, building it if needed."""
-    out = cache_root() / model_key(init, task_name)
-    if (out / "config.json").is_file():
-        log(f"tiny model: cached at {out}")
-        return out
-    return build_tiny_model(init, task_name, out, log)
+    cached = cached_tiny_model(init, task_name)
+    if cached is not None:
+        log(f"tiny model: cached at {cached}")
+        return cached
+    return build_tiny_model(init, task_name, cache_root() / model_key(init, task_name), log)
