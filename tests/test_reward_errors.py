@@ -20,7 +20,7 @@ from rlctl.errors import RecipeError, RunError
 from rlctl.recipe.checks import clip_message
 from rlctl.metrics import KeptEvents, Recorder
 from rlctl.pipelines.build import build_pipeline
-from rlctl.pipelines.scoring import PooledScorer, ScoringWorker, inline_scorer, scoring_replies, serve
+from rlctl.pipelines.scoring import PooledScorer, ScoringWorker, inline_scorer, scoring_reply, serve
 from rlctl.costs.recipe import cost_model
 from rlctl.recipe import RewardConfig, load_recipe
 from rlctl.recipe.choices import RewardOnError
@@ -155,11 +155,10 @@ def test_a_reward_function_that_returns_no_number_is_a_reward_error(tmp_path, re
     assert said in failing(verify).error
 
 
-def test_scoring_says_the_response_before_the_verifier_runs():
-    replies = scoring_replies("resp", ("9", "max(1,9)=", {}), scored_by(lambda r, a: {}["missing"]))
-    assert next(replies) == ("text", "resp")
-    kind, error, _ = next(replies)
-    assert (kind, error) == ("error", "KeyError: 'missing'")
+def test_a_scoring_says_the_verifiers_error_by_its_last_line_or_its_reward():
+    kind, error, tb = scoring_reply("resp", ("9", "max(1,9)=", {}), scored_by(lambda r, a: {}["missing"]))
+    assert (kind, error) == ("error", "KeyError: 'missing'") and "Traceback" in tb
+    assert scoring_reply("9", ("9", "max(1,9)=", {}), scored_by(lambda r, a: float(r == a)))[:2] == ("reward", 1.0)
 
 
 def test_excerpt_keeps_the_first_and_last_lines_each_cut():
@@ -283,7 +282,7 @@ class ServingThread:
 
     def _run(self, conn, verify) -> None:
         try:
-            serve(conn, lambda: ((lambda ids: " ".join(map(str, ids))), scored_by(verify)))
+            serve(conn, lambda: scored_by(verify))
         except OSError:  # its pipe closed by stop()
             pass
 
@@ -307,7 +306,8 @@ def pooled(verify: Callable[[str, str], float], released: threading.Event,
         started.append(ServingThread(verify, released))
         return ScoringWorker(started[-1].conn, started[-1])
 
-    return PooledScorer("", RewardConfig(timeout_s=timeout_s), workers=1, start_worker=start), started
+    return PooledScorer(lambda ids: " ".join(map(str, ids)), RewardConfig(timeout_s=timeout_s), workers=1,
+                        start_worker=start), started
 
 
 def test_a_verifier_that_never_returns_times_out_and_its_worker_is_replaced():

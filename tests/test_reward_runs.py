@@ -79,7 +79,7 @@ def test_a_verifier_that_loops_is_stopped_in_its_process_and_replaced(tiny_model
     (tmp_path / "looping_reward.py").write_text(LOOPS)
     reward = RewardConfig(verifier="function", function="looping_reward:score", module_dir=str(tmp_path),
                           timeout_s=1.0)
-    scorer = PooledScorer(str(tiny_model_dir), reward, workers=1)
+    scorer = PooledScorer(lambda ids: "".join(map(str, ids)), reward, workers=1)
     first = [w.process.pid for w in scorer._workers]
 
     async def main() -> tuple[VerifierFailed, tuple[str, Scored]]:

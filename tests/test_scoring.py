@@ -74,7 +74,7 @@ def test_slow_verifier_does_not_stall_generation(start_server, tiny_model_dir, t
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     url = start_server(0, "--weight-version", "0")  # as if the run had sent its weights (version 0)
-    pooled = PooledScorer(str(tiny_model_dir), reward, workers=4)
+    pooled = PooledScorer(detokenize, reward, workers=4)
 
     async def when_ready() -> tuple[float, float]:
         await pooled.ready()
@@ -99,7 +99,7 @@ def test_pooled_scorings_in_flight_are_bounded(tiny_model_dir, tmp_path, monkeyp
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     responses = [tokenizer("max(1,2)=")["input_ids"][: n + 1] for n in range(8)]
     answer = tokenizer.decode(responses[3], skip_special_tokens=True)
-    scorer = PooledScorer(str(tiny_model_dir), reward, workers=2)
+    scorer = PooledScorer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), reward, workers=2)
 
     async def main() -> list[tuple[str, Scored]]:
         return await asyncio.gather(*(scorer(ids, Prompt(i, "max(1,2)=", answer)) for i, ids in enumerate(responses)))

@@ -72,7 +72,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
     preempt = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _asked_to_stop(preempt))
     recorder = Recorder(events, rd.append_metrics, make_tracker(rd, recipe), wall_clock=time.time)
-    scorer = run_scorer(model_path, recipe)
+    scorer = run_scorer(renderer.response_text, recipe)
     resume_from = resume_point(rd.read())  # a resumed attempt (`rlctl resume`) starts from this checkpoint
     start = resume_from.steps if resume_from else 0
     if start:
@@ -107,7 +107,7 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
             if state:
                 restore_pipeline(pipeline, state, recorder.emit, clock)
             pipeline.after_step = checkpointer(rd, recipe, trainer, pipeline, recorder, clock, preempt)
-            evaluator = await samples_and_evaluations(pipeline, rd, recipe, renderer, server_set, scorer, model_path,
+            evaluator = await samples_and_evaluations(pipeline, rd, recipe, renderer, server_set, scorer,
                                                       recorder, clock, multi_turn)
             watching = asyncio.create_task(watch.run())
             try:
@@ -124,14 +124,14 @@ async def run_controller(rd: RunDir, recipe: Recipe, plan: Topology, model_path:
 
 
 async def samples_and_evaluations(pipeline: Pipeline, rd: RunDir, recipe: Recipe, renderer: PromptRenderer,
-                                  server_set: ServerSet, scorer: Score, model_path: str, recorder: Recorder,
+                                  server_set: ServerSet, scorer: Score, recorder: Recorder,
                                   clock: Clock, multi_turn: MultiTurn | None = None) -> Evaluator | None:
     """What the run writes besides its events and metrics: the samples of run.sample_groups groups
     a step (samples.jsonl), and the held-out evaluations of the eval section (eval.jsonl; the
     evaluator returned, to be closed at the end: it may hold scoring processes of its own)."""
     if recipe.run.sample_groups:
         pipeline.producer.on_completed = SampleWriter(rd, recipe.run.sample_groups)
-    evaluator = make_evaluator(recipe, renderer.ids, server_set, scorer, model_path, recorder.emit, clock,
+    evaluator = make_evaluator(recipe, renderer, server_set, scorer, recorder.emit, clock,
                                recorder.evaluated(rd.append_eval), time.time, len(server_set.servers), multi_turn)
     if evaluator is not None:
         await evaluator.ready()

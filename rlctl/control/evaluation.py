@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlctl.data import Prompt
+from rlctl.data.chat import PromptRenderer
 from rlctl.pipelines.episode import MultiTurn
 from rlctl.pipelines.evaluation import Evaluator, LoadedSet, read_set, set_sampling
 from rlctl.pipelines.interfaces import Clock, EventSink
@@ -21,8 +21,8 @@ from rlctl.pipelines.servers import ServerSet
 from rlctl.recipe import Recipe
 
 
-def make_evaluator(recipe: Recipe, tokenize: Callable[[Prompt], list[int]], servers: ServerSet, run_score: Score,
-                   model_path: str, emit: EventSink, clock: Clock, record: Callable[[dict[str, Any]], None],
+def make_evaluator(recipe: Recipe, renderer: PromptRenderer, servers: ServerSet, run_score: Score,
+                   emit: EventSink, clock: Clock, record: Callable[[dict[str, Any]], None],
                    wall_clock: Callable[[], float], n_servers: int, multi_turn: MultiTurn | None = None
                    ) -> Evaluator | None:
     """The recipe's evaluations (None without eval sets). A set without a reward section of its
@@ -34,10 +34,10 @@ def make_evaluator(recipe: Recipe, tokenize: Callable[[Prompt], list[int]], serv
     loaded, own = [], []
     for s in cfg.sets:
         prompts = read_set(s)
-        ids = [tokenize(p) for p in prompts]  # a prompt the template cannot render fails the start
+        ids = [renderer.ids(p) for p in prompts]  # a prompt the template cannot render fails the start
         score: Score = run_score
         if s.reward is not None:
-            scorer = PooledScorer(model_path, s.reward, workers=1)
+            scorer = PooledScorer(renderer.response_text, s.reward, workers=1)
             own.append(scorer)
             score = scorer
         loaded.append(LoadedSet(s.label, prompts, ids, set_sampling(recipe, s), s.samples, score))

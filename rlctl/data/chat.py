@@ -63,3 +63,7 @@ class PromptRenderer:
         if self.template is None:
             return list(self.tokenizer(text)["input_ids"])
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def response_text(self, ids: list[int]) -> str:
+        """A response as its verifier reads it: decoded, the special tokens (end of turn) skipped."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,7 +44,7 @@ def inline_scorer(detokenize: Callable[[list[int]], str], verify: Verify) -> Sco
 
     async def score(output_ids: list[int], prompt: Prompt) -> tuple[str, Scored]:
         text = detokenize(output_ids)
-        kind, *said = list(scoring_replies(text, _job(prompt), verify))[-1]
+        kind, *said = scoring_reply(text, _job(prompt), verify)
         if kind == "error":
             raise VerifierFailed(text, *said)
         return text, Scored(*said)
@@ -58,17 +58,14 @@ def _job(prompt: Prompt) -> tuple[str, Any, dict[str, Any]]:
     return prompt.answer, prompt.prompt, dict(prompt.fields)
 
 
-def scoring_replies(text: str, job: tuple[str, Any, dict[str, Any]], verify: Verify) -> Iterator[tuple[Any, ...]]:
-    """What a scoring says, in order: ("text", response), then ("reward", value, named scores)
-    or ("error", the traceback's last line, the traceback). A worker sends each as it comes, so
-    that the response is known even if the verifier never returns."""
-    yield "text", text
+def scoring_reply(text: str, job: tuple[str, Any, dict[str, Any]], verify: Verify) -> tuple[Any, ...]:
+    """What a scoring says: ("reward", value, named scores) or ("error", the traceback's last
+    line, the traceback)."""
     try:
         scored = verify(text, *job)
     except Exception as e:  # noqa: BLE001 - the verifier is the user's code: any error is a reward error
-        yield "error", error_line(e), "".join(traceback.format_exception(type(e), e, _past_own_frames(e.__traceback__)))
-        return
-    yield "reward", scored.reward, scored.scores
+        return "error", error_line(e), "".join(traceback.format_exception(type(e), e, _past_own_frames(e.__traceback__)))
+    return "reward", scored.reward, scored.scores
 
 
 def _past_own_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -97,15 +94,20 @@ class PooledScorer:
     code), which in a thread would hold the GIL the event loop needs; math-verify bounds a parse
     or a comparison with a signal-based timeout, which works only in a process's main thread,
     where a worker runs its scorings; and a verifier that never returns can be stopped only with
-    its process. Each worker loads the tokenizer and builds the verifier from the recipe once,
-    when it starts (spawned, not forked: the controller already runs threads and sockets). The
-    workers start at once, so they load while the controller waits for its servers. A worker
-    whose verifier runs past reward.timeout_s, or whose process dies, is replaced by a new one."""
+    its process. The response is detokenized here, with the controller's tokenizer (its Rust
+    decode takes microseconds), and the worker is sent its text: a worker loads no tokenizer, so
+    it imports neither transformers nor torch and starts, or is replaced, in a fraction of a
+    second. Each builds the verifier from the recipe once, when it starts (spawned, not forked:
+    the controller already runs threads and sockets). The workers start at once, so they load
+    while the controller waits for its servers. A worker whose verifier runs past
+    reward.timeout_s, or whose process dies, is replaced by a new one."""
 
-    def __init__(self, model_path: str, reward: RewardConfig, workers: int = SCORING_WORKERS, *,
-                 start_worker: Callable[[], ScoringWorker] | None = None) -> None:
-        """start_worker: a worker serving another way than a spawned process (tests)."""
-        self._start = start_worker or (lambda: ScoringWorker.spawn(model_path, reward))
+    def __init__(self, detokenize: Callable[[list[int]], str], reward: RewardConfig, workers: int = SCORING_WORKERS,
+                 *, start_worker: Callable[[], ScoringWorker] | None = None) -> None:
+        """detokenize: response ids to the text the verifier reads (the special tokens skipped).
+        start_worker: a worker serving another way than a spawned process (tests)."""
+        self._detokenize = detokenize
+        self._start = start_worker or (lambda: ScoringWorker.spawn(reward))
         self.timeout_s = reward.timeout_s
         self._workers = [self._start() for _ in range(workers)]
         self._idle: asyncio.Queue[ScoringWorker] | None = None
@@ -129,22 +131,18 @@ class PooledScorer:
             self._idle = asyncio.Queue()
             for w in self._workers:
                 self._idle.put_nowait(w)
+        text = self._detokenize(output_ids)
         worker = await self._idle.get()
-        text = ""
         try:
             if self._closed:  # the run is ending: no scoring on a stopped worker, and no new one
                 raise RunError("scoring stopped: the run is ending")
             await worker.started()
-            worker.conn.send((output_ids, *job))
+            worker.conn.send((text, *job))
             deadline = asyncio.get_running_loop().time() + self.timeout_s
-            while True:
-                kind, *said = await worker.reply(deadline)
-                if kind == "text":
-                    text = said[0]
-                elif kind == "reward":
-                    return text, Scored(*said)
-                else:
-                    raise VerifierFailed(text, *said)
+            kind, *said = await worker.reply(deadline)
+            if kind == "reward":
+                return text, Scored(*said)
+            raise VerifierFailed(text, *said)
         except TimeoutError:
             worker = self._replace(worker)
             raise VerifierFailed(text, f"did not return within {self.timeout_s:g} s (reward.timeout_s); its "
@@ -193,7 +191,7 @@ class RoutedScorer:
             scorer.close()
 
 
-def run_scorer(model_path: str, recipe: Recipe) -> PooledScorer | RoutedScorer:
+def run_scorer(detokenize: Callable[[list[int]], str], recipe: Recipe) -> PooledScorer | RoutedScorer:
     """The run's scoring processes: the reward section's, and one set per data source with a
     verifier of its own. Each verifier is built here first, so that one that cannot load fails
     the controller's start, saying why, not a worker."""
@@ -202,10 +200,10 @@ def run_scorer(model_path: str, recipe: Recipe) -> PooledScorer | RoutedScorer:
     own = {s.label: s.reward for s in recipe.data.sources if s.reward is not None}
     for reward in (recipe.reward, *own.values()):
         make_verifier(reward)
-    default = PooledScorer(model_path, recipe.reward)
+    default = PooledScorer(detokenize, recipe.reward)
     if not own:
         return default
-    return RoutedScorer(default, {label: PooledScorer(model_path, reward) for label, reward in own.items()})
+    return RoutedScorer(default, {label: PooledScorer(detokenize, reward) for label, reward in own.items()})
 
 
 class Process(Protocol):
@@ -222,20 +220,20 @@ class Process(Protocol):
 
 class ScoringWorker:
     """One scoring process (`serve`) and the pipe to it. It says ("ready", pid) or ("failed",
-    why) once loaded, then takes (response ids, answer, prompt, fields) and answers with scoring_replies()."""
+    why) once loaded, then takes (response text, answer, prompt, fields) and answers with scoring_reply()."""
 
     def __init__(self, conn: Connection, process: Process) -> None:
         self.conn, self.process = conn, process
         self._loaded: asyncio.Future[None] | None = None
 
     @classmethod
-    def spawn(cls, model_path: str, reward: RewardConfig) -> ScoringWorker:
+    def spawn(cls, reward: RewardConfig) -> ScoringWorker:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         conn, theirs = ctx.Pipe()
         # Not a daemon, so that a verifier may start processes of its own (a code sandbox).
-        process = ctx.Process(target=_serve_recipe, args=(theirs, model_path, reward, os.getpid()), name="rlctl-scoring")
+        process = ctx.Process(target=_serve_recipe, args=(theirs, reward, os.getpid()), name="rlctl-scoring")
         process.start()
         theirs.close()
         return cls(conn, process)
@@ -276,36 +274,32 @@ class ScoringWorker:
         self.process.join(5)
 
 
-def serve(conn: Connection, load: Callable[[], tuple[Callable[[list[int]], str], Verify]]) -> None:
-    """A scoring worker's loop: load (detokenize, verify), say so, then score what comes until
-    the controller goes away."""
+def serve(conn: Connection, load: Callable[[], Verify]) -> None:
+    """A scoring worker's loop: load the verifier, say so, then score the responses (their text)
+    that come until the controller goes away."""
     try:
-        detokenize, verify = load()
+        verify = load()
     except Exception as e:  # noqa: BLE001 - said to the controller, which fails the run with it
         conn.send(("failed", str(e) if isinstance(e, RunError) else error_line(e)))
         return
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            output_ids, *job = conn.recv()
+            text, *job = conn.recv()
         except (EOFError, OSError):
             return
-        for message in scoring_replies(detokenize(output_ids), tuple(job), verify):
-            conn.send(message)
+        conn.send(scoring_reply(text, tuple(job), verify))
 
 
-def _serve_recipe(conn: Connection, model_path: str, reward: RewardConfig, parent: int) -> None:
-    """A spawned scoring process: the model's tokenizer and the recipe's verifier. It dies with
-    the controller that spawned it, however that ends (a SIGKILL included: rlctl/process/lifetime.py)."""
+def _serve_recipe(conn: Connection, reward: RewardConfig, parent: int) -> None:
+    """A spawned scoring process: the recipe's verifier. It dies with the controller that spawned
+    it, however that ends (a SIGKILL included: rlctl/process/lifetime.py)."""
     die_with_parent(parent)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # decoding needs no thread pool; the cores are the engines'
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # a verifier's own libraries get no thread pool; the cores are the engines'
 
-    def load() -> tuple[Callable[[list[int]], str], Verify]:
-        from transformers import AutoTokenizer
-
+    def load() -> Verify:
         from rlctl.rewards.verifiers import make_verifier
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)), make_verifier(reward)
+        return make_verifier(reward)
 
     serve(conn, load)
