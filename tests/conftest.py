@@ -49,8 +49,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     """A test with no tier marker is in the fast tier. Under pytest-xdist's `--dist loadgroup`
     (scripts/run-tests.sh), tests are handed to workers a group at a time: a module's tests stay
     together (its module-scoped servers and runs start once), and every Slurm test is in one group,
-    since they share the test cluster's three nodes. The groups go out longest first: the Slurm
-    group, then modules with whole runs, then those with processes, then the fast ones."""
+    since they share the test cluster's three nodes. The slowest kinds go out first, so that the
+    short ones fill the end: the Slurm group, then modules with whole runs, then those with
+    processes, then the fast ones."""
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.fast)
