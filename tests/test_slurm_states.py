@@ -66,11 +66,25 @@ def test_squeue_rows_are_read_by_column_name_and_a_het_job_is_one_job():
     het = jobs["11"]
     assert (het.state, het.elapsed, het.nodes) == ("PENDING", "0:00", ["", ""])
     assert het.reason == "held | by admin, see ticket 7"  # a `|` in the last column shifts nothing
-    assert jobs["13"] == JobInfo("13", "RUNNING", "None", "1:02:03", ["node3"])
+    assert jobs["13"] == JobInfo("13", "RUNNING", "None", "1:02:03", ["node3"], states=["RUNNING"])
     running = parse_squeue("JOBID|HET_JOB_ID|HET_JOB_OFFSET|STATE|TIME|NODELIST|REASON\n"
                            "22|21|1|RUNNING|0:07|node[2-3]|None\n21|21|0|RUNNING|0:07|node1|None\n")
     assert running["21"].nodes == ["node1", "node[2-3]"]  # in component order
     assert parse_squeue("") == {} and parse_squeue("JOBID|HET_JOB_ID|HET_JOB_OFFSET|STATE|TIME|NODELIST|REASON\n") == {}
+
+
+def test_a_het_job_has_ended_only_when_every_component_has():
+    """scancel ends component 0 first; the rollout component may still be COMPLETING, its
+    processes being killed. `rlctl cancel` waits for that (client.cancel: until not active)."""
+    from rlctl.launchers.slurm.client import parse_squeue
+
+    header = "JOBID|HET_JOB_ID|HET_JOB_OFFSET|STATE|TIME|NODELIST|REASON\n"
+    ending = parse_squeue(header + "31|31|0|CANCELLED|0:40|node1|None\n32|31|1|COMPLETING|0:40|node[2-3]|None\n")["31"]
+    assert ending.state == "CANCELLED" and ending.active
+    assert ending.describe() == "CANCELLED, its other components COMPLETING"
+    ended = parse_squeue(header + "31|31|0|CANCELLED|0:40|node1|None\n32|31|1|CANCELLED|0:40|node[2-3]|None\n")["31"]
+    assert not ended.active and ended.describe() == "CANCELLED"
+    assert JobInfo("7", "COMPLETED").active is False and JobInfo("7", "RUNNING").active  # as run.json kept them
 
 
 def test_a_column_squeue_did_not_print_is_a_one_line_error():
@@ -89,7 +103,8 @@ def test_sacct_rows_are_read_by_column_name():
             "31+1|CANCELLED by 0|00:01:10|node[2-3]|0:15|a|b\n"
             "40|FAILED|00:00:03|node2|1:0|None\n")
     jobs = parse_sacct(text)
-    assert jobs["31"] == JobInfo("31", "CANCELLED", "None", "00:01:10", ["node1", "node[2-3]"], "0:15")
+    assert jobs["31"] == JobInfo("31", "CANCELLED", "None", "00:01:10", ["node1", "node[2-3]"], "0:15",
+                           ["CANCELLED", "CANCELLED"])
     assert jobs["40"].describe() == "FAILED (exit code 1:0)"
 
 

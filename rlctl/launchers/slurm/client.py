@@ -128,7 +128,7 @@ def _table(text: str, tool: str, titles: tuple[str, ...]) -> list[dict[str, str]
 def parse_squeue(text: str) -> dict[str, JobInfo]:
     """Jobs by id from `squeue -O SQUEUE_FIELDS`. The components of a heterogeneous job (a row
     each, with their own job ids) become one JobInfo under the het job's id: the state and elapsed
-    time of component 0, the node list of each component in order."""
+    time of component 0, the node list and state of each component in order."""
     rows = _table(text, "squeue", tuple(title for _, title in _SQUEUE_COLUMNS))
     rows.sort(key=lambda row: int(row["HET_JOB_OFFSET"]) if row["HET_JOB_OFFSET"].isdigit() else 0)
     jobs: dict[str, JobInfo] = {}
@@ -139,6 +139,7 @@ def parse_squeue(text: str) -> dict[str, JobInfo]:
         if job.reason in _VAGUE_REASONS and reason not in _VAGUE_REASONS:
             job.reason = reason  # a het job's real obstacle may be one component's: say that one
         job.nodes.append(row["NODELIST"])
+        job.states.append(row["STATE"])
     return jobs
 
 
@@ -153,6 +154,7 @@ def parse_sacct(text: str) -> dict[str, JobInfo]:
         if offset in ("", "0"):
             job.state, job.exit_code = state, row["EXITCODE"]
         job.nodes.append(row["NODELIST"])
+        job.states.append(state)
     return jobs
 
 

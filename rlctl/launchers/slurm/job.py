@@ -54,15 +54,21 @@ class JobInfo:
     """Node list per het component (trainer, rollout), in Slurm's compressed form."""
     exit_code: str = ""
     """Slurm's exit code, CODE:SIGNAL, once the job has ended."""
+    states: list[str] = field(default_factory=list)
+    """Each het component's state, in order (`state` is component 0's)."""
 
     @property
     def active(self) -> bool:
-        return self.state in ACTIVE
+        """Until every component has ended: a het job's rollout component may still be
+        COMPLETING (its processes being killed) after its trainer component is CANCELLED."""
+        return any(state in ACTIVE for state in (self.states or [self.state]))
 
     def describe(self) -> str:
         """One line in words: PENDING with why, RUNNING with where and how long, or how it ended."""
         if self.state == "PENDING":
             return f"PENDING: {PENDING_REASONS.get(self.reason, self.reason or 'queued')}"
+        if self.active and self.state not in ACTIVE:  # component 0 has ended, another has not yet
+            return f"{self.state}, its other components {' | '.join(s for s in self.states[1:] if s in ACTIVE)}"
         if self.active:
             where = " | ".join(self.nodes)
             return f"{self.state} on {where} for {self.elapsed}" if where else self.state
