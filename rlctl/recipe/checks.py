@@ -124,15 +124,21 @@ _LONG_QUOTED = re.compile(r"(?<!\w)('[^']{81,}'|\"[^\"]{81,}\")(?!\w)")  # not f
 _LONG_WORD = re.compile(r"\S{101,}")
 
 
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def clip(text: str, limit: int = 80) -> str:
     """`text` on one line (control characters escaped) and at most `limit` characters, cut with "..."."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit * 4])
+    text = _printable(text[: limit * 4])
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def clip_middle(text: str, limit: int = 80) -> str:
-    """`text` at most `limit` characters, its middle cut with "...": a long path keeps both its
-    root and its file name."""
+    """As clip, but its middle cut: a long path keeps both its root and its file name."""
+    if len(text) > limit * 4:
+        text = text[: limit * 2] + text[-limit * 2:]  # the middle goes anyway: escape no more than is kept
+    text = _printable(text)
     if len(text) <= limit:
         return text
     head = (limit - 3) // 2
@@ -143,7 +149,7 @@ def clip_message(message: str, limit: int = 400) -> str:
     """An error message on one line, every long value in it (quoted, or a run of 100 characters
     without a space, such as a path) cut to 80 characters, and the whole at most `limit`."""
     message = _LONG_QUOTED.sub(lambda m: m[0][0] + clip(m[0][1:-1]) + m[0][0], message)
-    message = _LONG_WORD.sub(lambda m: clip_middle(clip(m[0], 400)), message)
+    message = _LONG_WORD.sub(lambda m: clip_middle(m[0]), message)
     return clip(message, limit)
 
 
