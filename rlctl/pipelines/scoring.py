@@ -94,10 +94,9 @@ class PooledScorer:
     code), which in a thread would hold the GIL the event loop needs; math-verify bounds a parse
     or a comparison with a signal-based timeout, which works only in a process's main thread,
     where a worker runs its scorings; and a verifier that never returns can be stopped only with
-    its process. The response is detokenized here, with the controller's tokenizer (its Rust
-    decode takes microseconds), and the worker is sent its text: a worker loads no tokenizer, so
-    it imports neither transformers nor torch and starts, or is replaced, in a fraction of a
-    second. Each builds the verifier from the recipe once, when it starts (spawned, not forked:
+    its process. The response is detokenized here, on the loop, with the controller's tokenizer,
+    and the worker is sent its text: a worker loads no tokenizer, so it imports neither
+    transformers nor torch, and starts (or is replaced) without their import time. Each builds the verifier from the recipe once, when it starts (spawned, not forked:
     the controller already runs threads and sockets). The workers start at once, so they load
     while the controller waits for its servers. A worker whose verifier runs past
     reward.timeout_s, or whose process dies, is replaced by a new one."""
