@@ -93,7 +93,10 @@ def test_a_killed_server_fails_over_and_rejoins(tmp_path, protocol):
     wait_for(lambda: rd.read().get("state") in ("completed", "failed"), 300, "the run to end")
     events = check_invariants(rd, "rollout-1")
     lost = next(e for e in events if e["event"] == "server_lost")
-    assert "unreachable" in lost["reason"] and lost["in_flight"] > 0, lost  # requests in flight went elsewhere
+    # Lost either way, whichever the controller sees first on a loaded machine: its requests fail
+    # (unreachable), or the watch finds the supervisor has already started it again (a new pid).
+    assert "unreachable" in lost["reason"] or lost["reason"].startswith("started again"), lost
+    assert lost["in_flight"] > 0, lost  # requests in flight went elsewhere
     rejoined = next(e for e in events if e["event"] == "server_rejoined")
     assert rejoined["version"] > 0
 
