@@ -317,4 +317,3 @@ def test_a_long_value_in_an_error_is_cut_and_a_long_path_keeps_its_file_name():
     longer = clip_message(f"module 'x' ({'/d' * 400}/reward_ab12.py) has no 'scroe'").split(" ")[2]
     assert len(longer) == 80 and longer.endswith("/reward_ab12.py)")  # past 400 characters too
     assert clip_message("(/" + "p\x00" * 60 + "/f.py)").endswith("\\x00/f.py)")  # escaped, not cut before
-

@@ -157,9 +157,13 @@ def save_atomically(model: torch.nn.Module, tokenizer: Any, out_dir: Path, descr
     return out_dir
 
 
+def _model_dir(init: ModelInit, task_name: str) -> Path:
+    return cache_root() / model_key(init, task_name)
+
+
 def cached_tiny_model(init: ModelInit, task_name: str) -> Path | None:
     """The model directory of this init block if it is built already (no torch needed to say so)."""
-    out = cache_root() / model_key(init, task_name)
+    out = _model_dir(init, task_name)
     return out if (out / "config.json").is_file() else None
 
 
@@ -169,4 +173,4 @@ def ensure_tiny_model(init: ModelInit, task_name: str, log: Callable[[str], Any]
     if cached is not None:
         log(f"tiny model: cached at {cached}")
         return cached
-    return build_tiny_model(init, task_name, cache_root() / model_key(init, task_name), log)
+    return build_tiny_model(init, task_name, _model_dir(init, task_name), log)

@@ -64,7 +64,8 @@ def scoring_reply(text: str, job: tuple[str, Any, dict[str, Any]], verify: Verif
     try:
         scored = verify(text, *job)
     except Exception as e:  # noqa: BLE001 - the verifier is the user's code: any error is a reward error
-        return "error", error_line(e), "".join(traceback.format_exception(type(e), e, _past_own_frames(e.__traceback__)))
+        trace = "".join(traceback.format_exception(type(e), e, _past_own_frames(e.__traceback__)))
+        return "error", error_line(e), trace
     return "reward", scored.reward, scored.scores
 
 
@@ -96,10 +97,11 @@ class PooledScorer:
     where a worker runs its scorings; and a verifier that never returns can be stopped only with
     its process. The response is detokenized here, on the loop, with the controller's tokenizer,
     and the worker is sent its text: a worker loads no tokenizer, so it imports neither
-    transformers nor torch, and starts (or is replaced) without their import time. Each builds the verifier from the recipe once, when it starts (spawned, not forked:
-    the controller already runs threads and sockets). The workers start at once, so they load
-    while the controller waits for its servers. A worker whose verifier runs past
-    reward.timeout_s, or whose process dies, is replaced by a new one."""
+    transformers nor torch, and starts (or is replaced) without their import time. Each builds
+    the verifier from the recipe once, when it starts (spawned, not forked: the controller
+    already runs threads and sockets). The workers start at once, so they load while the
+    controller waits for its servers. A worker whose verifier runs past reward.timeout_s, or
+    whose process dies, is replaced by a new one."""
 
     def __init__(self, detokenize: Callable[[list[int]], str], reward: RewardConfig, workers: int = SCORING_WORKERS,
                  *, start_worker: Callable[[], ScoringWorker] | None = None) -> None:
@@ -294,7 +296,7 @@ def _serve_recipe(conn: Connection, reward: RewardConfig, parent: int) -> None:
     """A spawned scoring process: the recipe's verifier. It dies with the controller that spawned
     it, however that ends (a SIGKILL included: rlctl/process/lifetime.py)."""
     die_with_parent(parent)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # a verifier's own libraries get no thread pool; the cores are the engines'
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # no thread pool for a verifier: the cores are the engines'
 
     def load() -> Verify:
         from rlctl.rewards.verifiers import make_verifier
